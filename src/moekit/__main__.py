@@ -1,0 +1,5 @@
+import sys
+
+from moekit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""Align: sort the T*K token-expert pairs by expert, padded per expert to a multiple of block_m.
+
+Every output has a size fixed by (T, K, E, block_m) alone, so nothing is read back to the host
+and the step can be captured in a CUDA graph. Pair p is token p // K, slot p % K. Backends:
+    torch   sort + histogram + cumsum (mirrors vLLM's moe_align_block_size in PyTorch ops)
+    triton  one launch for up to FUSED_MAX_PAIRS pairs, else two (`moekit.kernels.align`)
+Both give identical outputs: within an expert, pairs keep ascending pair order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moekit._validation import ID_DTYPES, check_tensor, check_triton_device
+from moekit.kernels.align import align_count_kernel, align_scatter_kernel
+
+ALIGN_BACKENDS = ("torch", "triton")
+MAX_TRITON_EXPERTS = 4096
+FUSED_MAX_PAIRS = 4096
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Pairs sorted by expert, each expert's group padded to a multiple of `block_m` rows.
+
+    Attributes:
+        sorted_ids: int32 (L,), L = S + min(E, S) * (block_m - 1), the most padding possible
+            (S = T * K pairs; only experts that can hold a pair add padding). Entry r is the pair
+            id at sorted row r; padding rows hold the sentinel S.
+        expert_ids: int32 (cdiv(L, block_m),): the expert of each block of block_m rows; -1 for
+            blocks at or past num_padded.
+        num_padded: int32 0-d device tensor, rows in use (a multiple of block_m).
+        tokens_per_expert: int32 (E,), pairs routed to each expert (ids outside [0, E) excluded).
+        block_m: rows per block.
+        num_pairs: S.
+    """
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_ids.numel()
+
+
+def padded_length(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m must be a positive int, got {block_m!r}")
+    if topk_ids.numel() >= 2**31 - 1:
+        raise ValueError(f"topk_ids has {topk_ids.numel()} pairs; at most 2**31 - 2 are supported")
+
+
+def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """PyTorch align: the reference the Triton kernels must match exactly."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    dev = flat.device
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)                   # invalid pairs sort last, unplaced
+    e_sorted, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int64)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    length = padded_length(num_pairs, num_experts, block_m)
+    e_clamped = e_sorted.clamp(max=num_experts - 1)
+    dest = pad_start[e_clamped] + torch.arange(num_pairs, device=dev) - start[e_clamped]
+    dest = torch.where(e_sorted < num_experts, dest, length)      # one spare slot takes the unplaced
+    buf = torch.full((length + 1,), num_pairs, device=dev, dtype=torch.int32)
+    buf.scatter_(0, dest, order.to(torch.int32))
+    num_padded = pad_end[-1]
+    rows = torch.arange(triton.cdiv(length, block_m), device=dev) * block_m
+    expert_ids = torch.searchsorted(pad_end, rows, right=True)
+    expert_ids = torch.where(rows < num_padded, expert_ids, -1).to(torch.int32)
+    return Alignment(buf[:length], expert_ids, num_padded.to(torch.int32), counts.to(torch.int32),
+                     block_m, num_pairs)
+
+
+def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    check_triton_device("topk_ids", topk_ids)
+    if num_experts > MAX_TRITON_EXPERTS:
+        raise ValueError(
+            f"backend='triton' supports num_experts <= {MAX_TRITON_EXPERTS}, got {num_experts}; "
+            "use backend='torch'"
+        )
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_pairs = ids.numel()
+    dev = ids.device
+    length = padded_length(num_pairs, num_experts, block_m)
+    max_blocks = triton.cdiv(length, block_m)
+    sorted_ids = torch.empty(length, device=dev, dtype=torch.int32)
+    expert_ids = torch.empty(max_blocks, device=dev, dtype=torch.int32)
+    num_padded = torch.empty((), device=dev, dtype=torch.int32)
+    tokens_per_expert = torch.empty(num_experts, device=dev, dtype=torch.int32)
+    out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs)
+    if num_pairs == 0:
+        num_padded.zero_()
+        tokens_per_expert.zero_()
+        return out
+
+    e_pad = triton.next_power_of_2(num_experts)
+    sub = max(16, min(128, 8192 // e_pad))
+    num_chunks = 1 if num_pairs <= FUSED_MAX_PAIRS else min(triton.cdiv(num_pairs, 1024), 64)
+    chunk = triton.cdiv(num_pairs, num_chunks)
+    block_b = max(1, min(64, 4096 // e_pad))
+    num_warps = 4 if e_pad <= 256 else 8
+    common = dict(SUB=sub, E_PAD=e_pad, num_warps=num_warps)
+    counts = sorted_ids  # unused placeholder when fused
+    if num_chunks > 1:
+        counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
+        align_count_kernel[(num_chunks,)](
+            ids, counts, sorted_ids, num_pairs, num_experts, chunk, length,
+            triton.cdiv(length, num_chunks), **common,
+        )
+    align_scatter_kernel[(num_chunks,)](
+        ids, counts, sorted_ids, expert_ids, num_padded, tokens_per_expert,
+        num_pairs, num_experts, chunk, length, num_chunks, max_blocks,
+        triton.cdiv(max_blocks, num_chunks),
+        BLOCK_M=block_m, BLOCK_B=block_b, FUSED=num_chunks == 1, **common,
+    )
+    return out
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto"
+) -> Alignment:
+    """Sort token-expert pairs by expert, padding each expert's group to a multiple of block_m.
+
+    Args:
+        topk_ids: (T, K) int32 or int64 expert ids. Ids outside [0, E) are left out (their pairs
+            are never placed), which is how expert-parallel maps and graph padding mark pairs.
+        num_experts: E.
+        block_m: rows per block of the grouped GEMM.
+        backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+
+    Returns:
+        An `Alignment` whose tensor sizes depend on (T, K, E, block_m) only.
+    """
+    _check(topk_ids, num_experts, block_m)
+    if backend == "auto":
+        backend = "triton" if topk_ids.is_cuda and num_experts <= MAX_TRITON_EXPERTS else "torch"
+    if backend == "torch":
+        return align_block_size_torch(topk_ids, num_experts, block_m)
+    if backend == "triton":
+        return align_block_size_triton(topk_ids, num_experts, block_m)
+    raise ValueError(f"backend must be 'auto' or one of {ALIGN_BACKENDS}, got {backend!r}")

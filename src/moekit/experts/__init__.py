@@ -1,0 +1,146 @@
+"""The expert path, four ways. `moe_experts` validates, then dispatches to one backend file.
+
+    loop        experts/loop.py        Transformers' eager loop (reference behaviour, slow)
+    padded      experts/padded.py      (E, cap, H) buffers + torch.bmm; optional capacity factor
+    grouped_mm  experts/grouped_mm.py  sort + gather + torch grouped_mm
+    triton      experts/triton.py      moekit's fused grouped GEMMs (gather on load, SwiGLU and
+                                       routing weight fused, scatter on store)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit._validation import (
+    FLOAT_DTYPES,
+    ID_DTYPES,
+    check_expert_ids_in_range,
+    check_shape,
+    check_tensor,
+)
+from moekit.experts.grouped_mm import experts_grouped_mm
+from moekit.experts.loop import experts_loop
+from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
+from moekit.experts.triton import experts_triton
+from moekit.tuning import ExpertsConfig
+
+BACKENDS = ("loop", "padded", "grouped_mm", "triton")
+
+__all__ = ["BACKENDS", "PaddedWorkspaceTooLarge", "moe_experts", "resolve_backend"]
+
+
+def resolve_backend(backend: str, device: torch.device, hidden: int = 16, inter: int = 16,
+                    itemsize: int = 2) -> str:
+    """"auto" -> triton on CUDA; on CPU grouped_mm when its alignment holds, else loop."""
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
+    return "grouped_mm" if aligned else "loop"
+
+
+def _validate(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids):
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    num_tokens, hidden = hidden_states.shape
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
+    check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
+    num_experts, two_i, h_in = gate_up_proj.shape
+    if h_in != hidden or two_i % 2:
+        raise ValueError(
+            f"gate_up_proj must have shape (E, 2*I, H={hidden}) (Transformers layout, gate rows "
+            f"first), got {tuple(gate_up_proj.shape)}"
+        )
+    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev)
+    top_k = topk_ids.shape[1]
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must have shape (T={num_tokens}, K), got {tuple(topk_ids.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, E={num_experts}], got {top_k}")
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
+    return num_experts
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the storages behind a and b share any byte (conservative for views)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() < sb.data_ptr() + sb.nbytes() and sb.data_ptr() < sa.data_ptr() + sa.nbytes()
+
+
+def moe_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
+    config: ExpertsConfig | None = None,
+    capacity_factor: float | None = None,
+    stats: dict | None = None,
+    ignore_invalid_ids: bool = False,
+    validate: bool | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k].
+
+    Args:
+        hidden_states: (T, H) float32, float16 or bfloat16.
+        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), same dtype and device.
+        down_proj: (E, H, I).
+        topk_weights: (T, K) routing weights (any float dtype; applied in fp32 by triton).
+        topk_ids: (T, K) int32 or int64 expert ids.
+        backend: "auto" or one of `BACKENDS`.
+        config: tile config for the triton backend (default: the tuned table for the device).
+        capacity_factor: padded backend only: cap each expert at ceil(c * T * K / E) pairs.
+        stats: padded backend only: filled with "capacity" and "dropped" (device scalar).
+        ignore_invalid_ids: pairs with ids outside [0, E) contribute exactly 0 (expert
+            parallelism marks non-local experts so). When False, such ids raise ValueError where
+            that costs no host sync: on CPU, or when validate=True.
+        validate: check id ranges (a host sync on CUDA). Default: True on CPU, False on CUDA.
+        out: optional (T, H) output buffer of the input dtype; must not overlap any input.
+
+    Returns:
+        (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
+    """
+    num_experts = _validate(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    dev = hidden_states.device
+    backend = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
+                              hidden_states.element_size())
+    if validate is None:
+        validate = dev.type == "cpu"
+    if validate and not ignore_invalid_ids:
+        check_expert_ids_in_range(topk_ids, num_experts)
+    if (capacity_factor is not None or stats is not None) and backend != "padded":
+        raise ValueError("capacity_factor and stats apply to backend='padded' only")
+    if config is not None and backend != "triton":
+        raise ValueError("config applies to backend='triton' only")
+    if out is not None:
+        check_tensor("out", out, dtypes=(hidden_states.dtype,), device=dev)
+        check_shape("out", out, tuple(hidden_states.shape), "same as hidden_states")
+        for name, t in (("hidden_states", hidden_states), ("gate_up_proj", gate_up_proj),
+                        ("down_proj", down_proj), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+            if _overlaps(out, t):
+                raise ValueError(f"out must not share memory with {name}")
+
+    if hidden_states.shape[0] == 0:
+        return out if out is not None else torch.empty_like(hidden_states)
+    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    if backend == "triton":
+        return experts_triton(*args, config=config, out=out)
+    if backend == "loop":
+        result = experts_loop(*args)
+    elif backend == "padded":
+        result = experts_padded(*args, capacity_factor=capacity_factor, stats=stats)
+    else:
+        result = experts_grouped_mm(*args)
+    if out is not None:
+        return out.copy_(result)
+    return result

@@ -1,0 +1,63 @@
+"""`grouped_mm` backend: sort, gather, torch grouped_mm, SwiGLU, grouped_mm, weight, combine.
+
+This is the path Transformers' grouped_mm experts option takes. On Hopper and Blackwell PyTorch
+runs grouped_mm as one kernel; elsewhere it falls back to one GEMM per group with a host sync.
+The final sum over slots is in fp32 and deterministic (no index_add_ atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def check_grouped_mm_layout(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor,
+                            down_proj: torch.Tensor) -> None:
+    """grouped_mm needs 16-byte-aligned strides: H and I multiples of 16 bytes."""
+    if _grouped_mm is None:
+        raise RuntimeError("backend='grouped_mm' needs torch.nn.functional.grouped_mm (torch >= 2.9)")
+    item = hidden_states.element_size()
+    hidden, inter = hidden_states.shape[1], down_proj.shape[2]
+    for name, size in (("hidden_size", hidden), ("intermediate_size", inter)):
+        if (size * item) % 16:
+            raise ValueError(
+                f"backend='grouped_mm' needs {name} * itemsize to be a multiple of 16 bytes, got "
+                f"{size} x {item}; use backend='triton' or 'loop'"
+            )
+
+
+def experts_grouped_mm(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    check_grouped_mm_layout(hidden_states, gate_up_proj, down_proj)
+    num_tokens, hidden = hidden_states.shape
+    num_experts = gate_up_proj.shape[0]
+    top_k = topk_ids.shape[1]
+    dev = hidden_states.device
+
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    _, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int32)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)     # invalid pairs lie past offs[-1]
+
+    x_sorted = hidden_states[order // top_k].contiguous()
+    h = _grouped_mm(x_sorted, gate_up_proj.transpose(-1, -2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).contiguous()
+    y_sorted = _grouped_mm(act, down_proj.transpose(-1, -2), offs=offs)
+
+    valid_sorted = valid[order]
+    w_sorted = torch.where(valid_sorted, topk_weights.reshape(-1)[order].float(), 0.0)
+    # Rows past offs[-1] are not written by grouped_mm on every device: mask, don't multiply.
+    contrib = torch.where(valid_sorted[:, None], y_sorted.float() * w_sorted[:, None], 0.0)
+    per_pair = torch.empty_like(contrib).index_copy_(0, order, contrib)
+    return per_pair.view(num_tokens, top_k, hidden).sum(1).to(hidden_states.dtype)

@@ -1,0 +1,97 @@
+"""`padded` backend: every expert padded to the busiest one's row count, two batched matmuls.
+
+Buffers (C = cap rows per expert):
+    x_pad (E, C, H)  token rows by expert, zeros in unused rows
+    h     (E, C, 2I) -> SwiGLU -> (E, C, I) -> y (E, C, H)
+Without a capacity factor C is the busiest expert's count (read back to the host: a sync). With
+capacity_factor c, C = ceil(c * S / E) is fixed (Switch Transformer), so the backend can be
+captured in a CUDA graph, and pairs past an expert's capacity are dropped: they contribute 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class PaddedWorkspaceTooLarge(RuntimeError):
+    """The (E, cap, *) buffers would not fit in the device's free memory."""
+
+
+def capacity(num_pairs: int, num_experts: int, capacity_factor: float) -> int:
+    """Switch-Transformer expert capacity: ceil(c * S / E) rows per expert."""
+    return math.ceil(capacity_factor * num_pairs / num_experts)
+
+
+def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsize: int) -> int:
+    # x_pad, h (2I), act (I), y: the four (E, cap, *) buffers alive at the peak.
+    return num_experts * cap * (hidden + 2 * inter + inter + hidden) * itemsize
+
+
+def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if num_bytes > free:
+        raise PaddedWorkspaceTooLarge(
+            f"padded backend needs {num_bytes / 1e9:.2f} GB for its (E, cap, *) buffers but only "
+            f"{free / 1e9:.2f} GB is free on {device}; use a capacity_factor or another backend"
+        )
+
+
+def experts_padded(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    capacity_factor: float | None = None,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    dev = hidden_states.device
+
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    e_sorted, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int64)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    start = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(num_pairs, device=dev) - start[e_sorted]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)   # rank of pair p in its expert
+
+    if capacity_factor is None:
+        cap = int(counts[:num_experts].max()) if num_pairs else 0        # host sync
+    else:
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        cap = capacity(num_pairs, num_experts, capacity_factor)
+    check_workspace_fits(workspace_bytes(num_experts, cap, hidden, two_i // 2,
+                                         hidden_states.element_size()), dev)
+
+    kept = valid & (rank < cap)
+    if stats is not None:
+        stats["capacity"] = cap
+        stats["dropped"] = (valid & ~kept).sum()                          # device scalar, no sync
+    # Flat row in the (E * cap) buffer; dropped and invalid pairs go to a spare row E * cap.
+    dest = torch.where(kept, key * cap + rank, num_experts * cap)
+    tok = torch.arange(num_pairs, device=dev) // top_k
+    x_pad = hidden_states.new_zeros(num_experts * cap + 1, hidden)
+    x_pad.index_copy_(0, dest, hidden_states[tok])
+    x_pad = x_pad[:-1].view(num_experts, cap, hidden)
+
+    h = torch.bmm(x_pad, gate_up_proj.transpose(1, 2))                  # (E, cap, 2I)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, down_proj.transpose(1, 2))          # (E, cap, H)
+
+    y_flat = torch.cat([y.reshape(num_experts * cap, hidden), y.new_zeros(1, hidden)])
+    w = torch.where(kept, topk_weights.reshape(-1).float(), 0.0)
+    per_pair = y_flat[dest].float() * w[:, None]
+    return per_pair.view(num_tokens, top_k, hidden).sum(1).to(hidden_states.dtype)

@@ -1,0 +1,142 @@
+"""Grouped GEMM over pairs sorted by expert, and the final weighted sum.
+
+Legend: T tokens, K top_k, S = T*K pairs, E experts, H hidden, I intermediate,
+L = padded rows (`Alignment.sorted_ids` length), BM/BN/BK tile sizes.
+
+    GEMM1  x (T, H) --gather rows pair//K--> [BM, BK] @ gate_up[e]^T -> gate, up (two fp32 accs)
+           -> silu(gate) * up -> h (L, I), stored at the SORTED row (padding rows get zeros)
+    GEMM2  h (L, I) contiguous sorted rows @ down[e]^T -> * routing weight (fp32)
+           -> y (S, H), stored at the PAIR row (scatter on store; padding rows store nothing)
+    SUM    out[t] = sum over slots j with a valid expert id of y[t*K + j], in fp32
+
+Keeping h in sorted order makes GEMM2's loads contiguous. Each program owns one BM-row block (one
+expert, from expert_ids) and one BN-column tile; programs past num_padded return at once, so the
+grid can be sized from the fixed upper bound and the launch captured in a CUDA graph.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, live) with GROUP_M row blocks sharing each weight tile while it is in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.load(num_padded_ptr) // BLOCK_M
+    live = pid < num_m * num_n_tiles
+    per_group = GROUP_M * num_n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    group_rows = tl.maximum(group_rows, 1)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n, live
+
+
+@triton.jit
+def moe_gemm1_swiglu_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    S, N, K, num_n_tiles,
+    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # N = I (columns of each half), K = H.
+    pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
+    if live:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # sorted rows [BM]
+        pair = tl.load(sorted_ids_ptr + rows)                          # pair ids; S = padding
+        valid = pair < S
+        tok = (pair // TOP_K).to(tl.int64)
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+        n_in = rn < N
+        rk = tl.arange(0, BLOCK_K)                                     # [BK]
+
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk               # [BM, BK]
+        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn                                                   # [BK, BN]
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
+            else:
+                k_in = rk + k0 < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xk
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+
+        h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    S, N, K, num_n_tiles,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
+    pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
+    if live:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + rows)
+        valid = pair < S
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = rn < N
+        rk = tl.arange(0, BLOCK_K)
+
+        a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rk[None, :] * stride_hk
+        b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
+            else:
+                k_in = rk + k0 < K
+                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
+
+        wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(
+    y_ptr, ids_ptr, out_ptr, T, H, E, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum of y[t*K + j] over slots j whose expert id is in [0, E), in fp32."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [BT]
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)             # [BH]
+    t_in = rt < T
+    h_in = rh < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = rt.to(tl.int64) * TOP_K + j
+        e = tl.load(ids_ptr + pair, mask=t_in, other=-1)
+        use = t_in & (e >= 0) & (e < E)
+        y = tl.load(y_ptr + pair[:, None] * H + rh[None, :], mask=use[:, None] & h_in[None, :], other=0.0)
+        acc += y.to(tl.float32)
+    o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])

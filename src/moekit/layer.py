@@ -1,0 +1,154 @@
+"""MoELayer: router + experts as an nn.Module, and whole-layer CUDA-graph capture.
+
+`MoELayer.capture(max_tokens)` records one graph per token bucket (powers of two up to max_tokens,
+and max_tokens) over shared static buffers. A call with T tokens copies them into the smallest
+bucket >= T and writes T into a device scalar; the router kernel gives the bucket's padding rows
+id -1, so they touch no expert and stale rows from earlier calls never leak into the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.experts import moe_experts, resolve_backend
+from moekit.experts.triton import experts_triton
+from moekit.routing import route, topk_softmax
+from moekit.shapes import MoEShape, get_shape
+from moekit.tuning import ExpertsConfig, get_config
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts layer with SwiGLU experts (Transformers weight layout).
+
+    Args:
+        shape: an `MoEShape` or a preset name from `moekit.PRESETS`.
+        backend: experts backend, "auto" or one of `moekit.BACKENDS`.
+        router_backend: "auto", "torch" or "triton".
+        dtype, device: of the parameters.
+
+    Parameters:
+        router_weight (E, H), gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I).
+    """
+
+    def __init__(self, shape: MoEShape | str, *, backend: str = "auto", router_backend: str = "auto",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        self.shape = get_shape(shape)
+        self.backend = backend
+        self.router_backend = router_backend
+        e, h, i = self.shape.num_experts, self.shape.hidden_size, self.shape.intermediate_size
+        kw = dict(dtype=dtype, device=device)
+        self.router_weight = nn.Parameter(torch.empty(e, h, **kw))
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, **kw))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        h, i = self.shape.hidden_size, self.shape.intermediate_size
+        for p, fan_in in ((self.router_weight, h), (self.gate_up_proj, h), (self.down_proj, i)):
+            # Drawn in fp32 on the CPU so that a seed gives the same weights on every device.
+            p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
+
+    def extra_repr(self) -> str:
+        s = self.shape
+        return (f"experts={s.num_experts}, hidden={s.hidden_size}, intermediate={s.intermediate_size}, "
+                f"top_k={s.top_k}, backend={self.backend!r}")
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
+                     backend=self.router_backend)
+
+    def forward(self, x: torch.Tensor, **experts_opts) -> torch.Tensor:
+        """x (..., H) -> (..., H). Extra keyword arguments go to `moekit.moe_experts`."""
+        if x.shape[-1] != self.shape.hidden_size:
+            raise ValueError(f"x must have shape (..., H={self.shape.hidden_size}), got {tuple(x.shape)}")
+        flat = x.reshape(-1, self.shape.hidden_size)
+        weights, ids = self.route(flat)
+        out = moe_experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
+                          backend=self.backend, **experts_opts)
+        return out.view(x.shape)
+
+    def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedMoE:
+        """Record the whole layer (router included) in CUDA graphs for any T <= max_tokens."""
+        return CapturedMoE(self, max_tokens, buckets)
+
+
+def default_buckets(max_tokens: int) -> list[int]:
+    out, b = [], 1
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_tokens]
+
+
+class CapturedMoE:
+    """Callable replaying a captured MoELayer. Weights are read in place at every replay.
+
+    The returned tensor is a view into a static buffer, overwritten by the next call: clone it
+    to keep it.
+    """
+
+    def __init__(self, layer: MoELayer, max_tokens: int, buckets: Sequence[int] | None = None):
+        p = layer.gate_up_proj
+        if not p.is_cuda:
+            raise ValueError("MoELayer.capture needs the layer on a CUDA device")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if resolve_backend(layer.backend, p.device) != "triton":
+            raise ValueError("MoELayer.capture supports the triton backend (the others sync the host)")
+        self.layer = layer
+        self.max_tokens = max_tokens
+        self.buckets = sorted(set(buckets or default_buckets(max_tokens)))
+        if self.buckets[-1] != max_tokens or self.buckets[0] < 1:
+            raise ValueError(f"buckets must lie in [1, max_tokens] and include max_tokens, got {buckets}")
+        shape, dev = layer.shape, p.device
+        self.x = torch.zeros(max_tokens, shape.hidden_size, dtype=p.dtype, device=dev)
+        self.out = torch.zeros_like(self.x)
+        self.num_valid = torch.zeros((), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        configs = {b: get_config(shape, b, p.dtype, dev) for b in self.buckets}
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream), torch.no_grad():
+            self.num_valid.fill_(max_tokens)
+            for b in self.buckets:  # compile every kernel before capture
+                self._body(b, configs[b])
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        with torch.no_grad():
+            for b in reversed(self.buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(b, configs[b])
+                self.graphs[b] = g
+
+    def _body(self, bucket: int, config: ExpertsConfig) -> None:
+        layer, shape = self.layer, self.layer.shape
+        x = self.x[:bucket]
+        logits = F.linear(x, layer.router_weight)
+        weights, ids = topk_softmax(logits, shape.top_k, renormalize=shape.norm_topk_prob,
+                                    backend="triton", num_valid_tokens=self.num_valid)
+        experts_triton(x, layer.gate_up_proj, layer.down_proj, weights, ids, config=config,
+                       out=self.out[:bucket])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H) with T <= max_tokens -> (T, H) view of the static output."""
+        if x.dim() != 2 or x.shape[1] != self.layer.shape.hidden_size:
+            raise ValueError(f"x must have shape (T, H={self.layer.shape.hidden_size}), got {tuple(x.shape)}")
+        num_tokens = x.shape[0]
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens; this capture serves at most {self.max_tokens}")
+        if num_tokens == 0:
+            return self.out[:0]
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        self.x[:num_tokens].copy_(x)
+        self.num_valid.fill_(num_tokens)
+        self.graphs[bucket].replay()
+        return self.out[:num_tokens]

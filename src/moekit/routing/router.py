@@ -1,0 +1,113 @@
+"""The router: linear, fp32 softmax, top-k, renormalise (Transformers' Qwen3-MoE router).
+
+Backends:
+    torch   F.linear, then `moekit.reference.topk_softmax_ref` (stable int64 keys, fp32 softmax).
+    triton  F.linear, then one Triton kernel for softmax + top-k + renormalisation.
+Both return (topk_weights float32 (T, K), topk_ids int32 (T, K)) with identical ids.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from moekit._validation import FLOAT_DTYPES, check_tensor, check_top_k, check_triton_device
+from moekit.kernels.router import topk_softmax_kernel
+from moekit.reference import topk_softmax_ref
+
+ROUTER_BACKENDS = ("torch", "triton")
+
+
+def _resolve(backend: str, t: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if t.is_cuda else "torch"
+    if backend not in ROUTER_BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {ROUTER_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def topk_softmax(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    backend: str = "auto",
+    num_valid_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax, top-k and renormalisation of router logits.
+
+    Args:
+        logits: (T, E) float logits.
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: divide the K chosen probabilities by their sum.
+        backend: "auto", "torch" or "triton".
+        num_valid_tokens: optional int32 device scalar n (triton only); rows >= n get id -1 and
+            weight 0, so a CUDA graph captured for T rows can serve any n <= T.
+
+    Returns:
+        (topk_weights float32 (T, K), topk_ids int32 (T, K)).
+    """
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens, num_experts = logits.shape
+    check_top_k(top_k, num_experts)
+    backend = _resolve(backend, logits)
+    if backend == "torch":
+        if num_valid_tokens is not None:
+            raise ValueError("num_valid_tokens is supported by backend='triton' only")
+        return topk_softmax_ref(logits, top_k, renormalize)
+
+    check_triton_device("logits", logits)
+    if num_valid_tokens is not None:
+        check_tensor("num_valid_tokens", num_valid_tokens, dtypes=(torch.int32,), device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // e_pad, triton.next_power_of_2(num_tokens)))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    topk_softmax_kernel[grid](
+        logits, weights, ids, num_valid_tokens if num_valid_tokens is not None else ids,
+        num_tokens, num_experts, logits.stride(0), logits.stride(1),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        RENORMALIZE=renormalize, HAS_NUM_VALID=num_valid_tokens is not None,
+        num_warps=4 if e_pad <= 256 else 8,
+    )
+    return weights, ids
+
+
+def route(
+    hidden_states: torch.Tensor,
+    router_weight: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    backend: str = "auto",
+    num_valid_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens to experts.
+
+    Args:
+        hidden_states: (T, H) tokens.
+        router_weight: (E, H) router matrix, same dtype and device as hidden_states.
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: make each token's K weights sum to 1 (norm_topk_prob).
+        backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+        num_valid_tokens: see `topk_softmax`.
+
+    Returns:
+        (topk_weights float32 (T, K), topk_ids int32 (T, K)); ties go to the lower expert id and a
+        NaN logit is chosen only after every number in its row.
+    """
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("router_weight", router_weight, ndim=2, dtypes=(hidden_states.dtype,),
+                 device=hidden_states.device)
+    if router_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(
+            f"router_weight must have shape (E, H={hidden_states.shape[1]}), got {tuple(router_weight.shape)}"
+        )
+    check_top_k(top_k, router_weight.shape[0])
+    logits = F.linear(hidden_states, router_weight)
+    return topk_softmax(logits, top_k, renormalize=renormalize, backend=backend,
+                        num_valid_tokens=num_valid_tokens)

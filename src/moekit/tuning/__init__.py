@@ -1,0 +1,151 @@
+"""Tile configurations as data: one frozen dataclass, JSON tables per device, a default heuristic.
+
+Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cased, spaces -> '_'):
+
+    {"E=128,H=2048,I=768,K=8,dtype=bfloat16": {"1": {"block_m": 16, ...}, "64": {...}}}
+
+The entry whose token count is nearest to T (in log scale) is used. A shape with no table entry
+gets `default_config` and one warning per shape; the untuned path is always correct.
+Environment: MOEKIT_CONFIG_DIR adds a directory searched before the packaged tables.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from moekit.shapes import MoEShape
+
+PACKAGED_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Tiles of the Triton expert path. block_m is shared: it is the align block size.
+
+    Attributes:
+        block_m: rows per block (one expert per block).
+        block_n1, block_k1, warps1, stages1: GEMM1 (gate_up + SwiGLU); block_n1 counts columns
+            of each half, so a program holds 2 * block_n1 accumulator columns.
+        block_n2, block_k2, warps2, stages2: GEMM2 (down + routing weight).
+        group_m: row blocks that share a weight tile in L2 (both GEMMs).
+    """
+
+    block_m: int = 64
+    block_n1: int = 64
+    block_k1: int = 64
+    warps1: int = 4
+    stages1: int = 3
+    block_n2: int = 64
+    block_k2: int = 64
+    warps2: int = 4
+    stages2: int = 3
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ExpertsConfig.{f.name} must be a positive int, got {v!r}")
+        for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"ExpertsConfig.{name} must be a power of two, got {v}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> ExpertsConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"{source}: unknown ExpertsConfig keys {sorted(unknown)}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+def shape_key(shape: MoEShape, dtype: torch.dtype) -> str:
+    return (f"E={shape.num_experts},H={shape.hidden_size},I={shape.intermediate_size},"
+            f"K={shape.top_k},dtype={str(dtype).removeprefix('torch.')}")
+
+
+def default_config(shape: MoEShape, num_tokens: int) -> ExpertsConfig:
+    """A sane config for any shape: tile height follows the mean rows per expert."""
+    rows = max(1, num_tokens) * shape.top_k / shape.num_experts
+    if rows <= 16:
+        return ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
+    if rows <= 48:
+        return ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4, 4)
+    if rows <= 160:
+        return ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
+    return ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
+
+
+def device_slug(device: torch.device | str | None = None) -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).lower().replace(" ", "_")
+
+
+def _config_dirs() -> list[Path]:
+    extra = os.environ.get("MOEKIT_CONFIG_DIR")
+    return ([Path(extra)] if extra else []) + [PACKAGED_DIR]
+
+
+@functools.lru_cache(maxsize=64)
+def load_table(slug: str) -> dict[str, dict[int, ExpertsConfig]]:
+    """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug`."""
+    for d in _config_dirs():
+        path = d / f"{slug}.json"
+        if path.is_file():
+            return parse_table(path)
+    return {}
+
+
+def parse_table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"tuning table {path}: cannot read JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"tuning table {path}: expected an object of shape keys")
+    table: dict[str, dict[int, ExpertsConfig]] = {}
+    for key, by_tokens in raw.items():
+        if not isinstance(by_tokens, dict):
+            raise ValueError(f"tuning table {path}: entry {key!r} must map token counts to configs")
+        entry = {}
+        for tokens, cfg in by_tokens.items():
+            if not str(tokens).isdigit() or not isinstance(cfg, dict):
+                raise ValueError(f"tuning table {path}: bad entry {key!r}[{tokens!r}]")
+            entry[int(tokens)] = ExpertsConfig.from_dict(cfg, f"tuning table {path} [{key}][{tokens}]")
+        table[key] = entry
+    return table
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> ExpertsConfig:
+    """The tuned config nearest to num_tokens for this shape and device, else the default."""
+    slug = device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
+    key = shape_key(shape, dtype)
+    entry = load_table(slug).get(key)
+    if not entry:
+        if slug != "cpu" and (slug, key) not in _warned:
+            _warned.add((slug, key))
+            warnings.warn(f"moekit: no tuned config for {key} on {slug}; using defaults", stacklevel=3)
+        return default_config(shape, num_tokens)
+    t = max(1, num_tokens)
+    best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
+    return entry[best]
