@@ -1,0 +1,106 @@
+"""Align: exact invariants, and the triton backend equal to the torch one field by field."""
+
+import pytest
+import torch
+
+from helpers import distinct_topk_ids
+from moekit import align_block_size
+from moekit.align import FUSED_MAX_PAIRS, padded_length
+
+FIELDS = ("sorted_ids", "expert_ids", "num_padded", "tokens_per_expert")
+
+
+def _invariants(ids: torch.Tensor, num_experts: int, block_m: int, a) -> None:
+    flat = ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    length = padded_length(num_pairs, num_experts, block_m)
+    assert a.sorted_ids.shape == (length,) and a.sorted_ids.dtype == torch.int32
+    assert a.expert_ids.shape == (-(-length // block_m),) and a.expert_ids.dtype == torch.int32
+    assert a.num_padded.dtype == torch.int32 and a.num_padded.dim() == 0
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    assert torch.equal(a.tokens_per_expert.long(), counts)
+    n_pad = int(a.num_padded)
+    assert n_pad == int(((counts + block_m - 1) // block_m * block_m).sum())
+    used = a.sorted_ids[:n_pad].long()
+    real = used[used < num_pairs]
+    # every valid pair exactly once, no invalid pair, sentinel everywhere else
+    assert torch.equal(real.sort().values, torch.nonzero(valid)[:, 0])
+    assert (a.sorted_ids[n_pad:] == num_pairs).all()
+    blocks = n_pad // block_m
+    assert (a.expert_ids[blocks:] == -1).all()
+    for b in range(blocks):
+        rows = used[b * block_m:(b + 1) * block_m]
+        e = int(a.expert_ids[b])
+        pairs = rows[rows < num_pairs]
+        assert pairs.numel() > 0, "a block in use holds at least one pair"
+        assert (flat[pairs] == e).all(), "one expert per block"
+        assert torch.equal(pairs, pairs.sort().values), "pair order kept within an expert"
+
+
+def _both(ids, num_experts, block_m):
+    a = align_block_size(ids, num_experts, block_m, backend="torch")
+    b = align_block_size(ids, num_experts, block_m, backend="triton")
+    _invariants(ids, num_experts, block_m, a)
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    return a
+
+
+CASES = [  # (T, E, K, block_m)
+    (1, 8, 2, 16), (4, 4, 2, 2), (13, 7, 3, 4), (31, 60, 7, 16), (3, 5, 5, 3), (17, 1, 1, 8),
+    (FUSED_MAX_PAIRS // 8 + 37, 128, 8, 64),   # two-launch path, with an empty expert
+    (700, 257, 8, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-K{}-bm{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_random_routing(case, dtype):
+    num_tokens, num_experts, top_k, block_m = case
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k, dtype=dtype)
+    _both(ids, num_experts, block_m)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 600])
+def test_all_pairs_on_one_expert(num_tokens):
+    ids = torch.zeros(num_tokens, 1, dtype=torch.int32)
+    a = _both(ids, 16, 8)
+    assert int(a.tokens_per_expert[0]) == num_tokens and int(a.tokens_per_expert[1:].sum()) == 0
+
+
+def test_collapse_and_duplicates_in_a_row():
+    ids = torch.tensor([[3, 3], [3, 1], [1, 1]], dtype=torch.int64)
+    _both(ids, 4, 2)
+    _both(torch.arange(4).repeat(900, 1), 6, 32)   # 3600 pairs on experts 0..3, experts 4, 5 empty
+
+
+def test_invalid_ids_are_never_placed():
+    ids = torch.tensor([[0, -1], [5, 2], [2, 9], [-7, 1]], dtype=torch.int32)
+    a = _both(ids, 4, 4)
+    assert int(a.tokens_per_expert.sum()) == 4          # 0, 2, 2, 1
+
+
+def test_zero_tokens():
+    a = _both(torch.empty(0, 4, dtype=torch.int32), 8, 16)
+    assert int(a.num_padded) == 0 and a.sorted_ids.numel() == 0
+
+
+def test_hand_worked_example():
+    # pairs: 0:e2 1:e0 2:e1 3:e2 4:e3 5:e2 6:e0 7:e3; e2 holds 3 pairs -> two blocks of 2
+    ids = torch.tensor([[2, 0], [1, 2], [3, 2], [0, 3]])
+    a = _both(ids, 4, 2)
+    assert a.sorted_ids.tolist()[:10] == [1, 6, 2, 8, 0, 3, 5, 8, 4, 7]
+    assert a.expert_ids.tolist()[:5] == [0, 1, 2, 2, 3]
+    assert int(a.num_padded) == 10
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="topk_ids"):
+        align_block_size(torch.zeros(2, 2), 4, 4)
+    with pytest.raises(ValueError, match="num_experts"):
+        align_block_size(torch.zeros(2, 2, dtype=torch.int32), 0, 4)
+    with pytest.raises(ValueError, match="block_m"):
+        align_block_size(torch.zeros(2, 2, dtype=torch.int32), 4, 0)
+    with pytest.raises(ValueError, match="backend"):
+        align_block_size(torch.zeros(2, 2, dtype=torch.int32), 4, 4, backend="cuda")

@@ -1,0 +1,227 @@
+"""The expert path: every backend against the fp32 reference, edge cases, bad inputs.
+
+Tolerance (quack's rule): in float16/bfloat16 a backend's relative error against the fp32
+reference is at most 2x that of PyTorch's own computation in the same dtype (the loop backend,
+plain torch ops); in float32 a stated bound of 1e-5 (fp32 accumulation, no tf32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import distinct_topk_ids, poisoned, rel_err
+from moekit import BACKENDS, ExpertsConfig, moe_experts
+from moekit.experts.loop import experts_loop
+from moekit.reference import moe_experts_ref
+
+# Small tiles keep the interpreter fast and exercise multi-block, multi-tile and masked paths.
+SMALL = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
+                      block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
+
+
+def make_weights(num_experts, hidden, inter, dtype, gen=None):
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def run(backend, *args, **kw):
+    if backend == "triton":
+        kw.setdefault("config", SMALL)
+    return moe_experts(*args, backend=backend, **kw)
+
+
+def check_against_reference(backend, x, gate_up, down, w, ids, **kw):
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    out = run(backend, x, gate_up, down, w, ids, **kw)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = rel_err(out, ref)
+    if x.dtype == torch.float32:
+        assert err <= 1e-5, f"{backend}: fp32 rel err {err:.2e}"
+    else:
+        torch_err = rel_err(experts_loop(x, gate_up, down, w, ids), ref)
+        assert err <= 2 * torch_err, f"{backend}: {err:.2e} > 2 x torch {torch_err:.2e}"
+    return out
+
+
+def aligned(backend, hidden, inter, dtype):
+    return backend != "grouped_mm" or (hidden * dtype.itemsize % 16 == 0 and inter * dtype.itemsize % 16 == 0)
+
+
+SHAPES = [  # (T, E, H, I, K)
+    (7, 8, 64, 48, 2),       # tiny preset
+    (1, 8, 64, 48, 2),       # T = 1
+    (5, 6, 32, 16, 6),       # top_k = E
+    (13, 5, 37, 11, 1),      # prime sizes, top_k = 1
+    (40, 4, 24, 40, 3),      # T*K > block, I > H, several blocks per expert
+    (6, 4, 32, 16, 2),       # 2I == H: ambiguous shape, layout is Transformers' by contract
+    (6, 4, 16, 16, 2),       # I == H
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-H{}-I{}-K{}".format(*s))
+def test_backends_match_reference(backend, dtype, shape):
+    num_tokens, num_experts, hidden, inter, top_k = shape
+    if not aligned(backend, hidden, inter, dtype):
+        pytest.skip("grouped_mm needs 16-byte rows (covered by test_grouped_mm_alignment_error)")
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    gate_up, down = make_weights(num_experts, hidden, inter, dtype)
+    id_dtype = torch.int64 if num_tokens % 2 else torch.int32      # both id dtypes across the cases
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k, dtype=id_dtype)
+    w = torch.softmax(torch.randn(num_tokens, top_k), -1)
+    check_against_reference(backend, x, gate_up, down, w, ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_pairs_on_one_expert_and_empty_experts(backend):
+    x = torch.randn(21, 32)
+    gate_up, down = make_weights(8, 32, 16, torch.float32)
+    ids = torch.full((21, 1), 5, dtype=torch.int32)
+    check_against_reference(backend, x, gate_up, down, torch.rand(21, 1), ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_duplicate_ids_and_unnormalised_weights(backend):
+    x = torch.randn(9, 32)
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    ids = torch.tensor([[1, 1, 2]] * 4 + [[0, 3, 3]] * 5, dtype=torch.int32)
+    w = torch.randn(9, 3)                          # negative, not summing to 1
+    w[0] = 0.0
+    check_against_reference(backend, x, gate_up, down, w, ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_tokens(backend):
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    out = run(backend, torch.empty(0, 32), gate_up, down, torch.empty(0, 2),
+              torch.empty(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 32) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invalid_ids_contribute_zero_when_ignored(backend):
+    x = torch.randn(6, 32)
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    ids = torch.tensor([[0, -1], [4, 2], [-1, -1], [3, 1], [9, 0], [2, 3]], dtype=torch.int32)
+    w = torch.rand(6, 2)
+    out = run(backend, x, gate_up, down, w, ids, ignore_invalid_ids=True)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out[2], torch.zeros(32))     # a row with no local expert outputs 0
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        run(backend, x, gate_up, down, w, ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_row_stays_in_its_row(backend):
+    x = torch.randn(12, 32)
+    x[4, 7] = float("nan")
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    ids = distinct_topk_ids(12, 4, 2)
+    out = run(backend, x, gate_up, down, torch.rand(12, 2), ids)
+    assert torch.isnan(out[4]).all()
+    assert torch.isfinite(torch.cat([out[:4], out[5:]])).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend):
+    num_tokens, num_experts, hidden, inter = 10, 4, 32, 16
+    x_wide = torch.randn(num_tokens, 2 * hidden)
+    x = x_wide[:, :hidden]                                                   # row stride 2H
+    gate_up = torch.randn(num_experts, hidden, 2 * inter).transpose(1, 2) / hidden**0.5  # (E, 2I, H) view
+    down = (torch.randn(num_experts, inter, hidden) / inter**0.5).transpose(1, 2)        # (E, H, I) view
+    ids = distinct_topk_ids(num_tokens, num_experts, 2).t().contiguous().t()  # column-major ids
+    w = torch.rand(2, num_tokens).t()
+    check_against_reference(backend, x, gate_up, down, w, ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_buffer_is_fully_written(backend):
+    x = torch.randn(9, 32)
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    ids = distinct_topk_ids(9, 4, 2)
+    w = torch.rand(9, 2)
+    out = poisoned((9, 32), torch.float32, "cpu")
+    got = run(backend, x, gate_up, down, w, ids, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
+def test_padded_capacity_factor_drops_and_reports():
+    x = torch.randn(16, 32)
+    gate_up, down = make_weights(4, 32, 16, torch.float32)
+    ids = torch.zeros(16, 1, dtype=torch.int32)
+    ids[:4] = torch.arange(4)[:, None]              # expert 0 gets 13 pairs, experts 1..3 one each
+    w = torch.rand(16, 1)
+    stats = {}
+    out = moe_experts(x, gate_up, down, w, ids, backend="padded", capacity_factor=1.0, stats=stats)
+    assert stats["capacity"] == 4 and int(stats["dropped"]) == 9   # ceil(1.0 * 16 / 4) = 4 kept of 13
+    kept = torch.zeros(16, dtype=torch.bool)
+    kept[:4] = True
+    kept[4:7] = True                                # expert 0's first 4 pairs in pair order: 0, 4, 5, 6
+    ref = moe_experts_ref(x, gate_up, down, torch.where(kept[:, None], w, 0.0), ids)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_grouped_mm_alignment_error():
+    gate_up, down = make_weights(4, 37, 11, torch.float32)
+    with pytest.raises(ValueError, match="16 bytes"):
+        moe_experts(torch.randn(3, 37), gate_up, down, torch.rand(3, 1),
+                    torch.zeros(3, 1, dtype=torch.int32), backend="grouped_mm")
+
+
+def _good():
+    # H=40, I=16: a transposed gate_up or down shows up in its shape (unlike 2I == H)
+    x = torch.randn(5, 40)
+    gate_up, down = make_weights(4, 40, 16, torch.float32)
+    return dict(hidden_states=x, gate_up_proj=gate_up, down_proj=down, topk_weights=torch.rand(5, 2),
+                topk_ids=distinct_topk_ids(5, 4, 2))
+
+
+BAD = [
+    ("hidden_states", lambda g: g["hidden_states"][None], ValueError, "hidden_states must be 2-D"),
+    ("hidden_states", lambda g: g["hidden_states"].double(), TypeError, "hidden_states must have dtype"),
+    ("gate_up_proj", lambda g: g["gate_up_proj"].half(), TypeError, "gate_up_proj must have dtype"),
+    ("gate_up_proj", lambda g: g["gate_up_proj"][:, :31], ValueError, "gate_up_proj must have shape"),
+    ("gate_up_proj", lambda g: g["gate_up_proj"][..., :39], ValueError, "gate_up_proj must have shape"),
+    ("gate_up_proj", lambda g: g["gate_up_proj"].transpose(1, 2), ValueError, "gate_up_proj must have shape"),
+    ("down_proj", lambda g: g["down_proj"].transpose(1, 2), ValueError, "down_proj must have shape"),
+    ("down_proj", lambda g: g["down_proj"][:3], ValueError, "down_proj must have shape"),
+    ("topk_ids", lambda g: g["topk_ids"].float(), TypeError, "topk_ids must have dtype"),
+    ("topk_ids", lambda g: g["topk_ids"].to(torch.int16), TypeError, "topk_ids must have dtype"),
+    ("topk_ids", lambda g: g["topk_ids"][:4], ValueError, "topk_ids must have shape"),
+    ("topk_ids", lambda g: g["topk_ids"] + 3, ValueError, "topk_ids must lie in"),
+    ("topk_ids", lambda g: torch.zeros(5, 5, dtype=torch.int32), ValueError, "top_k"),
+    ("topk_weights", lambda g: g["topk_weights"][:, :1], ValueError, "topk_weights must have shape"),
+    ("topk_weights", lambda g: g["topk_weights"].long(), TypeError, "topk_weights must have dtype"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,mutate,exc,msg", BAD, ids=[b[3] for b in BAD])
+def test_bad_inputs_raise(backend, name, mutate, exc, msg):
+    g = _good()
+    g[name] = mutate(g)
+    with pytest.raises(exc, match=msg):
+        moe_experts(backend=backend, **g)
+
+
+def test_bad_options_raise():
+    g = _good()
+    with pytest.raises(ValueError, match="backend"):
+        moe_experts(backend="cuda", **g)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moe_experts(backend="loop", capacity_factor=1.0, **g)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        moe_experts(backend="padded", capacity_factor=0.0, **g)
+    with pytest.raises(ValueError, match="out must have shape"):
+        moe_experts(backend="loop", out=torch.empty(4, 40), **g)
+    with pytest.raises(ValueError, match="out must not share memory with hidden_states"):
+        moe_experts(backend="loop", out=g["hidden_states"], **g)
+    with pytest.raises(ValueError, match="must be a positive int"):
+        ExpertsConfig(block_m=0)
+    with pytest.raises(ValueError, match="power of two"):
+        ExpertsConfig(block_n1=48)

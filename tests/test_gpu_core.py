@@ -1,0 +1,137 @@
+"""GPU tests (H200): bf16 at the Qwen3-30B-A3B shape, CUDA graphs, no host sync.
+
+Run with `pytest -m gpu`. Skipped on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import poisoned, rel_err
+from moekit import BACKENDS, PRESETS, MoELayer, align_block_size, moe_experts, route, topk_softmax
+from moekit.experts.loop import experts_loop
+from moekit.experts.triton import experts_triton
+from moekit.reference import moe_experts_ref, moe_layer_ref
+
+pytestmark = pytest.mark.gpu
+QWEN = PRESETS["qwen3-30b-a3b"]
+
+
+@pytest.fixture(scope="module")
+def qwen_layer():
+    torch.manual_seed(0)
+    return MoELayer(QWEN, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000, 4096])
+def test_backends_bf16_qwen3(qwen_layer, num_tokens):
+    x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
+    ref = moe_experts_ref(*args)
+    torch_err = rel_err(experts_loop(*args), ref)
+    assert torch_err < 2e-2
+    for backend in BACKENDS:
+        out = poisoned(x.shape, x.dtype, "cuda")
+        moe_experts(*args, backend=backend, out=out)
+        err = rel_err(out, ref)
+        assert err <= 2 * torch_err, f"{backend} T={num_tokens}: {err:.2e} > 2 x {torch_err:.2e}"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33, 4096])
+def test_router_and_align_triton_equal_torch_on_gpu(num_tokens):
+    logits = torch.randn(num_tokens, QWEN.num_experts, device="cuda", dtype=torch.bfloat16)
+    logits[0, :5] = float("nan")
+    if num_tokens > 2:
+        logits[1] = 0.5                                   # a fully tied row
+    w_t, i_t = topk_softmax(logits, 8, backend="torch")
+    w_k, i_k = topk_softmax(logits, 8, backend="triton")
+    assert torch.equal(i_t, i_k)
+    torch.testing.assert_close(w_k, w_t, rtol=1e-5, atol=1e-6)
+    for block_m in (16, 64):
+        a = align_block_size(i_k, QWEN.num_experts, block_m, backend="torch")
+        b = align_block_size(i_k, QWEN.num_experts, block_m, backend="triton")
+        for f in ("sorted_ids", "expert_ids", "num_padded", "tokens_per_expert"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+    collapse = torch.arange(8, device="cuda", dtype=torch.int32).repeat(num_tokens, 1)
+    a = align_block_size(collapse, QWEN.num_experts, 64, backend="torch")
+    b = align_block_size(collapse, QWEN.num_experts, 64, backend="triton")
+    assert torch.equal(a.sorted_ids, b.sorted_ids) and torch.equal(a.expert_ids, b.expert_ids)
+
+
+def test_triton_path_makes_no_host_sync(qwen_layer):
+    x = torch.randn(64, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    qwen_layer(x)  # compile first: compilation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w, ids = route(x, qwen_layer.router_weight, QWEN.top_k)
+        experts_triton(x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graph_capture_replays_new_inputs_and_routing(qwen_layer):
+    num_tokens = 96
+    x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    out = torch.empty_like(x)
+    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
+    experts_triton(*args, out=out)          # warm-up compiles
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        experts_triton(*args, out=out)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        new_w, new_ids = qwen_layer.route(x)
+        w.copy_(new_w)
+        ids.copy_(torch.roll(new_ids, 1, 0))  # different routing in place
+        out.fill_(float("nan"))
+        g.replay()
+        eager = experts_triton(*args)
+        assert torch.equal(out, eager)
+
+
+def test_layer_capture_256_replays_1_and_256(qwen_layer):
+    run = qwen_layer.capture(256)
+    for num_tokens in (256, 1, 256, 37, 1):   # fewer after more: no stale metadata
+        x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+        got = run(x).clone()
+        eager = qwen_layer(x)
+        ref = moe_layer_ref(x, qwen_layer.router_weight, qwen_layer.gate_up_proj,
+                            qwen_layer.down_proj, QWEN.top_k)
+        assert rel_err(got, ref) <= 2 * max(rel_err(eager, ref), 1e-3)
+        assert rel_err(got, eager) < 1e-2
+    # garbage in the padding rows of a bucket changes nothing in the valid rows
+    run.x.fill_(float("nan"))
+    x = torch.randn(3, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert torch.isfinite(run(x)).all()
+
+
+def test_layer_capture_follows_in_place_weight_changes():
+    torch.manual_seed(1)
+    layer = MoELayer("olmoe-1b-7b", dtype=torch.bfloat16, device="cuda")
+    run = layer.capture(64, buckets=[8, 64])
+    x = torch.randn(20, layer.shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.router_weight.mul_(-1.0)            # routing changes in place
+        layer.down_proj.mul_(0.5)
+    got = run(x)
+    ref = moe_layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, layer.shape.top_k)
+    assert rel_err(got, ref) < 2e-2
+
+
+def test_int64_offsets_past_2_31_elements():
+    """T*K*H > 2^31: y (S, H) has more than 2^31 elements; offsets must be int64."""
+    num_tokens, hidden, inter, num_experts, top_k = 131072, 2048, 64, 8, 8  # S*H = 2^31, +1 token
+    x = torch.randn(num_tokens + 1, hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+    ids = torch.rand(num_tokens + 1, num_experts, device="cuda").argsort(dim=1)[:, :top_k]
+    w = torch.rand(num_tokens + 1, top_k, device="cuda")
+    out = experts_triton(x, gate_up, down, w, ids.int())
+    rows = torch.tensor([0, num_tokens // 2, num_tokens], device="cuda")
+    ref = moe_experts_ref(x[rows], gate_up, down, w[rows], ids[rows])
+    assert rel_err(out[rows], ref) < 2e-2

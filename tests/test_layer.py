@@ -1,0 +1,78 @@
+import json
+
+import pytest
+import torch
+
+from helpers import rel_err
+from moekit import BACKENDS, PRESETS, ExpertsConfig, MoELayer, MoEShape
+from moekit.reference import moe_layer_ref
+from moekit.tuning import default_config, get_config, load_table, parse_table, shape_key
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_matches_reference(backend):
+    torch.manual_seed(0)
+    layer = MoELayer("tiny", backend=backend)
+    x = torch.randn(2, 5, 64)
+    out = layer(x)
+    assert out.shape == x.shape
+    s = layer.shape
+    ref = moe_layer_ref(x.reshape(-1, 64), layer.router_weight, layer.gate_up_proj, layer.down_proj,
+                        s.top_k, s.norm_topk_prob)
+    assert rel_err(out.reshape(-1, 64), ref) <= 1e-5
+
+
+def test_layer_without_renormalisation_and_triton_router():
+    layer = MoELayer(MoEShape(6, 32, 16, 3, norm_topk_prob=False), router_backend="triton")
+    x = torch.randn(7, 32)
+    ref = moe_layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 3, False)
+    assert rel_err(layer(x), ref) <= 1e-5
+
+
+def test_seeded_init_is_reproducible_and_rejects_bad_input():
+    a, b = MoELayer("tiny"), MoELayer("tiny")
+    a.reset_parameters(torch.Generator().manual_seed(3))
+    b.reset_parameters(torch.Generator().manual_seed(3))
+    assert torch.equal(a.gate_up_proj, b.gate_up_proj)
+    with pytest.raises(ValueError, match="x must have shape"):
+        a(torch.randn(3, 63))
+    with pytest.raises(ValueError, match="CUDA"):
+        a.capture(8)
+
+
+def test_default_config_for_every_preset_and_size():
+    for shape in PRESETS.values():
+        for t in (0, 1, 16, 256, 4096, 100_000):
+            cfg = default_config(shape, t)
+            assert isinstance(cfg, ExpertsConfig)
+            assert cfg.block_m in (16, 32, 64, 128)
+
+
+def test_tuning_table_lookup(tmp_path, monkeypatch):
+    shape = PRESETS["tiny"]
+    cfg1 = ExpertsConfig(block_m=16, block_n1=32)
+    cfg2 = ExpertsConfig(block_m=64, block_n1=128)
+    table = {shape_key(shape, torch.float32): {"1": cfg1.to_dict(), "512": cfg2.to_dict()}}
+    (tmp_path / "cpu.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    load_table.cache_clear()
+    try:
+        assert get_config(shape, 2, torch.float32, "cpu") == cfg1
+        assert get_config(shape, 300, torch.float32, "cpu") == cfg2
+        assert get_config(shape, 2, torch.float16, "cpu") == default_config(shape, 2)
+    finally:
+        load_table.cache_clear()
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("{not json", "cannot read JSON"),
+    ('{"k": {"1": {"block_m": 3}}}', "power of two"),
+    ('{"k": {"1": {"bogus": 3}}}', "unknown ExpertsConfig keys"),
+    ('{"k": {"x": {}}}', "bad entry"),
+])
+def test_bad_tuning_files_name_the_file(tmp_path, text, msg):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=msg) as info:
+        parse_table(path)
+    assert str(path) in str(info.value)
