@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-tests compare}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null) | tee -a "$OUT/gpu.txt"
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
     echo "editable install failed (see install.log); using PYTHONPATH=src"
     export PYTHONPATH=$PWD/src
@@ -18,7 +18,7 @@ for step in $steps; do
     echo "=== $step"
     case $step in
         tests)   python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-        tune)    timeout 420 python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
+        tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;
         bench)   MOEKIT_CONFIG_DIR=$OUT python3 -m moekit bench --out "$OUT/bench" 2>&1 | tail -40 ;;
