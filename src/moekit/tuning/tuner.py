@@ -134,7 +134,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             winners[which] = min(timed, key=lambda t: t[0])[1]
         cfg = _with(_with(base, 1, winners[1]), 2, winners[2])
         total = graph_time_ms(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
-        records.append(dict(tokens=num_tokens, block_m=bm, gemm=0, ms=total, **cfg.to_dict()))
+        records.append(dict(tokens=num_tokens, gemm=0, ms=total, **cfg.to_dict()))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         if total < best_total:
             best_total, best_cfg = total, cfg
