@@ -3,7 +3,7 @@
 Every output has a size fixed by (T, K, E, block_m) alone, so nothing is read back to the host
 and the step can be captured in a CUDA graph. Pair p is token p // K, slot p % K. Backends:
     torch   sort + histogram + cumsum (mirrors vLLM's moe_align_block_size in PyTorch ops)
-    triton  one launch for up to FUSED_MAX_PAIRS pairs, else two (`moekit.kernels.align`)
+    triton  one launch for up to FUSED_MAX_PAIRS pairs, else three (`moekit.kernels.align`)
 Both give identical outputs: within an expert, pairs keep ascending pair order.
 """
 
@@ -15,11 +15,11 @@ import torch
 import triton
 
 from moekit._validation import ID_DTYPES, check_tensor, check_triton_device
-from moekit.kernels.align import align_count_kernel, align_scatter_kernel
+from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel
 
 ALIGN_BACKENDS = ("torch", "triton")
 MAX_TRITON_EXPERTS = 4096
-FUSED_MAX_PAIRS = 4096
+FUSED_MAX_PAIRS = 1024
 
 
 @dataclass(frozen=True)
@@ -118,26 +118,42 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
         return out
 
     e_pad = triton.next_power_of_2(num_experts)
-    sub = max(16, min(128, 8192 // e_pad))
-    num_chunks = 1 if num_pairs <= FUSED_MAX_PAIRS else min(triton.cdiv(num_pairs, 1024), 64)
-    chunk = triton.cdiv(num_pairs, num_chunks)
+    chunk = _chunk_size(num_pairs)
+    num_chunks = triton.cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // e_pad))
-    num_warps = 4 if e_pad <= 256 else 8
-    common = dict(SUB=sub, E_PAD=e_pad, num_warps=num_warps)
-    counts = sorted_ids  # unused placeholder when fused
-    if num_chunks > 1:
-        counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
-        align_count_kernel[(num_chunks,)](
-            ids, counts, sorted_ids, num_pairs, num_experts, chunk, length,
-            triton.cdiv(length, num_chunks), **common,
+    num_warps = 4 if chunk * max(1, e_pad // 128) <= 1024 else 8
+    scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps)
+    if num_chunks == 1:
+        align_scatter_kernel[(1,)](
+            ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids,
+            num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True, **scatter,
         )
+        return out
+    counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
+    base = torch.empty_like(counts)
+    pad_end = torch.empty(e_pad, device=dev, dtype=torch.int32)
+    align_hist_kernel[(num_chunks,)](
+        ids, counts, sorted_ids, num_pairs, num_experts, length, triton.cdiv(length, num_chunks),
+        CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps,
+    )
+    c_pad = triton.next_power_of_2(num_chunks)
+    align_scan_kernel[(1,)](
+        counts, base, pad_end, num_padded, tokens_per_expert, num_chunks, num_experts,
+        BLOCK_M=block_m, C_PAD=c_pad, E_PAD=e_pad, num_warps=8 if c_pad * e_pad > 8192 else 4,
+    )
     align_scatter_kernel[(num_chunks,)](
-        ids, counts, sorted_ids, expert_ids, num_padded, tokens_per_expert,
-        num_pairs, num_experts, chunk, length, num_chunks, max_blocks,
-        triton.cdiv(max_blocks, num_chunks),
-        BLOCK_M=block_m, BLOCK_B=block_b, FUSED=num_chunks == 1, **common,
+        ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids,
+        num_pairs, num_experts, length, max_blocks, triton.cdiv(max_blocks, num_chunks),
+        FUSED=False, **scatter,
     )
     return out
+
+
+def _chunk_size(num_pairs: int) -> int:
+    """Pairs per program: one program up to FUSED_MAX_PAIRS, else at most ~128 chunks."""
+    if num_pairs <= FUSED_MAX_PAIRS:
+        return max(16, triton.next_power_of_2(num_pairs))
+    return min(4096, max(256, triton.next_power_of_2(triton.cdiv(num_pairs, 128))))
 
 
 def align_block_size(

@@ -1,17 +1,21 @@
 """Sort token-expert pairs by expert, each expert's group padded to a multiple of BLOCK_M.
 
-Legend: S pairs (= T * K), E experts (padded to E_PAD), C chunks of pairs, one program per chunk.
+Legend: S pairs (= T * K), E experts (E_PAD = next power of two), C chunks of CHUNK pairs.
 Outputs (see `moekit.align.Alignment`): sorted_ids, expert_ids, num_padded, tokens_per_expert.
 
-Two launches for large S:
-    align_count_kernel    counts[c, e] = pairs of chunk c on expert e; fills sorted_ids with S.
-    align_scatter_kernel  global padded offsets from the counts table, then each pair's slot =
-                          its expert's start + pairs of that expert in earlier chunks + rank in
-                          its own chunk (pair order is kept: a stable sort); writes expert_ids.
-One launch when C == 1 (FUSED): the scatter kernel counts, fills, then scatters after a barrier.
-Pairs whose id is outside [0, E) are never placed (expert-parallel sentinels, graph padding).
-Loop bounds are kernel arguments, never values derived from program_id (the interpreter cannot
-iterate over those with NumPy >= 2.4).
+Three launches when C > 1, all parallel but the tiny scan:
+    align_hist_kernel     (C programs)  counts[c, e] = pairs of chunk c on expert e (tl.histogram);
+                                        fills sorted_ids with the sentinel S
+    align_scan_kernel     (1 program)   padded group sizes, their prefix sum pad_end[e], and
+                                        base[c, e] = pad_start[e] + (pairs of e in chunks < c)
+                                                     - (pairs of experts < e in chunk c)
+    align_scatter_kernel  (C programs)  sort the chunk's keys e * CHUNK + i; the element at sorted
+                                        position p goes to row base[c, e] + p; writes expert_ids
+One launch when C == 1 (FUSED): the scatter program does all three, in registers.
+Sorting keys (expert, index in chunk) keeps pair order within an expert, so the result equals a
+stable sort. Pairs whose id is outside [0, E) get key E * CHUNK + i: they sort last and are never
+placed (expert-parallel sentinels, graph padding rows).
+Loop bounds are kernel arguments, never values derived from program_id.
 """
 
 import triton
@@ -19,84 +23,97 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_counts(ids_ptr, S, E, start, chunk, SUB: tl.constexpr, E_PAD: tl.constexpr):
-    cols = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for i in range(0, chunk, SUB):
-        offs = start + i + tl.arange(0, SUB)                          # [SUB]
-        e = tl.load(ids_ptr + offs, mask=(offs < start + chunk) & (offs < S), other=-1).to(tl.int32)
-        onehot = (e[:, None] == cols[None, :]) & (e[:, None] < E)     # [SUB, E_PAD]
-        counts += tl.sum(onehot.to(tl.int32), axis=0)
-    return counts
+def _chunk_keys(ids_ptr, c, S, E, CHUNK: tl.constexpr):
+    """(expert per element with E for invalid/padding, sort keys) of chunk c."""
+    i = tl.arange(0, CHUNK)
+    offs = c * CHUNK + i
+    e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < E), e, E)
+    return e, e * CHUNK + i
 
 
 @triton.jit
 def _fill(ptr, value, start, count, length, BLOCK: tl.constexpr):
     for i in range(0, count, BLOCK):
         offs = start + i + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, tl.full((BLOCK,), value, tl.int32),
-                 mask=(offs < start + count) & (offs < length))
+        in_range = (offs < start + count) & (offs < length)
+        tl.store(ptr + offs, tl.full((BLOCK,), value, tl.int32), mask=in_range)
 
 
 @triton.jit
-def align_count_kernel(
-    ids_ptr, counts_ptr, sorted_ids_ptr, S, E, chunk, length, fill_chunk,
-    SUB: tl.constexpr, E_PAD: tl.constexpr,
-):
+def _write_expert_ids(expert_ids_ptr, pad_end, num_padded, E, b0, count, max_blocks,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    """expert_ids[b] for b in [b0, b0 + count): experts whose padded end is <= the block's first row."""
+    cols = tl.arange(0, E_PAD)
+    for i in range(0, count, BLOCK_B):
+        blk = b0 + i + tl.arange(0, BLOCK_B)                            # [BLOCK_B]
+        row0 = blk * BLOCK_M
+        done = (pad_end[None, :] <= row0[:, None]) & (cols[None, :] < E)  # [BLOCK_B, E_PAD]
+        owner = tl.sum(done.to(tl.int32), axis=1)
+        owner = tl.where(row0 < num_padded, owner, -1)
+        tl.store(expert_ids_ptr + blk, owner, mask=(blk < b0 + count) & (blk < max_blocks))
+
+
+@triton.jit
+def align_hist_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, S, E, length, fill_chunk,
+                      CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     c = tl.program_id(0)
-    start = c * chunk
-    counts = _chunk_counts(ids_ptr, S, E, start, chunk, SUB, E_PAD)
+    e, _ = _chunk_keys(ids_ptr, c, S, E, CHUNK)
+    counts = tl.histogram(e, E_PAD, mask=e < E)
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
     _fill(sorted_ids_ptr, S, c * fill_chunk, fill_chunk, length, 1024)
 
 
 @triton.jit
+def align_scan_kernel(counts_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr,
+                      C, E, BLOCK_M: tl.constexpr, C_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    rc = tl.arange(0, C_PAD)
+    re = tl.arange(0, E_PAD)
+    offs = rc[:, None] * E_PAD + re[None, :]                            # [C_PAD, E_PAD]
+    m = (rc[:, None] < C) & (re[None, :] < E)
+    counts = tl.load(counts_ptr + offs, mask=m, other=0)
+    total = tl.sum(counts, axis=0)                                      # [E_PAD]
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    before_chunks = tl.cumsum(counts, axis=0) - counts                  # pairs of e in chunks < c
+    before_experts = tl.cumsum(counts, axis=1) - counts                 # pairs of experts < e in c
+    base = (pad_end - padded)[None, :] + before_chunks - before_experts
+    tl.store(base_ptr + offs, base, mask=m)
+    tl.store(pad_end_ptr + re, pad_end)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    tl.store(tokens_per_expert_ptr + re, total, mask=re < E)
+
+
+@triton.jit
 def align_scatter_kernel(
-    ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, tokens_per_expert_ptr,
-    S, E, chunk, length, num_chunks, max_blocks, blocks_per_program,
-    BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    ids_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr, sorted_ids_ptr,
+    expert_ids_ptr, S, E, length, max_blocks, blocks_per_program,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
     FUSED: tl.constexpr,
 ):
     c = tl.program_id(0)
-    cols = tl.arange(0, E_PAD)
-    start = c * chunk
-
+    e, keys = _chunk_keys(ids_ptr, c, S, E, CHUNK)
+    sorted_keys = tl.sort(keys)
+    se = sorted_keys // CHUNK                                           # expert at sorted position
+    pair = c * CHUNK + sorted_keys % CHUNK
+    placed = se < E
+    pos = tl.arange(0, CHUNK)
+    re = tl.arange(0, E_PAD)
     if FUSED:
-        total = _chunk_counts(ids_ptr, S, E, start, chunk, SUB, E_PAD)
-        before = tl.zeros((E_PAD,), dtype=tl.int32)
+        total = tl.histogram(e, E_PAD, mask=e < E)
+        padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, axis=0)
+        num_padded = tl.sum(padded, axis=0)
+        base_e = pad_end - padded - (tl.cumsum(total, axis=0) - total)  # [E_PAD]
+        base = tl.gather(base_e, tl.minimum(se, E_PAD - 1), 0)
         _fill(sorted_ids_ptr, S, 0, length, length, 1024)
         tl.debug_barrier()  # the fill must land before this program's scatter overwrites it
-    else:
-        total = tl.zeros((E_PAD,), dtype=tl.int32)
-        before = tl.zeros((E_PAD,), dtype=tl.int32)
-        for cc in range(0, num_chunks):
-            row = tl.load(counts_ptr + cc * E_PAD + cols)
-            total += row
-            before += tl.where(cc < c, row, 0)
-
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M                # [E_PAD]
-    pad_end = tl.cumsum(padded, axis=0)
-    base = pad_end - padded + before                                  # next slot per expert
-
-    for i in range(0, chunk, SUB):
-        offs = start + i + tl.arange(0, SUB)                          # [SUB] pair ids
-        e = tl.load(ids_ptr + offs, mask=(offs < start + chunk) & (offs < S), other=-1).to(tl.int32)
-        onehot = ((e[:, None] == cols[None, :]) & (e[:, None] < E)).to(tl.int32)  # [SUB, E_PAD]
-        rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
-        dest = tl.sum(onehot * base[None, :], axis=1) + rank
-        placed = tl.sum(onehot, axis=1) > 0
-        tl.store(sorted_ids_ptr + dest, offs, mask=placed)
-        base += tl.sum(onehot, axis=0)
-
-    num_padded = tl.sum(padded, axis=0)
-    b0 = c * blocks_per_program
-    for i in range(0, blocks_per_program, BLOCK_B):
-        blk = b0 + i + tl.arange(0, BLOCK_B)                          # [BLOCK_B]
-        row0 = blk * BLOCK_M
-        owner = tl.sum(((pad_end[None, :] <= row0[:, None]) & (cols[None, :] < E)).to(tl.int32), axis=1)
-        owner = tl.where(row0 < num_padded, owner, -1)
-        tl.store(expert_ids_ptr + blk, owner, mask=(blk < b0 + blocks_per_program) & (blk < max_blocks))
-
-    if c == 0:
         tl.store(num_padded_ptr, num_padded)
-        tl.store(tokens_per_expert_ptr + cols, total, mask=cols < E)
+        tl.store(tokens_per_expert_ptr + re, total, mask=re < E)
+    else:
+        base = tl.load(base_ptr + c * E_PAD + se, mask=placed, other=0)
+        pad_end = tl.load(pad_end_ptr + re)
+        num_padded = tl.load(num_padded_ptr)
+    tl.store(sorted_ids_ptr + base + pos, pair, mask=placed)
+    _write_expert_ids(expert_ids_ptr, pad_end, num_padded, E, c * blocks_per_program, blocks_per_program,
+                      max_blocks, BLOCK_M, E_PAD, BLOCK_B)

@@ -66,7 +66,8 @@ def block_m_candidates(shape: MoEShape, num_tokens: int) -> list[int]:
 def gemm_candidates(block_m: int, itemsize: int, swiglu: bool) -> list[dict[str, int]]:
     """Tiles (block_n, block_k, warps, stages) whose pipelined operands fit in shared memory."""
     if block_m <= 32:
-        space = itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
+        # Few rows: the kernel streams weights; narrow tiles give more programs per SM in flight.
+        space = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
         space = itertools.product((64, 128, 256) if not swiglu else (64, 128), (64, 128), (4, 8), (3, 4))
     out = []
