@@ -1,0 +1,213 @@
+"""`moekit bench`: time every backend against the roofline floor, write CSV, JSON, plots, report.
+
+With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with CUDA graphs on a
+GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
+runs end to end in well under two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moekit.bench import peers
+from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.report import CSV_NAME, JSON_NAME, crossover_of, fmt_pct, write_report
+from moekit.bench.results import ResultRow, collect_provenance, write_csv, write_json
+from moekit.bench.runner import Options
+from moekit.bench.sweep import Plan, run_sweep, summarize_rows
+from moekit.experts import BACKENDS
+from moekit.shapes import PRESETS
+
+GPU_PRESET = "qwen3-30b-a3b"
+CPU_PRESET = "tiny"
+GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
+CPU_TOKENS = (1, 4, 16, 64)
+QUICK_GPU_TOKENS = (1, 16, 256, 4096)
+QUICK_CPU_TOKENS = (1, 4, 16)
+QUICK = Options(warmup=1, rep=5, routing_draws=16)
+# The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
+# timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
+CPU_DEFAULT = Options(warmup=1, min_rep=5)
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+RESULTS_ROOT = Path("moekit-results")
+
+
+def _csv_list(text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
+    return items
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(s) for s in _csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--tokens must be >= 1, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", type=_csv_list, default=None,
+                   help=f"preset(s), comma-separated, from {sorted(PRESETS)} "
+                        f"(default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine)")
+    p.add_argument("--tokens", type=_tokens, default=None,
+                   help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
+                        f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
+    p.add_argument("--backends", type=_csv_list, default=list(BACKENDS),
+                   help=f"backends, comma-separated (default: {','.join(BACKENDS)}); "
+                        f"Transformers peers {','.join(peers.PEERS)} may be named too")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights and activations dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time each backend captured in a CUDA graph (default: on with CUDA)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/<UTC timestamp>)")
+    p.add_argument("--peers", action="store_true",
+                   help="also time Transformers' experts implementations (eager, batched_mm, grouped_mm)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
+    p.add_argument("--rep", type=_positive, default=None,
+                   help="timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
+                        "5..400 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per case")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and router")
+
+
+def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
+    device = torch.device(args.device) if args.device else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available")
+    if args.preset is None:
+        presets = [GPU_PRESET if on_gpu else CPU_PRESET]
+        if not on_gpu:
+            why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
+            console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
+                          "CPU ceilings).[/yellow]", soft_wrap=True)
+    else:
+        presets = args.preset
+    for name in presets:
+        if name not in PRESETS:
+            raise ValueError(f"--preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    backends = list(dict.fromkeys(args.backends))
+    for b in backends:
+        if b not in BACKENDS and not peers.is_peer(b):
+            raise ValueError(f"--backends: unknown backend {b!r}; expected from {BACKENDS + peers.PEERS}")
+    with_peers = args.peers or any(peers.is_peer(b) for b in backends)
+    if with_peers:
+        if peers.transformers_version() is None:
+            console.print("[yellow]--peers: transformers is not installed; skipping its experts "
+                          "implementations (pip install 'moekit[transformers]').[/yellow]")
+            backends = [b for b in backends if not peers.is_peer(b)]
+            with_peers = False
+        elif args.peers:
+            backends += [p for p in peers.PEERS if p not in backends]
+    tokens = args.tokens or list((QUICK_GPU_TOKENS if on_gpu else QUICK_CPU_TOKENS) if args.quick
+                                 else (GPU_TOKENS if on_gpu else CPU_TOKENS))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
+    graph = on_gpu if args.graph is None else args.graph
+    modes = ("eager", "graph") if graph else ("eager",)
+    plan = Plan(tuple(presets), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
+    return plan, with_peers
+
+
+def _options(args: argparse.Namespace, device: torch.device) -> Options:
+    base = QUICK if args.quick else (Options() if device.type == "cuda" else CPU_DEFAULT)
+    return replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
+                   rep=args.rep if args.rep is not None else base.rep)
+
+
+def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
+    """Backends down, token counts across (short numeric columns fit a narrow terminal)."""
+    rs = [r for r in rows if r.preset == preset]
+    tokens = sorted({r.tokens for r in rs})
+    table = Table(title=f"{preset}: median ms per call / % of floor; crossover ≈ "
+                        f"{crossover_of(rs[0]):,.0f} tokens")
+    table.add_column("backend (mode)")
+    for t in tokens:
+        table.add_column(f"T={t}", justify="right")
+    floor = {r.tokens: r.floor_ms for r in rs}
+    table.add_row("floor", *[f"{floor[t]:.3g}" for t in tokens], end_section=True)
+    by_key = {(r.tokens, r.backend, r.mode): r for r in rs}
+    for b, m in dict.fromkeys((r.backend, r.mode) for r in rs):
+        cells = []
+        for t in tokens:
+            r = by_key.get((t, b, m))
+            if r is None:
+                cells.append("")
+            elif r.status == "ok":
+                cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}")
+            else:
+                style = "red" if r.status in ("failed", "error") else "dim"
+                cells.append(f"[{style}]{r.status.replace('_', ' ')}[/{style}]")
+        table.add_row(f"{b} ({m})", *cells)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        plan, with_peers = _resolve_plan(args, console)
+    except ValueError as exc:
+        console.print(f"[red]moekit bench: {exc}[/red]")
+        return 2
+    options = _options(args, plan.device)
+    console.print(f"Measuring ceilings on {plan.device} ({str(plan.dtype).removeprefix('torch.')})...")
+    ceilings = measure_ceilings(plan.device, plan.dtype, rep=options.rep)
+    console.print(f"  copy {ceilings.copy_gbps:,.1f} GB/s, matmul {ceilings.matmul_tflops:,.3g} TFLOP/s, "
+                  f"ridge {ceilings.ridge_flops_per_byte:.1f} FLOP/byte")
+    prov = collect_provenance(plan.device, plan.dtype, ceilings.copy_gbps, ceilings.matmul_tflops,
+                              transformers_version=peers.transformers_version() if with_peers else None)
+    out_dir = args.out or RESULTS_ROOT / prov.run_id
+
+    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console)
+    with progress:
+        task = progress.add_task("sweep", total=plan.num_cases)
+
+        def on_case(what: str, row: ResultRow | None) -> None:
+            if row is None:
+                progress.update(task, description=what)
+            else:
+                progress.advance(task)
+
+        rows = run_sweep(plan, ceilings, prov, options, on_case)
+
+    write_csv(rows, out_dir / CSV_NAME)
+    write_json(rows, out_dir / JSON_NAME)
+    written = write_report(rows, out_dir)
+    for preset in plan.presets:
+        console.print(_summary_table(rows, preset))
+    counts = summarize_rows(rows)
+    console.print("rows: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    bad = [r for r in rows if r.status in ("failed", "error")]
+    for r in bad:
+        console.print(f"[red]{r.preset} T={r.tokens} {r.backend} ({r.mode}) {r.status}: {r.reason}[/red]")
+    console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 1} plots and "
+                  f"{written[-1].name} in {out_dir}")
+    if any(math.isnan(r.median_ms) for r in rows if r.status == "ok"):
+        console.print("[red]internal error: a timed row has no time[/red]")
+        return 1
+    return 0

@@ -1,0 +1,135 @@
+"""PNG plots drawn from result rows alone (never from live measurements), one set per preset:
+
+    time_<preset>.png       median time vs tokens, log-log, p20-p80 band, the floor dashed
+    floor_pct_<preset>.png  % of floor vs tokens
+    launches_<preset>.png   kernels per call vs tokens, log-log
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+# Figure objects without pyplot: no global state and no display backend (the Agg canvas is used
+# to write PNGs), so plotting works the same on servers, CI and inside other programs.
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
+
+from moekit.bench.results import ResultRow, atomic_write
+
+MODE_STYLE = {"eager": "-", "graph": "--"}
+
+
+def series(rows: Sequence[ResultRow], preset: str) -> dict[tuple[str, str], list[ResultRow]]:
+    """Timed rows of one preset keyed (backend, mode) in order of appearance, sorted by tokens."""
+    out: dict[tuple[str, str], list[ResultRow]] = {}
+    for r in rows:
+        if r.preset == preset and r.status == "ok":
+            out.setdefault((r.backend, r.mode), []).append(r)
+    return {k: sorted(v, key=lambda r: r.tokens) for k, v in out.items()}
+
+
+def _styles(rows: Sequence[ResultRow], preset: str) -> dict[tuple[str, str], dict]:
+    """One colour per backend, one line style per mode, so eager and graph pair up visually."""
+    backends = list(dict.fromkeys(r.backend for r in rows if r.preset == preset))
+    colors = {b: f"C{i % 10}" for i, b in enumerate(backends)}
+    return {(b, m): dict(color=colors[b], ls=MODE_STYLE.get(m, ":"), label=f"{b} ({m})", marker="o", ms=3)
+            for b, m in series(rows, preset)}
+
+
+def floor_by_tokens(rows: Sequence[ResultRow], preset: str) -> list[tuple[int, float]]:
+    seen: dict[int, float] = {}
+    for r in rows:
+        if r.preset == preset and not math.isnan(r.floor_ms):
+            seen.setdefault(r.tokens, r.floor_ms)
+    return sorted(seen.items())
+
+
+def _subtitle(rows: Sequence[ResultRow], preset: str) -> str:
+    r = next(r for r in rows if r.preset == preset)
+    return (f"{preset} (E={r.num_experts}, H={r.hidden_size}, I={r.intermediate_size}, K={r.top_k}), "
+            f"{r.dtype}, {r.device_name}\nceilings: {r.copy_gbps:.1f} GB/s copy, "
+            f"{r.matmul_tflops:.2f} TFLOP/s matmul")
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    return path
+
+
+def _axes(rows: Sequence[ResultRow], preset: str, title: str, ylabel: str,
+          logy: bool) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(8.5, 4.8))
+    ax = fig.subplots()
+    ax.set_xscale("log", base=2)
+    tokens = sorted({r.tokens for r in rows if r.preset == preset})
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.xaxis.set_minor_locator(NullLocator())  # only the measured token counts are ticked
+    if logy:
+        ax.set_yscale("log")
+        # Plain numbers at 1-2-5 steps read better than 10^n labels over one or two decades.
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{_subtitle(rows, preset)}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig, ax
+
+
+def _legend(ax: Axes) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+def plot_time(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+    fig, ax = _axes(rows, preset, "time per call (band: p20 to p80)", "median time (ms)", logy=True)
+    styles = _styles(rows, preset)
+    for key, rs in series(rows, preset).items():
+        t = [r.tokens for r in rs]
+        ax.plot(t, [r.median_ms for r in rs], **styles[key])
+        ax.fill_between(t, [r.p20_ms for r in rs], [r.p80_ms for r in rs], color=styles[key]["color"],
+                        alpha=0.12)
+    floor = floor_by_tokens(rows, preset)
+    if floor:
+        ax.plot([t for t, _ in floor], [f for _, f in floor], color="k", ls=":", lw=2, label="floor")
+    _legend(ax)
+    return _save(fig, out_dir / f"time_{preset}.png")
+
+
+def plot_floor_pct(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+    fig, ax = _axes(rows, preset, "% of floor (floor / time; 100% = at the roof)", "% of floor", logy=False)
+    styles = _styles(rows, preset)
+    for key, rs in series(rows, preset).items():
+        ax.plot([r.tokens for r in rs], [r.pct_floor for r in rs], **styles[key])
+    ax.axhline(100, color="k", ls=":", lw=1.5)
+    ax.set_ylim(bottom=0)
+    _legend(ax)
+    return _save(fig, out_dir / f"floor_pct_{preset}.png")
+
+
+def plot_launches(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+    fig, ax = _axes(rows, preset, "kernel launches per call", "kernels per call", logy=True)
+    styles = _styles(rows, preset)
+    for key, rs in series(rows, preset).items():
+        pts = [(r.tokens, r.kernels) for r in rs if r.kernels]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], **styles[key])
+    _legend(ax)
+    return _save(fig, out_dir / f"launches_{preset}.png")
+
+
+def presets_of(rows: Sequence[ResultRow]) -> list[str]:
+    return list(dict.fromkeys(r.preset for r in rows))
+
+
+def draw_all(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
+    """Every plot for every preset in `rows`; returns the files written."""
+    out_dir = Path(out_dir)
+    paths = []
+    for preset in presets_of(rows):
+        paths += [plot_time(rows, preset, out_dir), plot_floor_pct(rows, preset, out_dir),
+                  plot_launches(rows, preset, out_dir)]
+    return paths

@@ -1,0 +1,173 @@
+"""The Markdown report: provenance, the crossover, pivot tables and the plots, from rows alone.
+
+`moekit bench` writes it after a sweep; `moekit report DIR` rebuilds it (and the plots) from the
+CSV, so a recorded run can be re-rendered without the device it was measured on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from moekit.bench import plots
+from moekit.bench.ceilings import Ceilings
+from moekit.bench.results import ResultRow, atomic_write_text
+from moekit.bench.roofline import crossover_tokens
+from moekit.shapes import MoEShape
+
+CSV_NAME = "results.csv"
+JSON_NAME = "results.json"
+REPORT_NAME = "report.md"
+
+
+def shape_of(r: ResultRow) -> MoEShape:
+    return MoEShape(r.num_experts, r.hidden_size, r.intermediate_size, r.top_k)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in results")
+    return dtype
+
+
+def crossover_of(r: ResultRow) -> float:
+    """Tokens where this row's preset turns compute-bound on this row's device (roofline.crossover_tokens)."""
+    return crossover_tokens(shape_of(r), dtype_of(r.dtype), Ceilings(r.copy_gbps, r.matmul_tflops))
+
+
+def _fmt(v: float | int | None, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def _columns(rows: Sequence[ResultRow]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys((r.backend, r.mode) for r in rows))
+
+
+def _pivot(rows: Sequence[ResultRow], cell: Callable[[ResultRow], str], lead: dict[int, str] | None = None,
+           lead_name: str = "") -> list[str]:
+    cols = _columns(rows)
+    by_key = {(r.tokens, r.backend, r.mode): r for r in rows}
+    head = ["T"] + ([lead_name] if lead else []) + [f"{b} ({m})" for b, m in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for t in sorted({r.tokens for r in rows}):
+        cells = [str(t)] + ([lead.get(t, "–")] if lead else [])
+        for b, m in cols:
+            r = by_key.get((t, b, m))
+            cells.append("" if r is None else cell(r))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def fmt_pct(v: float) -> str:
+    return f"{v:.0f}%" if v >= 10 else f"{v:.2g}%"
+
+
+def _time_cell(r: ResultRow) -> str:
+    if r.status != "ok":
+        return r.status.replace("_", " ")
+    return f"{_fmt(r.median_ms)} ({fmt_pct(r.pct_floor)})"
+
+
+def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
+    rs = [r for r in rows if r.preset == preset]
+    r0 = rs[0]
+    cross = crossover_of(r0)
+    ridge = Ceilings(r0.copy_gbps, r0.matmul_tflops).ridge_flops_per_byte
+    item = torch.empty((), dtype=dtype_of(r0.dtype)).element_size()
+    scale = "" if item == 2 else f" × itemsize/2 ({item}/2)"
+    t_max = max(r.tokens for r in rs)
+    bound_at_max = next(r.bound for r in rs if r.tokens == t_max)
+    out = [
+        f"## {preset} (E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k})",
+        "",
+        f"**Memory-bound / compute-bound crossover: ≈ {cross:,.0f} tokens** = ridge point "
+        f"{ridge:.1f} FLOP/byte × E/K ({r0.num_experts}/{r0.top_k}){scale}. Below it the floor is the "
+        f"time to read the weights of the experts hit; above it, the FLOPs. (At T = {t_max}, the "
+        f"largest measured, the floor is {bound_at_max}-bound.)",
+        "",
+        "### Median time per call, ms (% of floor)",
+        "",
+    ]
+    floor = {t: _fmt(f) for t, f in plots.floor_by_tokens(rs, preset)}
+    out += _pivot(rs, _time_cell, floor, "floor ms")
+    out += ["", "### Kernel launches per call", ""]
+    out += _pivot(rs, lambda r: _fmt(r.kernels) if r.status == "ok" else "")
+    if any(not math.isnan(r.idle_pct) for r in rs):
+        out += ["", "### Device idle, % of wall time (1 − busy / time)", ""]
+        out += _pivot(rs, lambda r: _fmt(r.idle_pct, 2) if r.status == "ok" else "")
+    out += ["", "### Distinct experts hit", "",
+            "Expected under random routing: E·(1 − ((E−K)/E)^T). *Timed batch* is the batch every "
+            "backend ran (its experts set the floor); *mean* averages many random batches routed by "
+            "the same router.", "",
+            "| T | timed batch | mean | expected | mean vs expected |", "|---:|---:|---:|---:|---:|"]
+    seen: set[int] = set()
+    for r in sorted(rs, key=lambda r: r.tokens):
+        if r.tokens in seen:
+            continue
+        seen.add(r.tokens)
+        dev = 100 * (r.experts_hit_mean / r.experts_expected - 1)
+        out.append(f"| {r.tokens} | {r.experts_hit} | {r.experts_hit_mean:.2f} | {r.experts_expected:.2f} "
+                   f"| {dev:+.1f}% |")
+    untimed = [r for r in rs if r.status != "ok"]
+    if untimed:
+        out += ["", "### Not timed", ""]
+        out += [f"- T={r.tokens} {r.backend} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
+                for r in untimed]
+    out += ["", "### Plots", "",
+            f"![time per call](time_{preset}.png)", "",
+            f"![% of floor](floor_pct_{preset}.png)", "",
+            f"![kernel launches per call](launches_{preset}.png)", ""]
+    return out
+
+
+def render(rows: Sequence[ResultRow]) -> str:
+    """The report's Markdown text."""
+    r0 = rows[0]
+    runs = sorted({r.run_id for r in rows})
+    ridge = Ceilings(r0.copy_gbps, r0.matmul_tflops).ridge_flops_per_byte
+    versions = f"torch {r0.torch_version}, triton {r0.triton_version}"
+    if r0.transformers_version:
+        versions += f", transformers {r0.transformers_version}"
+    lines = [
+        f"# moekit bench: {r0.device_name}",
+        "",
+        f"- run {', '.join(runs)}, {r0.date}, commit `{r0.commit or 'unknown'}`",
+        f"- device: {r0.device_name}, {r0.device_type}; {versions}; python {r0.python_version}",
+        f"- dtype {r0.dtype}; ceilings measured on this device: copy **{r0.copy_gbps:,.1f} GB/s**, "
+        f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)",
+        "- floor = max(bytes / copy bandwidth, FLOPs / matmul rate); bytes = weights of every expert "
+        "hit + input + output + routing. % of floor = floor / time (100% = at the roof).",
+        "- every backend was checked against the fp32 reference before timing; one that failed is "
+        "listed under *Not timed*, never timed.",
+        "",
+    ]
+    if r0.device_type == "cpu":
+        lines += ["> CPU run: Triton runs through its interpreter and the ceilings are the CPU's, so this "
+                  "shows the flow, not GPU performance. Launch counts are aten compute ops plus Triton "
+                  "launches.", ""]
+    for preset in plots.presets_of(rows):
+        lines += _preset_section(rows, preset)
+    lines += [f"Data: `{CSV_NAME}` (one row per measurement, long format) and `{JSON_NAME}`. "
+              f"Rebuild this report and the plots with `moekit report <this folder>`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
+    """Draw the plots and write report.md into out_dir; returns the files written."""
+    out_dir = Path(out_dir)
+    paths = plots.draw_all(rows, out_dir)
+    report = out_dir / REPORT_NAME
+    atomic_write_text(report, render(rows))
+    return [*paths, report]

@@ -1,0 +1,262 @@
+"""Result rows: the long-format CSV schema, provenance, and atomic CSV / JSON files.
+
+One row per measurement (preset x T x backend x mode). Every row carries its provenance (device,
+commit, date, versions) and the ceilings of its run, so rows from different runs can be appended
+into one file and still be read on their own. Plots and the report are drawn from these rows only.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "failed", "error", "skipped", "not_capturable")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where and with what a run was measured; copied into each of its rows."""
+
+    run_id: str
+    date: str
+    commit: str
+    device_type: str
+    device_name: str
+    torch_version: str
+    triton_version: str
+    transformers_version: str
+    python_version: str
+    moekit_version: str
+    dtype: str
+    copy_gbps: float
+    matmul_tflops: float
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One measurement. Times in ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when
+    the case was not timed (status other than "ok") or the quantity does not exist (busy time on
+    the CPU)."""
+
+    run_id: str
+    date: str
+    commit: str
+    device_type: str
+    device_name: str
+    torch_version: str
+    triton_version: str
+    transformers_version: str
+    python_version: str
+    moekit_version: str
+    dtype: str
+    copy_gbps: float
+    matmul_tflops: float
+    preset: str
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    tokens: int
+    backend: str
+    mode: str
+    status: str
+    reason: str
+    max_err: float
+    tol: float
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    n_rep: int | None
+    bytes: int
+    flops: int
+    floor_ms: float
+    bound: str
+    pct_floor: float
+    gbps: float
+    tflops: float
+    kernels: int | None
+    busy_ms: float
+    idle_pct: float
+    experts_hit: int
+    experts_hit_mean: float
+    experts_expected: float
+
+
+COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(ResultRow)}
+
+
+def _git_commit() -> str:
+    """Commit of the moekit source tree, "+dirty" when it has local changes; "" outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_model()} ({os.cpu_count()} cores)"
+
+
+def collect_provenance(device: torch.device, dtype: torch.dtype, copy_gbps: float, matmul_tflops: float,
+                       *, transformers_version: str | None = None) -> Provenance:
+    import triton
+
+    import moekit
+
+    now = datetime.now(timezone.utc)
+    return Provenance(
+        run_id=now.strftime("%Y%m%dT%H%M%SZ"),
+        date=now.isoformat(timespec="seconds"),
+        commit=_git_commit(),
+        device_type=device.type,
+        device_name=device_name(device),
+        torch_version=torch.__version__,
+        triton_version=triton.__version__,
+        transformers_version=transformers_version or "",
+        python_version=platform.python_version(),
+        moekit_version=moekit.__version__,
+        dtype=str(dtype).removeprefix("torch."),
+        copy_gbps=copy_gbps,
+        matmul_tflops=matmul_tflops,
+    )
+
+
+def _format(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else repr(value)
+    return str(value)
+
+
+def _parse(column: str, text: str, where: str) -> object:
+    kind = _TYPES[column]
+    if kind == "str":
+        return text
+    if text == "":
+        if kind == "float":
+            return math.nan
+        if kind == "int | None":
+            return None
+        raise ValueError(f"{where}: column {column!r} is empty but must hold an integer")
+    try:
+        return float(text) if kind == "float" else int(text)
+    except ValueError:
+        what = "a number" if kind == "float" else "an integer"
+        raise ValueError(f"{where}: column {column!r} must hold {what}, got {text!r}") from None
+
+
+def _file_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp's temporaries are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same folder, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def rows_to_csv(rows: Iterable[ResultRow]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for row in rows:
+        writer.writerow([_format(getattr(row, c)) for c in COLUMNS])
+    return buf.getvalue()
+
+
+def write_csv(rows: Iterable[ResultRow], path: Path) -> None:
+    atomic_write_text(path, rows_to_csv(rows))
+
+
+def write_json(rows: Iterable[ResultRow], path: Path) -> None:
+    def clean(v: object) -> object:
+        # JSON has no NaN or Infinity: non-finite numbers (not timed, or an infinite error) -> null.
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    doc = {"schema_version": SCHEMA_VERSION, "columns": list(COLUMNS),
+           "rows": [{k: clean(v) for k, v in asdict(r).items()} for r in rows]}
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+
+
+def read_csv(path: Path) -> list[ResultRow]:
+    """Rows of a results CSV. Raises ValueError naming the file (and line) on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read results CSV ({exc})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: empty file, expected a moekit results CSV")
+    try:
+        reader = csv.reader(io.StringIO(text))
+        header = next(reader, None) or []
+        missing = [c for c in COLUMNS if c not in header]
+        if missing:
+            raise ValueError(f"{path}: not a moekit results CSV; missing columns {missing}")
+        index = {c: header.index(c) for c in COLUMNS}
+        rows = []
+        for line_no, record in enumerate(reader, start=2):
+            if not record:
+                continue
+            if len(record) != len(header):
+                raise ValueError(f"{path}:{line_no}: {len(record)} fields, the header has {len(header)}")
+            where = f"{path}:{line_no}"
+            values = {c: _parse(c, record[i], where) for c, i in index.items()}
+            if values["status"] not in STATUSES:
+                raise ValueError(f"{where}: status must be one of {STATUSES}, got {values['status']!r}")
+            rows.append(ResultRow(**values))
+    except csv.Error as exc:
+        raise ValueError(f"{path}: malformed CSV ({exc})") from None
+    if not rows:
+        raise ValueError(f"{path}: no result rows")
+    return rows

@@ -1,0 +1,104 @@
+"""The floor of one MoE expert call: the least time any implementation could take on this device.
+
+    bytes = weights of every distinct expert hit + input (T, H) + output (T, H) + routing (ids, weights)
+    FLOPs = 2 per weight per (token, expert) pair  = T * K * 2 * 3HI for valid ids
+    floor = max(bytes / copy bandwidth, FLOPs / matmul rate)
+
+Small batches are bound by the weights they read (each distinct expert once); once every expert is
+hit, bytes stop growing while FLOPs keep growing with T, and the layer turns compute-bound near
+T* = ridge * E / K * (itemsize / 2) tokens (ridge = matmul rate / bandwidth in FLOPs per byte;
+the itemsize factor is 1 for bf16/fp16, where each weight is 2 bytes and gives 2 FLOPs per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.bench.ceilings import Ceilings
+from moekit.shapes import MoEShape
+
+ROUTING_WEIGHT_ITEMSIZE = 4  # moekit.route returns fp32 weights
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes and FLOPs that one call must move and do at the least.
+
+    Attributes:
+        experts_hit: distinct experts with at least one valid pair.
+        weight_bytes: experts_hit * expert_bytes(dtype).
+        io_bytes: input and output rows, 2 * T * H * itemsize.
+        routing_bytes: topk_ids and topk_weights, T * K * (id itemsize + weight itemsize).
+        flops: GEMM FLOPs of the valid pairs (SwiGLU and the weighted sum are negligible).
+    """
+
+    experts_hit: int
+    weight_bytes: int
+    io_bytes: int
+    routing_bytes: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.io_bytes + self.routing_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def traffic(
+    shape: MoEShape,
+    tokens: int,
+    topk_ids: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    weights_itemsize: int = ROUTING_WEIGHT_ITEMSIZE,
+) -> Traffic:
+    """Count the bytes and FLOPs of one call with this routing (ids outside [0, E) count nothing)."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids must have shape (T={tokens}, K), got {tuple(topk_ids.shape)}")
+    ids = topk_ids.reshape(-1).long()
+    valid = ids[(ids >= 0) & (ids < shape.num_experts)]
+    experts_hit = int(torch.unique(valid).numel())
+    item = _itemsize(dtype)
+    return Traffic(
+        experts_hit=experts_hit,
+        weight_bytes=experts_hit * shape.expert_bytes(dtype),
+        io_bytes=2 * tokens * shape.hidden_size * item,
+        routing_bytes=topk_ids.numel() * (topk_ids.element_size() + weights_itemsize),
+        flops=int(valid.numel()) * 2 * shape.params_per_expert,
+    )
+
+
+def floor_ms_of(t: Traffic, ceilings: Ceilings) -> float:
+    memory_ms = t.bytes / (ceilings.copy_gbps * 1e9) * 1e3
+    compute_ms = t.flops / (ceilings.matmul_tflops * 1e12) * 1e3
+    return max(memory_ms, compute_ms)
+
+
+def bound_of(t: Traffic, ceilings: Ceilings) -> str:
+    """"memory" or "compute": which roof sets the floor."""
+    return "compute" if t.intensity > ceilings.ridge_flops_per_byte else "memory"
+
+
+def floor_ms(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype: torch.dtype,
+             ceilings: Ceilings) -> float:
+    """max(bytes / bandwidth, FLOPs / matmul rate) in ms for this routing; see the module doc."""
+    return floor_ms_of(traffic(shape, tokens, topk_ids, dtype), ceilings)
+
+
+def crossover_tokens(shape: MoEShape, dtype: torch.dtype, ceilings: Ceilings) -> float:
+    """T where a layer with every expert hit turns compute-bound: ridge * E / K * itemsize / 2.
+
+    With all E experts read, bytes ~ E * 3HI * itemsize and FLOPs = T * K * 2 * 3HI, so the
+    intensity is T * K * 2 / (E * itemsize); it meets the ridge at the T returned here.
+    """
+    return ceilings.ridge_flops_per_byte * shape.num_experts / shape.top_k * _itemsize(dtype) / 2

@@ -1,0 +1,238 @@
+"""The benchmark's one contract: a runner takes (shape, tokens, backend, mode) and returns stats.
+
+For one preset and T, `make_workload` draws the inputs once and shares them across backends:
+
+    x               (T, H)      dtype       random tokens
+    gate_up_proj    (E, 2I, H)  dtype       shared by every T of the preset
+    down_proj       (E, H, I)   dtype
+    topk_weights    (T, K)      fp32        from moekit.route with a random router (E, H)
+    topk_ids        (T, K)      int32
+    expected        fp32 reference output and the error budget (bench.correctness)
+    traffic         bytes and FLOPs of this routing (bench.roofline)
+
+`run_case` then, for one backend and mode ("eager" or "graph"):
+    1. runs it once (graph: captures it, then replays into a NaN-filled output) and checks the result
+       against the reference; a failure is reported and never timed;
+    2. times it (bench.timing), 3. profiles one call (bench.launches), 4. puts it against the floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moekit.bench import peers
+from moekit.bench.ceilings import Ceilings
+from moekit.bench.correctness import Expected, expected_output
+from moekit.bench.launches import LaunchProfile, profile_call
+from moekit.bench.roofline import Traffic, bound_of, floor_ms_of, traffic
+from moekit.bench.timing import MIN_REP, CacheFlusher, NotCapturable, TimingStats, capture_graph, time_fn
+from moekit.experts import BACKENDS, PaddedWorkspaceTooLarge, moe_experts
+from moekit.routing import route
+from moekit.shapes import MoEShape
+
+MODES = ("eager", "graph")
+ROUTING_DRAWS = 64
+_DRAW_CHUNK_TOKENS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Options:
+    """How hard to measure. None means time_fn's defaults (the article's repeat counts)."""
+
+    warmup: int | None = None
+    rep: int | None = None
+    min_rep: int = MIN_REP
+    flush_l2: bool = True
+    routing_draws: int = ROUTING_DRAWS
+
+
+DEFAULT_OPTIONS = Options()
+
+
+@dataclass(frozen=True)
+class Weights:
+    router_weight: torch.Tensor   # (E, H)
+    gate_up_proj: torch.Tensor    # (E, 2I, H), gate rows first
+    down_proj: torch.Tensor       # (E, H, I)
+
+
+@dataclass(frozen=True)
+class Workload:
+    preset: str
+    shape: MoEShape
+    tokens: int
+    dtype: torch.dtype
+    device: torch.device
+    weights: Weights
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    expected: Expected
+    traffic: Traffic
+    experts_hit_mean: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the runner returns for one (shape, tokens, backend, mode)."""
+
+    status: str                 # one of results.STATUSES
+    reason: str
+    max_err: float
+    tol: float
+    floor_ms: float
+    bound: str
+    timing: TimingStats | None = None
+    launches: LaunchProfile | None = None
+
+    @property
+    def median_ms(self) -> float:
+        return self.timing.median_ms if self.timing else math.nan
+
+    def per_second(self, amount: float, unit: float) -> float:
+        return amount / (self.median_ms * 1e-3) / unit if self.timing else math.nan
+
+    @property
+    def pct_floor(self) -> float:
+        return 100.0 * self.floor_ms / self.median_ms if self.timing else math.nan
+
+    @property
+    def idle_pct(self) -> float:
+        if not self.timing or not self.launches or math.isnan(self.launches.busy_ms):
+            return math.nan
+        return max(0.0, 100.0 * (1.0 - self.launches.busy_ms / self.median_ms))
+
+
+def make_weights(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Weights:
+    """Random weights scaled by 1/sqrt(fan_in), as an untrained layer; drawn on the device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+
+    def draw(*size: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(size, generator=g, device=device) / math.sqrt(fan_in)).to(dtype)
+
+    return Weights(draw(e, h, fan_in=h), draw(e, 2 * i, h, fan_in=h), draw(e, h, i, fan_in=i))
+
+
+def mean_distinct_experts(shape: MoEShape, router_weight: torch.Tensor, tokens: int, draws: int,
+                          generator: torch.Generator) -> float:
+    """Distinct experts hit by T routed random tokens, averaged over `draws` independent batches."""
+    e, h = shape.num_experts, shape.hidden_size
+    per_chunk = max(1, _DRAW_CHUNK_TOKENS // tokens)
+    total, done = 0.0, 0
+    while done < draws:
+        n = min(per_chunk, draws - done)
+        x = torch.randn(n * tokens, h, generator=generator, device=router_weight.device)
+        x = x.to(router_weight.dtype)
+        _, ids = route(x, router_weight, shape.top_k, renormalize=shape.norm_topk_prob)
+        hit = torch.zeros(n, e, device=ids.device).scatter_(1, ids.view(n, -1).long(), 1.0)
+        total += float(hit.sum())
+        done += n
+    return total / draws
+
+
+def make_workload(preset: str, shape: MoEShape, tokens: int, weights: Weights, dtype: torch.dtype,
+                  device: torch.device, *, seed: int = 0, routing_draws: int = ROUTING_DRAWS) -> Workload:
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + tokens)
+    x = torch.randn(tokens, shape.hidden_size, generator=g, device=device).to(dtype)
+    w, ids = route(x, weights.router_weight, shape.top_k, renormalize=shape.norm_topk_prob)
+    return Workload(
+        preset=preset, shape=shape, tokens=tokens, dtype=dtype, device=device, weights=weights,
+        x=x, topk_weights=w, topk_ids=ids,
+        expected=expected_output(x, weights.gate_up_proj, weights.down_proj, w, ids),
+        traffic=traffic(shape, tokens, ids, dtype),
+        experts_hit_mean=mean_distinct_experts(shape, weights.router_weight, tokens, routing_draws, g),
+    )
+
+
+Call = Callable[[], object]
+BackendFactory = Callable[[Workload], Call]
+
+
+def _moekit_factory(backend: str) -> BackendFactory:
+    def make(work: Workload) -> Call:
+        wt = work.weights
+        args = (work.x, wt.gate_up_proj, wt.down_proj, work.topk_weights, work.topk_ids)
+        return lambda: moe_experts(*args, backend=backend)
+
+    return make
+
+
+def _peer_factory(name: str) -> BackendFactory:
+    def make(work: Workload) -> Call:
+        run = peers.make_peer(name, work.shape, work.weights.gate_up_proj, work.weights.down_proj)
+        # The model hands its experts int64 ids and weights in the hidden dtype: converted once here,
+        # outside the timed call, as the router would have produced them.
+        ids, w = work.topk_ids.long(), work.topk_weights.to(work.dtype)
+        return lambda: run(work.x, ids, w)
+
+    return make
+
+
+def backend_factory(name: str) -> BackendFactory:
+    """The factory of a moekit backend or a Transformers peer (`bench.peers.PEERS`)."""
+    if name in BACKENDS:
+        return _moekit_factory(name)
+    if peers.is_peer(name):
+        return _peer_factory(name)
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS + peers.PEERS}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _poison(out: object) -> None:
+    """NaN-fill a graph's static output so rows a replay never writes fail the check."""
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        out.fill_(math.nan)
+
+
+def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, options: Options = DEFAULT_OPTIONS,
+             factory: BackendFactory | None = None) -> Measurement:
+    """Check, then time and profile one backend on one workload in one mode (see module doc)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    base = dict(max_err=math.nan, tol=work.expected.tol, floor_ms=floor_ms_of(work.traffic, ceilings),
+                bound=bound_of(work.traffic, ceilings))
+    if peers.is_peer(backend):
+        reason = peers.check_fits(backend, work.shape, work.tokens, work.dtype, work.device)
+        if reason:
+            return Measurement("skipped", reason, **base)
+    make = factory or backend_factory(backend)
+    try:
+        fn = make(work)
+        if mode == "graph":
+            graph, out = capture_graph(fn, work.device)
+            _poison(out)
+            graph.replay()
+            call: Call = graph.replay
+        else:
+            out = fn()
+            call = fn
+        if work.device.type == "cuda":
+            torch.cuda.synchronize(work.device)
+    except NotCapturable as exc:
+        return Measurement("not_capturable", str(exc), **base)
+    except PaddedWorkspaceTooLarge as exc:
+        return Measurement("skipped", _first_line(exc), **base)
+    except Exception as exc:  # a backend that raises is reported, not allowed to stop the sweep
+        return Measurement("error", _first_line(exc), **base)
+
+    check = work.expected.check(out)
+    base["max_err"] = check.max_err
+    if not check.ok:
+        return Measurement("failed", check.reason, **base)
+    try:
+        timing = time_fn(call, warmup=options.warmup, rep=options.rep, flush_l2=options.flush_l2,
+                         device=work.device, min_rep=options.min_rep)
+        flush = CacheFlusher(work.device) if options.flush_l2 else None
+        launches = profile_call(call, work.device, flush)
+    except Exception as exc:  # e.g. out of memory on a later call: one row lost, not the sweep
+        return Measurement("error", "while timing: " + _first_line(exc), **base)
+    return Measurement("ok", "", timing=timing, launches=launches, **base)

@@ -1,0 +1,111 @@
+"""The sweep: every preset x tokens x backend x mode through `run_case`, as long-format rows."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moekit.bench.ceilings import Ceilings
+from moekit.bench.results import Provenance, ResultRow
+from moekit.bench.runner import (
+    DEFAULT_OPTIONS,
+    MODES,
+    Measurement,
+    Options,
+    Workload,
+    make_weights,
+    make_workload,
+    run_case,
+)
+from moekit.shapes import get_shape
+
+
+@dataclass(frozen=True)
+class Plan:
+    presets: tuple[str, ...]
+    tokens: tuple[int, ...]
+    backends: tuple[str, ...]
+    modes: tuple[str, ...]
+    dtype: torch.dtype
+    device: torch.device
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("presets", "tokens", "backends", "modes"):
+            if not getattr(self, name):
+                raise ValueError(f"Plan.{name} must not be empty")
+        if any(t < 1 for t in self.tokens):
+            raise ValueError(f"token counts must be >= 1, got {self.tokens}")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"modes must be in {MODES}, got {bad}")
+
+    @property
+    def num_cases(self) -> int:
+        return len(self.presets) * len(self.tokens) * len(self.backends) * len(self.modes)
+
+
+def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement) -> ResultRow:
+    s, t = work.shape, work.traffic
+    timing, launches = m.timing, m.launches
+    return ResultRow(
+        **asdict(prov),
+        preset=work.preset, num_experts=s.num_experts, hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size, top_k=s.top_k, tokens=work.tokens,
+        backend=backend, mode=mode, status=m.status, reason=m.reason, max_err=m.max_err, tol=m.tol,
+        median_ms=m.median_ms,
+        p20_ms=timing.p20_ms if timing else float("nan"),
+        p80_ms=timing.p80_ms if timing else float("nan"),
+        n_rep=timing.n if timing else None,
+        bytes=t.bytes, flops=t.flops, floor_ms=m.floor_ms, bound=m.bound, pct_floor=m.pct_floor,
+        gbps=m.per_second(t.bytes, 1e9), tflops=m.per_second(t.flops, 1e12),
+        kernels=launches.kernels if launches else None,
+        busy_ms=launches.busy_ms if launches else float("nan"),
+        idle_pct=m.idle_pct,
+        experts_hit=t.experts_hit, experts_hit_mean=work.experts_hit_mean,
+        experts_expected=s.expected_distinct_experts(work.tokens),
+    )
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options = DEFAULT_OPTIONS,
+              on_case: Callable[[str, ResultRow | None], None] | None = None) -> list[ResultRow]:
+    """Run every case of `plan`; `on_case(description, row)` is called before (row None) and after each."""
+    rows: list[ResultRow] = []
+    for preset in plan.presets:
+        shape = get_shape(preset)
+        weights = make_weights(shape, plan.dtype, plan.device, plan.seed)
+        for tokens in plan.tokens:
+            work = make_workload(preset, shape, tokens, weights, plan.dtype, plan.device, seed=plan.seed,
+                                 routing_draws=options.routing_draws)
+            for backend in plan.backends:
+                for mode in plan.modes:
+                    what = f"{preset} T={tokens} {backend} {mode}"
+                    if on_case:
+                        on_case(what, None)
+                    m = run_case(work, backend, mode, ceilings, options)
+                    row = to_row(prov, work, backend, mode, m)
+                    rows.append(row)
+                    if on_case:
+                        on_case(what, row)
+                    _free(plan.device)
+            del work
+        del weights
+        _free(plan.device)
+    return rows
+
+
+def summarize_rows(rows: Sequence[ResultRow]) -> dict[str, int]:
+    """Counts of rows by status."""
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r.status] = out.get(r.status, 0) + 1
+    return out

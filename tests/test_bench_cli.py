@@ -1,0 +1,70 @@
+"""`moekit bench` end to end on the CPU: every output file, one row per case, rows that read back."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from moekit.bench import cli
+from moekit.bench.results import read_csv
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_bench_quick_writes_csv_json_plots_and_report(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert bench(["--quick", "--tokens", "1,4", "--backends", "loop,triton", "--device", "cpu",
+                  "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "'tiny' preset on the CPU" in printed               # the one-line note on the default
+    for name in ("results.csv", "results.json", "report.md", "time_tiny.png", "floor_pct_tiny.png",
+                 "launches_tiny.png"):
+        assert (out / name).stat().st_size > 0, name
+    rows = read_csv(out / "results.csv")
+    assert [(r.tokens, r.backend, r.mode) for r in rows] == [
+        (1, "loop", "eager"), (1, "triton", "eager"), (4, "loop", "eager"), (4, "triton", "eager")]
+    for r in rows:
+        assert r.status == "ok", r.reason
+        assert r.preset == "tiny" and r.device_type == "cpu" and r.dtype == "float32"
+        assert r.copy_gbps > 0 and r.matmul_tflops > 0 and r.torch_version and r.triton_version
+        assert r.n_rep == cli.QUICK.rep and r.p20_ms <= r.median_ms <= r.p80_ms
+        assert r.pct_floor == pytest.approx(100 * r.floor_ms / r.median_ms)
+        assert r.kernels and r.kernels > 0 and math.isnan(r.busy_ms)
+    assert len({(r.copy_gbps, r.matmul_tflops, r.run_id) for r in rows}) == 1   # measured once per run
+    report = (out / "report.md").read_text()
+    assert "crossover" in report and "time_tiny.png" in report
+
+
+def test_graph_flag_on_cpu_records_not_capturable(tmp_path):
+    out = tmp_path / "run"
+    assert bench(["--quick", "--tokens", "2", "--backends", "grouped_mm", "--device", "cpu", "--graph",
+                  "--rep", "2", "--out", str(out)]) == 0
+    rows = read_csv(out / "results.csv")
+    assert [(r.mode, r.status) for r in rows] == [("eager", "ok"), ("graph", "not_capturable")]
+    assert "CUDA" in rows[1].reason and math.isnan(rows[1].median_ms)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "nope"], "unknown preset"),
+    (["--backends", "loop,warp"], "unknown backend"),
+])
+def test_bad_arguments_are_reported(tmp_path, capsys, argv, message):
+    assert bench([*argv, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
+    assert message in capsys.readouterr().out
+    assert not (tmp_path / "x").exists()
+
+
+def test_tokens_must_be_positive_integers():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tokens", "1,0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tokens", "1,x"])
+    assert parser.parse_args(["--tokens", "1, 8"]).tokens == [1, 8]
