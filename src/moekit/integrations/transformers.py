@@ -1,0 +1,327 @@
+"""Hugging Face Transformers (>= 5.0): moekit as an experts implementation, and block <-> MoELayer.
+
+    from moekit.integrations.transformers import register
+    register()                                                   # once per process; idempotent
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moekit")
+    model.set_experts_implementation("moekit")                   # or switch a loaded model
+
+Transformers' `@use_experts_implementation` classes call the registered function as
+`fn(experts, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`; the function reads
+`experts.gate_up_proj`, `experts.down_proj`, `experts.act_fn` and the layout flags the decorator
+sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`). It runs `moekit.ops.experts`
+(triton on CUDA; grouped_mm, or loop for unaligned sizes, on CPU) for SiLU-gated experts without
+biases, in the concatenated [gate; up] layout, transposed or not (a transposed module is read
+through strided views, no copy). Everything else goes to Transformers' own grouped_mm path with
+one warning per (class, reason): biases, non-gated or interleaved experts, other activations, a
+custom `_apply_gate`, quantized or DTensor weights, and any call that needs gradients (moekit's
+expert kernels are forward-only).
+
+Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
+expert count); every id outside [0, E) contributes exactly 0, and its weight is never read.
+
+`transformers` is an optional dependency: this module imports it only when one of its functions is
+called, so `import moekit` works without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit import ops
+from moekit._validation import FLOAT_DTYPES
+from moekit.experts import BACKENDS
+from moekit.shapes import MoEShape
+
+__all__ = ["experts_forward", "from_transformers", "register", "to_transformers", "unsupported_reason"]
+
+# Sparse MoE blocks whose forward is exactly `experts(x, *gate(x)[1:][::-1])` with a softmax,
+# top-k, optionally renormalised router: what MoELayer computes. Value: model_type, module path,
+# and how to read norm_topk_prob (an attribute of the router, or a constant).
+_BLOCKS: dict[str, tuple[str, str, str | bool]] = {
+    "Qwen3MoeSparseMoeBlock": ("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+                               "norm_topk_prob"),
+    "OlmoeSparseMoeBlock": ("olmoe", "transformers.models.olmoe.modeling_olmoe", "norm_topk_prob"),
+    "MixtralSparseMoeBlock": ("mixtral", "transformers.models.mixtral.modeling_mixtral", True),
+}
+_BLOCK_BY_MODEL_TYPE = {model_type: (module, name) for name, (model_type, module, _) in _BLOCKS.items()}
+
+
+@dataclass(frozen=True)
+class _Transformers:
+    """The few Transformers objects the integration needs, imported once."""
+
+    interface: type                    # ExpertsInterface (a class-wide registry)
+    grouped_mm_forward: Callable       # Transformers' grouped_mm experts function: the fallback
+    default_apply_gate: Callable | None
+    silu_types: tuple[type, ...]
+    builtin_names: frozenset[str]
+
+
+_TF: _Transformers | None = None
+_registered: dict[str, tuple[str, Callable]] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def _transformers() -> _Transformers:
+    global _TF
+    if _TF is not None:
+        return _TF
+    try:
+        moe = importlib.import_module("transformers.integrations.moe")
+        activations = importlib.import_module("transformers.activations")
+    except ImportError as exc:
+        raise ImportError(
+            "moekit.integrations.transformers needs Transformers >= 5.0 (the experts interface): "
+            "pip install 'moekit[transformers]'"
+        ) from exc
+    silu = tuple(t for t in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if t is not None)
+    interface = moe.ExpertsInterface
+    _TF = _Transformers(
+        interface=interface,
+        grouped_mm_forward=moe.grouped_mm_experts_forward,
+        default_apply_gate=getattr(moe, "_default_apply_gate", None),
+        silu_types=silu,
+        builtin_names=frozenset(moe.ALL_EXPERTS_FUNCTIONS) | {"eager"},
+    )
+    return _TF
+
+
+def register(name: str = "moekit", *, backend: str = "auto") -> Callable:
+    """Register moekit's experts function with Transformers under `name`. Idempotent.
+
+    Args:
+        name: the `experts_implementation` name to register (not one of Transformers' own).
+        backend: the moekit experts backend, "auto" (triton on CUDA, grouped_mm or loop on CPU) or
+            one of `moekit.BACKENDS`. Registering the same name again with another backend
+            replaces the function.
+
+    Returns:
+        The registered function (the same object for repeated calls with the same arguments).
+    """
+    tf = _transformers()
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if name in tf.builtin_names:
+        raise ValueError(f"name {name!r} is one of Transformers' own experts implementations")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    known = _registered.get(name)
+    if known is not None and known[0] == backend:
+        fn = known[1]
+    else:
+        fn = experts_forward if backend == "auto" else functools.partial(experts_forward, backend=backend)
+        _registered[name] = (backend, fn)
+    tf.interface.register(name, fn)
+    return fn
+
+
+def unsupported_reason(experts: nn.Module) -> str | None:
+    """Why moekit's kernels cannot run this Transformers experts module; None when they can."""
+    tf = _transformers()
+    if not getattr(experts, "has_gate", True):
+        return "non-gated experts (has_gate=False)"
+    if getattr(experts, "has_bias", False):
+        return "expert biases (has_bias=True)"
+    if not getattr(experts, "is_concatenated", True):
+        return "interleaved gate/up rows (is_concatenated=False)"
+    apply_gate = getattr(type(experts), "_apply_gate", tf.default_apply_gate)
+    if tf.default_apply_gate is None or apply_gate is not tf.default_apply_gate:
+        return "a custom _apply_gate"
+    act = getattr(experts, "act_fn", None)
+    if not (isinstance(act, tf.silu_types) or act is F.silu):
+        return f"activation {type(act).__name__} (moekit fuses SiLU only)"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return "no gate_up_proj / down_proj tensors"
+    if _is_dtensor(gate_up) or _is_dtensor(down):
+        return "DTensor weights"
+    if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
+        return f"weights of dtype {gate_up.dtype} / {down.dtype}"
+    if gate_up.device.type not in ("cuda", "cpu"):
+        return f"weights on {gate_up.device.type}"
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}"
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    num_experts, two_i, hidden = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (num_experts, hidden, two_i // 2):
+        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}"
+    return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # A DTensor's experts would need its local shard; Transformers swaps those in before the call.
+    return type(t).__name__ == "DTensor"
+
+
+def _warn_once(cls_name: str, reason: str) -> None:
+    if (cls_name, reason) in _warned or torch.compiler.is_compiling():
+        return
+    _warned.add((cls_name, reason))
+    warnings.warn(f"moekit: {cls_name} has {reason}; running Transformers' grouped_mm experts instead",
+                  stacklevel=3)
+
+
+def experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The function `register` installs: Transformers' experts signature on moekit's kernels.
+
+    Args:
+        self: a Transformers experts module (`@use_experts_implementation`).
+        hidden_states: (T, H); cast to the weights' dtype and the result cast back, as Transformers
+            does under autocast.
+        top_k_index: (T, K) expert ids; ids outside [0, E) (expert-parallel sentinels) give 0.
+        top_k_weights: (T, K) routing weights.
+        backend: see `register`.
+
+    Returns:
+        (T, H) in the dtype of hidden_states.
+    """
+    reason = unsupported_reason(self)
+    if reason is None and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
+    ):
+        reason = ("inputs that need gradients (moekit's expert kernels are forward-only: run inference "
+                  "under torch.no_grad() or torch.inference_mode())")
+    if reason is not None:
+        _warn_once(type(self).__name__, reason)
+        return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
+    gate_up, down = self.gate_up_proj, self.down_proj
+    if getattr(self, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    out = ops.experts(hidden_states.to(gate_up.dtype), gate_up, down, top_k_weights, top_k_index,
+                      backend=backend)
+    return out.to(hidden_states.dtype)
+
+
+def _block_spec(block: nn.Module) -> tuple[int, bool]:
+    """(top_k, norm_topk_prob) of a supported sparse MoE block's router."""
+    name = type(block).__name__
+    if name not in _BLOCKS:
+        raise TypeError(f"from_transformers supports {sorted(_BLOCKS)}, got {name}")
+    norm = _BLOCKS[name][2]
+    gate = block.gate
+    return int(gate.top_k), bool(getattr(gate, norm) if isinstance(norm, str) else norm)
+
+
+def from_transformers(block: nn.Module, *, backend: str = "auto", router_backend: str = "auto",
+                      layer_cls: type | None = None):
+    """A `MoELayer` whose Parameters are the block's own (shared, not copied).
+
+    Args:
+        block: a Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock or MixtralSparseMoeBlock.
+        backend, router_backend: of the new layer.
+        layer_cls: MoELayer or a subclass.
+
+    Returns:
+        The layer; `layer.router_weight is block.gate.weight`, and likewise for the experts. The
+        router's fp32 weights are not rounded to the model dtype (Transformers rounds them), and
+        Mixtral's training-time jitter is not modelled.
+    """
+    from moekit.layer import MoELayer
+
+    _transformers()
+    top_k, norm = _block_spec(block)
+    experts, gate = block.experts, block.gate
+    reason = unsupported_reason(experts)
+    if reason is not None:
+        raise ValueError(f"moekit cannot run {type(experts).__name__}: it has {reason}")
+    if experts.is_transposed:
+        raise ValueError("MoELayer holds (E, 2I, H) / (E, H, I) weights; this block's are transposed")
+    router_weight, gate_up, down = gate.weight, experts.gate_up_proj, experts.down_proj
+    for pname, p in (("gate.weight", router_weight), ("experts.gate_up_proj", gate_up),
+                     ("experts.down_proj", down)):
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"block.{pname} must be an nn.Parameter to be shared")
+    num_experts, two_i, hidden = gate_up.shape
+    if tuple(router_weight.shape) != (num_experts, hidden):
+        raise ValueError(f"block.gate.weight must have shape (E={num_experts}, H={hidden}), got "
+                         f"{tuple(router_weight.shape)} (an expert-parallel shard cannot be converted)")
+    if router_weight.dtype != gate_up.dtype or router_weight.device != gate_up.device:
+        raise ValueError("block.gate.weight must share the experts' dtype and device, got "
+                         f"{router_weight.dtype} on {router_weight.device} vs {gate_up.dtype} on "
+                         f"{gate_up.device}")
+    shape = MoEShape(num_experts, hidden, two_i // 2, top_k, norm)
+    # Built on the meta device: no memory and no random init for weights about to be replaced.
+    with torch.device("meta"):
+        layer = (layer_cls or MoELayer)(shape, backend=backend, router_backend=router_backend,
+                                        dtype=gate_up.dtype)
+    layer.router_weight, layer.gate_up_proj, layer.down_proj = router_weight, gate_up, down
+    layer.train(block.training)
+    return layer
+
+
+def to_transformers(layer, config=None, *, experts_implementation: str | None = "moekit") -> nn.Module:
+    """A Transformers sparse MoE block whose Parameters are the layer's own (shared, not copied).
+
+    Args:
+        layer: a `MoELayer`.
+        config: a Qwen3MoeConfig, OlmoeConfig or MixtralConfig whose MoE sizes match the layer
+            (copied, not changed); default: a Qwen3MoeConfig built from `layer.shape`.
+        experts_implementation: set on the block's config copy; "moekit" is registered if needed.
+            None keeps the config's own.
+
+    Returns:
+        The block, e.g. `Qwen3MoeSparseMoeBlock`; `block.gate.weight is layer.router_weight`.
+    """
+    tf = _transformers()
+    s = layer.shape
+    if config is None:
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(hidden_size=s.hidden_size, moe_intermediate_size=s.intermediate_size,
+                                num_experts=s.num_experts, num_experts_per_tok=s.top_k,
+                                norm_topk_prob=s.norm_topk_prob, hidden_act="silu")
+    else:
+        config = copy.deepcopy(config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _BLOCK_BY_MODEL_TYPE:
+        raise ValueError(f"to_transformers supports model types {sorted(_BLOCK_BY_MODEL_TYPE)}, "
+                         f"got {model_type!r}")
+    if experts_implementation is not None:
+        if experts_implementation == "moekit":
+            register()
+        elif experts_implementation not in tf.builtin_names and experts_implementation not in _registered:
+            raise ValueError(f"experts_implementation {experts_implementation!r} is not registered")
+        config._experts_implementation = experts_implementation
+    module, cls_name = _BLOCK_BY_MODEL_TYPE[model_type]
+    block_cls = getattr(importlib.import_module(module), cls_name)
+    with torch.device("meta"):
+        block = block_cls(config)
+    if _block_spec(block) != (s.top_k, s.norm_topk_prob):
+        raise ValueError(f"config routes with (top_k, norm_topk_prob) = {_block_spec(block)}, "
+                         f"the layer with {(s.top_k, s.norm_topk_prob)}")
+    mine = {"gate.weight": layer.router_weight, "experts.gate_up_proj": layer.gate_up_proj,
+            "experts.down_proj": layer.down_proj}
+    theirs = dict(block.named_parameters())
+    if set(theirs) != set(mine):
+        raise ValueError(f"{cls_name} has parameters {sorted(theirs)}, expected {sorted(mine)}")
+    for pname, p in mine.items():
+        if theirs[pname].shape != p.shape:
+            raise ValueError(f"config gives {pname} shape {tuple(theirs[pname].shape)}, the layer "
+                             f"has {tuple(p.shape)}")
+    block.gate.weight = layer.router_weight
+    block.experts.gate_up_proj = layer.gate_up_proj
+    block.experts.down_proj = layer.down_proj
+    reason = unsupported_reason(block.experts)
+    if reason is not None:
+        raise ValueError(f"the config gives experts with {reason}; MoELayer's are SiLU-gated")
+    if any(b.is_meta for b in block.buffers()):
+        raise ValueError(f"{cls_name} has buffers moekit cannot fill")
+    block.train(layer.training)
+    return block

@@ -1,0 +1,399 @@
+"""Transformers integration: tiny random Qwen3-MoE, OLMoE and Mixtral models built from configs.
+
+fp32 logits with experts_implementation="moekit" must match "eager" to 1e-5 relative: both run in
+fp32 and differ only in summation order. Every model has more experts (16) than token-expert pairs
+(7 tokens x top-2), so every layer has experts that receive no token. Expert weights are redrawn at
+1/sqrt(fan_in) so that the experts move the logits (checked: zeroing them changes the logits > 1%).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from helpers import rel_err
+from moekit import MoELayer, MoEShape
+from moekit.reference import moe_experts_ref
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
+
+from moekit.integrations import transformers as mt  # noqa: E402
+
+HIDDEN, VOCAB, EXPERTS, TOP_K = 64, 128, 16, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    return mt.register()
+
+
+def tiny_config(kind: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=TOP_K,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen3_moe":  # I = 48: grouped_mm on CPU
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
+                                          moe_intermediate_size=48, num_experts=EXPERTS, norm_topk_prob=True)
+    elif kind == "olmoe":     # norm_topk_prob=False (OLMoE's default)
+        cfg = transformers.OlmoeConfig(**common, intermediate_size=48, num_experts=EXPERTS)
+    elif kind == "mixtral":   # I = 30: 120 bytes per fp32 row, not 16-aligned -> the loop backend on CPU
+        cfg = transformers.MixtralConfig(**common, head_dim=16, intermediate_size=30,
+                                         num_local_experts=EXPERTS)
+    else:
+        raise ValueError(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@torch.no_grad()
+def redraw_moe_weights(model: nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def tiny_model(kind: str, **overrides):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides),
+                                                          experts_implementation="eager")
+    redraw_moe_weights(model)
+    return model.eval()
+
+
+def moekit_ran(fn) -> tuple[object, bool]:
+    """fn()'s result and whether the moekit::experts op ran during it."""
+    with torch.autograd.profiler.profile() as prof:
+        out = fn()
+    return out, any(e.name == "moekit::experts" for e in prof.function_events)
+
+
+def input_ids(seq_len: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_logits_match_eager(kind):
+    model = tiny_model(kind)
+    ids = input_ids()
+    with torch.no_grad():
+        eager = model(ids).logits
+        model.set_experts_implementation("moekit")
+        assert model.get_experts_implementation()[""] == "moekit"
+        out, ran = moekit_ran(lambda: model(ids).logits)
+        for name, p in model.named_parameters():   # sensitivity: the experts matter to the logits
+            if name.endswith("experts.down_proj"):
+                p.zero_()
+        no_experts = model(ids).logits
+    assert ran
+    assert rel_err(out, eager) <= 1e-5
+    assert rel_err(no_experts, eager) > 1e-2
+
+
+def test_from_pretrained_one_line(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="moekit")
+    loaded.eval()
+    ids = input_ids(seed=1)
+    with torch.no_grad():
+        eager = model(ids).logits
+        out, ran = moekit_ran(lambda: loaded(ids).logits)
+    assert ran and loaded.config._experts_implementation == "moekit"
+    assert rel_err(out, eager) <= 1e-5
+
+
+def test_register_is_idempotent(registered):
+    assert mt.register() is registered
+    assert ALL_EXPERTS_FUNCTIONS["moekit"] is registered
+    with pytest.raises(ValueError, match="Transformers' own"):
+        mt.register("grouped_mm")
+    with pytest.raises(ValueError, match="backend"):
+        mt.register("moekit-x", backend="cublas")
+
+
+def ep_shard(experts: nn.Module, rank: int, world: int) -> nn.Module:
+    """This rank's experts, as Transformers' expert-parallel sharding leaves the module."""
+    local = copy.copy(experts)
+    local._parameters = dict(experts._parameters)
+    n = experts.num_experts // world
+    local.gate_up_proj = nn.Parameter(experts.gate_up_proj[rank * n:(rank + 1) * n], requires_grad=False)
+    local.down_proj = nn.Parameter(experts.down_proj[rank * n:(rank + 1) * n], requires_grad=False)
+    local.num_experts = n
+    return local
+
+
+def ep_route(ids: torch.Tensor, weights: torch.Tensor, rank: int, n_local: int):
+    """Transformers' EP router transform: non-local slots get id n_local (the sentinel), weight 0."""
+    non_local = ids // n_local != rank
+    return torch.where(non_local, n_local, ids % n_local), weights.masked_fill(non_local, 0.0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_sentinels_are_skipped(world, registered):
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(9)])
+    w = torch.rand(9, TOP_K, generator=gen)
+    ids[0] = torch.tensor([0, 1])          # token 0 only on rank 0's experts
+    with torch.no_grad():
+        full = moe_experts_ref(x, experts.gate_up_proj, experts.down_proj, w, ids)
+        n_local = EXPERTS // world
+        parts = []
+        for rank in range(world):
+            local = ep_shard(experts, rank, world)
+            local_ids, local_w = ep_route(ids, w, rank, n_local)
+            part = registered(local, x, local_ids, local_w)
+            # Nonzero weights on the sentinel slots change nothing: the pairs are skipped, not zeroed.
+            noisy = registered(local, x, local_ids, torch.where(local_ids == n_local, 7.0, local_w))
+            assert torch.equal(part, noisy)
+            if rank > 0:
+                assert torch.equal(part[0], torch.zeros(HIDDEN))   # a row with no local expert
+            parts.append(part)
+    assert rel_err(sum(parts), full) <= 1e-5
+
+
+def test_unservable_layouts_fall_back_with_one_warning():
+    model = tiny_model("qwen3_moe", hidden_act="gelu")
+    ids = input_ids()
+    with torch.no_grad():
+        model.set_experts_implementation("grouped_mm")
+        ref = model(ids).logits
+        model.set_experts_implementation("moekit")
+        mt._warned.clear()
+        with pytest.warns(UserWarning, match="activation GELUActivation") as record:
+            out, ran = moekit_ran(lambda: model(ids).logits)
+        assert len([r for r in record if "moekit" in str(r.message)]) == 1  # two layers, one warning
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="moekit")
+            model(ids)
+    assert not ran
+    assert torch.equal(out, ref)
+
+
+def test_gradients_fall_back_to_grouped_mm():
+    model = tiny_model("olmoe")
+    model.set_experts_implementation("moekit")
+    mt._warned.clear()
+    with pytest.warns(UserWarning, match="gradients"):
+        loss = model(input_ids(), labels=input_ids()).loss
+    loss.backward()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def make_experts_class(**flags):
+    @use_experts_implementation(**flags)
+    class ToyExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+            shapes = ((e, h, 2 * i), (e, i, h)) if flags.get("is_transposed") else ((e, 2 * i, h), (e, h, i))
+            self.num_experts = e
+            self.gate_up_proj = nn.Parameter(torch.randn(*shapes[0]) / h**0.5, requires_grad=False)
+            self.down_proj = nn.Parameter(torch.randn(*shapes[1]) / i**0.5, requires_grad=False)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise NotImplementedError
+
+    return ToyExperts
+
+
+def toy_config(impl: str):
+    cfg = transformers.PretrainedConfig(num_experts=6, hidden_size=32, intermediate_size=24)
+    cfg._experts_implementation = impl
+    return cfg
+
+
+def test_transposed_weights_run_on_moekit_without_copy():
+    torch.manual_seed(0)
+    experts = make_experts_class(is_transposed=True)(toy_config("moekit"))
+    x, w = torch.randn(5, 32), torch.rand(5, 2)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 3], [6, 0], [3, 2]])   # one sentinel (6); experts 4, 5 idle
+    assert mt.unsupported_reason(experts) is None
+    with torch.no_grad():
+        out, ran = moekit_ran(lambda: experts(x, ids, w))
+        theirs = mt._transformers().grouped_mm_forward(experts, x, ids, w)
+    ref = moe_experts_ref(x, experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2), w,
+                          torch.where(ids < 6, ids, -1))
+    assert ran
+    assert rel_err(out, ref) <= 1e-5 and rel_err(theirs, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("flags, attr, reason", [
+    ({"has_bias": True}, None, "expert biases"),
+    ({"has_gate": False}, None, "non-gated"),
+    ({"is_concatenated": False}, None, "interleaved"),
+    ({}, ("act_fn", nn.ReLU()), "activation ReLU"),
+    ({}, ("gate_up_proj", torch.zeros(6, 48, 32, dtype=torch.int8)), "dtype torch.int8"),
+    ({}, ("down_proj", torch.zeros(6, 32, 25)), "shapes"),
+])
+def test_unsupported_layouts_are_named(flags, attr, reason):
+    experts = make_experts_class(**flags)(toy_config("moekit"))
+    if attr is not None:
+        if isinstance(attr[1], torch.Tensor):
+            del experts._parameters[attr[0]]
+        setattr(experts, attr[0], attr[1])
+    assert reason in mt.unsupported_reason(experts)
+
+
+def test_custom_apply_gate_is_not_served():
+    cls = make_experts_class()
+    cls._apply_gate = lambda self, gate_up: gate_up[..., : gate_up.shape[-1] // 2]
+    assert mt.unsupported_reason(cls(toy_config("moekit"))) == "a custom _apply_gate"
+
+
+def test_triton_backend_through_transformers():
+    """The triton backend (interpreted on CPU) behind the experts interface, on one tiny block."""
+    fn = mt.register("moekit-triton", backend="triton")
+    assert mt.register("moekit-triton", backend="triton") is fn
+    model = tiny_model("qwen3_moe")
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        eager = block(x)
+        model.set_experts_implementation("moekit-triton")
+        out, ran = moekit_ran(lambda: block(x))
+    assert ran and rel_err(out, eager) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_from_transformers_shares_weights(kind):
+    model = tiny_model(kind)
+    block = model.model.layers[1].mlp
+    layer = MoELayer.from_transformers(block)
+    assert layer.router_weight is block.gate.weight
+    assert layer.gate_up_proj is block.experts.gate_up_proj and layer.down_proj is block.experts.down_proj
+    assert layer.shape.top_k == TOP_K and layer.shape.norm_topk_prob == (kind != "olmoe")
+    x = torch.randn(1, 7, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel_err(layer(x), block(x)) <= 1e-5
+        block.experts.down_proj.mul_(2.0)       # shared storage: the layer sees the change
+        assert rel_err(layer(x), block(x)) <= 1e-5
+
+
+def test_to_transformers_round_trip():
+    torch.manual_seed(0)
+    layer = MoELayer(MoEShape(EXPERTS, HIDDEN, 48, TOP_K)).requires_grad_(False)
+    block = layer.to_transformers()
+    assert type(block).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert block.gate.weight is layer.router_weight and block.experts.gate_up_proj is layer.gate_up_proj
+    assert block.experts.config._experts_implementation == "moekit"
+    x = torch.randn(1, 7, HIDDEN)
+    with torch.no_grad():
+        out, ran = moekit_ran(lambda: block(x))
+        assert ran and rel_err(out, layer(x)) <= 1e-5
+    assert MoELayer.from_transformers(block).gate_up_proj is layer.gate_up_proj
+
+    mixtral = layer.to_transformers(tiny_config("mixtral", intermediate_size=48), experts_implementation=None)
+    assert type(mixtral).__name__ == "MixtralSparseMoeBlock" and mixtral.experts.down_proj is layer.down_proj
+    with pytest.raises(ValueError, match="shape"):
+        layer.to_transformers(tiny_config("mixtral"))                      # I = 30 != 48
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        layer.to_transformers(tiny_config("olmoe"))                        # OLMoE does not renormalise
+    with pytest.raises(TypeError, match="supports"):
+        MoELayer.from_transformers(nn.Linear(2, 2))
+
+
+def test_compiled_block_fullgraph_dynamic_tokens():
+    """Dynamo + AOT with fake tensors (aot_eager): inductor costs ~40 s on this CPU; the layer test
+    in test_ops.py and the GPU test below run inductor."""
+    model = tiny_model("qwen3_moe").requires_grad_(False)
+    model.set_experts_implementation("moekit")
+    block = model.model.layers[0].mlp
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad():
+        for num_tokens in (5, 11):
+            x = torch.randn(1, num_tokens, HIDDEN)
+            out, ran = moekit_ran(lambda x=x: compiled(x))
+            assert ran and rel_err(out, block(x)) <= 1e-5
+    assert counter.frame_count == 1
+
+
+def test_compiled_model_fullgraph_dynamic_tokens():
+    model = tiny_model("mixtral").requires_grad_(False)
+    model.set_experts_implementation("moekit")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    with torch.no_grad():
+        for seq_len in (5, 9):
+            ids = input_ids(seq_len)
+            assert rel_err(compiled(ids).logits, model(ids).logits) <= 1e-5
+            frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[1] == frames[0]   # the second length reuses the graphs
+
+
+def gpu_script():
+    """scripts/gpu_transformers.py, the one home of the published models' sizes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_transformers.py"
+    spec = importlib.util.spec_from_file_location("gpu_transformers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_full_shapes_bf16_match_eager_gpu(kind):
+    """One decoder layer at the published expert shapes: moekit's error <= 2x eager's (bf16 vs fp32)."""
+    model = gpu_script().build(kind, torch.device("cuda"))
+    block, hidden = model.model.layers[0].mlp, model.config.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for num_tokens in (1, 64, 4096):
+            x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            _, weights, ids = block.gate(x)
+            ref = moe_experts_ref(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+            model.set_experts_implementation("eager")
+            eager_err = rel_err(block(x[None]).view(-1, hidden), ref)
+            model.set_experts_implementation("moekit")
+            out, ran = moekit_ran(lambda x=x: block(x[None]).view(-1, hidden))
+            assert ran and rel_err(out, ref) <= 2 * eager_err, (num_tokens, rel_err(out, ref), eager_err)
+        tokens = torch.randint(3, model.config.vocab_size, (2, 64), device="cuda", generator=gen)
+        model.set_experts_implementation("eager")
+        eager = model(tokens).logits
+        model.set_experts_implementation("moekit")
+        mine = model(tokens).logits
+        model.float()
+        model.set_experts_implementation("eager")
+        ref = model(tokens).logits
+    assert rel_err(mine, ref) <= 2 * rel_err(eager, ref)
+
+
+@pytest.mark.gpu
+def test_compiled_block_full_shape_gpu():
+    model = gpu_script().build("qwen3_moe", torch.device("cuda"))
+    model.set_experts_implementation("moekit")
+    block, hidden = model.model.layers[0].mlp, model.config.hidden_size
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    frames = []
+    with torch.inference_mode():
+        for num_tokens in (64, 4096, 300):
+            x = torch.randn(1, num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            _, weights, ids = block.gate(x.view(-1, hidden))
+            ref = moe_experts_ref(x.view(-1, hidden), block.experts.gate_up_proj, block.experts.down_proj,
+                                  weights, ids)
+            model.set_experts_implementation("eager")
+            eager_err = rel_err(block(x).view(-1, hidden), ref)
+            model.set_experts_implementation("moekit")
+            out, ran = moekit_ran(lambda x=x: compiled(x).view(-1, hidden))
+            assert ran and rel_err(out, ref) <= 2 * eager_err
+            frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[-1] == frames[0]
