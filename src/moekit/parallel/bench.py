@@ -1,0 +1,402 @@
+"""`moekit ep-bench`: expert parallelism over torch.distributed, each rank's time split into phases.
+
+    torchrun --nproc-per-node N -m moekit ep-bench [--preset P --tokens T ...]   nccl on CUDA, gloo on CPU
+    moekit ep-bench --simulate N      one process, N virtual ranks (loopback exchange, one device)
+    moekit ep-bench --redraw CSV      the plot and report again, from a results CSV
+
+For every routing scenario (`moekit.routing.scenarios`, drawn for all N·T tokens, then rank r takes
+rows [r·T, (r+1)·T)) and placement (contiguous; with --spare-slots S also hot experts replicated into
+S spare slots per rank, planned from the scenario's loads), each rank first checks its output
+against the fp32 reference (`moekit.bench.correctness`; a failure on any rank withholds the
+timings), then times `iters` iterations of:
+
+    barrier -> dispatch (plan, count all-to-all and its host sync, pack, row all-to-all)
+            -> experts (moe_experts on the received rows)
+            -> wait (barrier: idle until the slowest rank's experts are done)
+            -> combine (reverse all-to-all, per-token sum)
+
+Step time of an iteration = the slowest rank's dispatch + experts + wait + combine. Rows go to
+`ep_results.csv` (appended) with `moekit bench`'s provenance; plot and report are drawn from it.
+NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before the group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.correctness import Check, expected_output
+from moekit.bench.results import Provenance, collect_provenance
+from moekit.bench.runner import make_weights
+from moekit.bench.timing import TimingStats
+from moekit.experts import BACKENDS, resolve_backend
+from moekit.parallel import disable_nvls
+from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
+from moekit.parallel.results import CSV_NAME, PHASES, STEP, EPRow, append_csv, read_csv, write_report
+from moekit.parallel.simulate import SimulatedTimes, shard_experts, simulate_ep
+from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
+from moekit.routing.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.shapes import PRESETS, MoEShape
+
+GPU_PRESET, CPU_PRESET = "qwen3-30b-a3b", "tiny"
+GPU_TOKENS, CPU_TOKENS = 4096, 64
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+RESULTS_ROOT = Path("moekit-results")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"layer shape (default: {GPU_PRESET} on GPUs, {CPU_PRESET} on the CPU)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens per rank (default: {GPU_TOKENS} on GPUs, {CPU_TOKENS} on the CPU)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="routing scenarios, comma-separated (moekit.routing.make_scenario names)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="routing trace (.pt or .npy) for the scenario 'file' (moekit.routing.from_file)")
+    p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS), help="experts backend")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype (default: bfloat16 on GPUs, float32 on the CPU)")
+    p.add_argument("--spare-slots", type=int, default=0,
+                   help="also run with hot experts replicated into this many spare slots per rank")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: 3 CPU, 10 GPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 10 CPU, 50 GPU)")
+    p.add_argument("--simulate", type=int, default=None, metavar="N",
+                   help="no process group: N virtual ranks in this process, on one device")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/ep-<UTC timestamp>)")
+    p.add_argument("--redraw", type=Path, default=None, metavar="CSV",
+                   help="only redraw the plot and report of the latest run in this CSV")
+    p.add_argument("--timeout", type=int, default=600, help="seconds before a stuck collective fails")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and routing")
+
+
+@dataclass(frozen=True)
+class Config:
+    preset: str
+    shape: MoEShape
+    tokens: int
+    scenarios: tuple[str, ...]
+    trace: Path | None
+    dtype: torch.dtype
+    backend: str
+    spare_slots: int
+    warmup: int
+    iters: int
+    seed: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Group:
+    """The process group this run measures (rank 0 of a simulated run is the only process)."""
+
+    rank: int
+    world: int
+    dist_backend: str  # "nccl", "gloo", or "" when simulated
+    device: torch.device
+
+
+def _config(args: argparse.Namespace, device: torch.device) -> Config:
+    on_gpu = device.type == "cuda"
+    preset = args.preset or (GPU_PRESET if on_gpu else CPU_PRESET)
+    shape = PRESETS[preset]
+    tokens = args.tokens if args.tokens is not None else (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    for name in scenarios:  # fail on a bad name or trace before any group-wide work
+        make_scenario(name, 1, shape.num_experts, shape.top_k, trace=args.trace)
+    if tokens < 1 or args.spare_slots < 0 or not scenarios:
+        raise ValueError("--tokens must be >= 1, --spare-slots >= 0, --scenarios not empty")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
+    backend = resolve_backend(args.backend, device, shape.hidden_size, shape.intermediate_size,
+                              torch.empty((), dtype=dtype).element_size())
+    warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 3)
+    iters = args.iters if args.iters is not None else (50 if on_gpu else 10)
+    if warmup < 0 or iters < 1:
+        raise ValueError("--warmup must be >= 0 and --iters >= 1")
+    return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
+                  iters, args.seed, device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _routing(cfg: Config, name: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = cfg.shape
+    return make_scenario(name, world * cfg.tokens, s.num_experts, s.top_k, seed=cfg.seed,
+                         hidden_size=s.hidden_size, trace=cfg.trace, device=cfg.device)
+
+
+def _tokens(cfg: Config, rank: int) -> torch.Tensor:
+    g = torch.Generator(device=cfg.device).manual_seed(cfg.seed * 100_003 + 1 + rank)
+    return torch.randn(cfg.tokens, cfg.shape.hidden_size, generator=g, device=cfg.device).to(cfg.dtype)
+
+
+def _placements(cfg: Config, ids: torch.Tensor, world: int) -> list[tuple[str, Placement]]:
+    e = cfg.shape.num_experts
+    out = [("contiguous", contiguous_placement(e, world))]
+    if cfg.spare_slots:
+        start = contiguous_placement(e, world, cfg.spare_slots)
+        out.append(("replicated", replicate_hot_experts(expert_loads(ids, e).cpu(), start)))
+    return out
+
+
+def _base(prov: Provenance, cfg: Config, grp: Group, mode: str, scenario: str, expert_skew: float,
+          label: str, placement: Placement) -> dict:
+    s = cfg.shape
+    return {**asdict(prov), "mode": mode, "dist_backend": grp.dist_backend, "world_size": grp.world,
+            "preset": cfg.preset, "num_experts": s.num_experts, "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size, "top_k": s.top_k, "tokens_per_rank": cfg.tokens,
+            "backend": cfg.backend, "scenario": scenario, "expert_busiest_over_mean": expert_skew,
+            "placement": label, "replicas": placement.num_replicas}
+
+
+def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...]) -> list[EPRow]:
+    """EPRows from each rank's {"check", "samples" (iters x phases ms), "rows_sent", ...}."""
+    pairs = [p["pairs_recv"] for p in per_rank]
+    mean = sum(pairs) / len(pairs)
+    base = {**base, "rank_busiest_over_mean": max(pairs) / mean if mean else 1.0}
+    checks: list[Check] = [p["check"] for p in per_rank]
+    failed = next((c for c in checks if not c.ok), None)
+    status, reason = ("failed", failed.reason) if failed else ("ok", "")
+    max_err = max(c.max_err for c in checks)
+    tol = min(c.tol for c in checks)
+    nan = float("nan")
+    untimed = {"median_ms": nan, "p20_ms": nan, "p80_ms": nan, "n_rep": 0}
+
+    def stats(samples: list[float]) -> dict:
+        if failed:
+            return untimed
+        st = TimingStats.from_samples(samples)
+        return {"median_ms": st.median_ms, "p20_ms": st.p20_ms, "p80_ms": st.p80_ms, "n_rep": st.n}
+
+    rows = []
+    for rank, p in enumerate(per_rank):
+        for j, phase in enumerate(phases):
+            col = [] if failed else [it[j] for it in p["samples"]]
+            rows.append(EPRow(**base, rank=rank, phase=phase, status=status, reason=reason,
+                              max_err=p["check"].max_err, tol=p["check"].tol, **stats(col),
+                              rows_sent=p["rows_sent"], rows_recv=p["rows_recv"],
+                              pairs_recv=p["pairs_recv"]))
+    iters = 0 if failed else len(per_rank[0]["samples"])
+    steps = [max(sum(p["samples"][i]) for p in per_rank) for i in range(iters)]
+    busiest = max(range(len(per_rank)), key=lambda r: pairs[r])
+    rows.append(EPRow(**base, rank=STEP, phase="step", status=status, reason=reason, max_err=max_err,
+                      tol=tol, **stats(steps), rows_sent=per_rank[busiest]["rows_sent"],
+                      rows_recv=per_rank[busiest]["rows_recv"], pairs_recv=pairs[busiest]))
+    return rows
+
+
+def _measure_rank(cfg: Config, grp: Group, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                  placement: Placement, full: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """This rank's check and timings for one scenario and placement (collective)."""
+    gate_up, down = rank_weights(*full, placement, grp.rank)
+    tables = placement.copy_table(cfg.device)
+    with torch.inference_mode():
+        tokens, handle = dispatch(x, w, ids, placement, tables=tables)
+        out = combine(run_local_experts(tokens, gate_up, down, backend=cfg.backend), handle)
+        check = expected_output(x, *full, w, ids).check(out)
+        info = {"check": check, "rows_sent": sum(handle.send_counts),
+                "rows_recv": sum(tokens.recv_counts), "pairs_recv": int((tokens.topk_ids >= 0).sum())}
+        ok = torch.tensor([int(check.ok)], device=cfg.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        samples = []
+        if ok.item():
+            for i in range(cfg.warmup + cfg.iters):
+                dist.barrier()
+                _sync(cfg.device)
+                t0 = time.perf_counter()
+                tokens, handle = dispatch(x, w, ids, placement, tables=tables)
+                _sync(cfg.device)
+                t1 = time.perf_counter()
+                partial = run_local_experts(tokens, gate_up, down, backend=cfg.backend)
+                _sync(cfg.device)
+                t2 = time.perf_counter()
+                dist.barrier()
+                _sync(cfg.device)
+                t3 = time.perf_counter()
+                combine(partial, handle)
+                _sync(cfg.device)
+                t4 = time.perf_counter()
+                if i >= cfg.warmup:
+                    samples.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))])
+    return {**info, "samples": samples}
+
+
+def _distributed_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console) -> list[EPRow]:
+    weights = make_weights(cfg.shape, cfg.dtype, cfg.device, cfg.seed)
+    full = (weights.gate_up_proj, weights.down_proj)
+    x = _tokens(cfg, grp.rank)
+    mine = slice(grp.rank * cfg.tokens, (grp.rank + 1) * cfg.tokens)
+    rows: list[EPRow] = []
+    for name in cfg.scenarios:
+        w_all, ids_all = _routing(cfg, name, grp.world)
+        skew = busiest_over_mean(expert_loads(ids_all, cfg.shape.num_experts).cpu())
+        for label, placement in _placements(cfg, ids_all, grp.world):
+            mine_info = _measure_rank(cfg, grp, x, w_all[mine], ids_all[mine], placement, full)
+            gathered: list[dict | None] = [None] * grp.world
+            dist.all_gather_object(gathered, mine_info)
+            if grp.rank == 0:
+                base = _base(prov, cfg, grp, "distributed", name, skew, label, placement)
+                new = _rows(base, gathered, PHASES)
+                rows += new
+                step = new[-1]
+                console.print(f"  {name:<14} {label:<10} step {step.median_ms:8.3f} ms  "
+                              f"ranks busiest/mean {step.rank_busiest_over_mean:.2f}  {step.status}")
+    return rows
+
+
+def _simulated_rows(cfg: Config, grp: Group, prov: Provenance, console: Console) -> list[EPRow]:
+    n = grp.world
+    weights = make_weights(cfg.shape, cfg.dtype, cfg.device, cfg.seed)
+    full = (weights.gate_up_proj, weights.down_proj)
+    xs = [_tokens(cfg, r) for r in range(n)]
+    rows: list[EPRow] = []
+    phases = ("dispatch", "experts", "combine")
+    for name in cfg.scenarios:
+        w_all, ids_all = _routing(cfg, name, n)
+        ws, idss = list(w_all.split(cfg.tokens)), list(ids_all.split(cfg.tokens))
+        skew = busiest_over_mean(expert_loads(ids_all, cfg.shape.num_experts).cpu())
+        for label, placement in _placements(cfg, ids_all, n):
+            shards = shard_experts(*full, placement)
+            with torch.inference_mode():
+                outs = simulate_ep(xs, ws, idss, shards, placement, backend=cfg.backend)
+                checks = [expected_output(xs[r], *full, ws[r], idss[r]).check(outs[r]) for r in range(n)]
+                samples: list[list[list[float]]] = [[] for _ in range(n)]
+                if all(c.ok for c in checks):
+                    for i in range(cfg.warmup + cfg.iters):
+                        t = SimulatedTimes()
+                        simulate_ep(xs, ws, idss, shards, placement, backend=cfg.backend, times=t)
+                        if i >= cfg.warmup:
+                            for r in range(n):
+                                samples[r].append([t.ms[p][r] for p in phases])
+            loads = _simulated_loads(ids_all, placement, n, cfg.tokens)
+            per_rank = [{"check": checks[r], "samples": samples[r], **loads[r]} for r in range(n)]
+            base = _base(prov, cfg, grp, "simulated", name, skew, label, placement)
+            new = _rows(base, per_rank, phases)
+            rows += new
+            console.print(f"  {name:<14} {label:<10} step {new[-1].median_ms:8.3f} ms  "
+                          f"ranks busiest/mean {new[-1].rank_busiest_over_mean:.2f}  {new[-1].status}")
+    return rows
+
+
+def _simulated_loads(ids_all: torch.Tensor, placement: Placement, n: int, tokens: int) -> list[dict]:
+    loads = [{"rows_sent": 0, "rows_recv": 0, "pairs_recv": 0} for _ in range(n)]
+    for src, ids in enumerate(ids_all.split(tokens)):
+        plan = plan_routes(ids, placement, src)
+        rows = plan.send_counts.tolist()
+        pairs = torch.bincount(plan.dest.reshape(-1), minlength=n + 1)[:n].tolist()
+        loads[src]["rows_sent"] = sum(rows)
+        for d in range(n):
+            loads[d]["rows_recv"] += rows[d]
+            loads[d]["pairs_recv"] += pairs[d]
+    return loads
+
+
+def _start_group(args: argparse.Namespace) -> tuple[Group, bool]:
+    """Join the caller's process group, or start one from torchrun's environment."""
+    disable_nvls()  # before NCCL reads its environment
+    owns = not dist.is_initialized()
+    if owns:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError("ep-bench needs a process group: launch it with "
+                             "`torchrun --nproc-per-node N -m moekit ep-bench ...`, or use --simulate N")
+        timeout = datetime.timedelta(seconds=args.timeout)
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        else torch.device("cpu")
+    return Group(dist.get_rank(), dist.get_world_size(), backend, device), owns
+
+
+def _write(rows: list[EPRow], out_dir: Path, console: Console) -> None:
+    csv_path = append_csv(rows, out_dir / CSV_NAME)
+    written = write_report(read_csv(csv_path), out_dir)
+    console.print(f"Wrote {csv_path}, {', '.join(p.name for p in written)} in {out_dir}")
+
+
+def _provenance(cfg: Config, console: Console) -> Provenance:
+    console.print(f"Measuring ceilings on {cfg.device}...")
+    ceilings = measure_ceilings(cfg.device, cfg.dtype)
+    return collect_provenance(cfg.device, cfg.dtype, ceilings.copy_gbps, ceilings.matmul_tflops)
+
+
+def run(args: argparse.Namespace) -> int:
+    disable_nvls()  # first of all: nothing below may start NCCL or symmetric memory with NVLS on
+    console = Console()
+    if args.redraw is not None:
+        try:
+            rows = read_csv(args.redraw)
+        except ValueError as exc:
+            console.print(f"[red]moekit ep-bench: {exc}[/red]")
+            return 2
+        written = write_report(rows, args.out or args.redraw.parent)
+        console.print(f"Wrote {', '.join(str(p) for p in written)}")
+        return 0
+    if args.simulate is not None:
+        return _run_simulated(args, console)
+    try:
+        grp, owns = _start_group(args)
+    except ValueError as exc:
+        console.print(f"[red]moekit ep-bench: {exc}[/red]")
+        return 2
+    try:
+        if grp.rank != 0:
+            console = Console(quiet=True)
+        try:  # every rank sees the same arguments, so every rank stops here together
+            cfg = _config(args, grp.device)
+            if grp.world > cfg.shape.num_experts:
+                raise ValueError(f"{grp.world} ranks but only {cfg.shape.num_experts} experts")
+        except ValueError as exc:
+            console.print(f"[red]moekit ep-bench: {exc}[/red]")
+            return 2
+        prov = _provenance(cfg, console) if grp.rank == 0 else None
+        console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
+                      f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
+                      f"{cfg.backend}")
+        rows = _distributed_rows(cfg, grp, prov, console)
+        if grp.rank == 0:
+            _write(rows, args.out or RESULTS_ROOT / f"ep-{prov.run_id}", console)
+        dist.barrier()
+        return 1 if any(r.status != "ok" for r in rows) else 0
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def _run_simulated(args: argparse.Namespace, console: Console) -> int:
+    n = args.simulate
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    try:
+        if n < 1:
+            raise ValueError(f"--simulate needs N >= 1, got {n}")
+        cfg = _config(args, device)
+        if n > cfg.shape.num_experts:
+            raise ValueError(f"--simulate {n}: more ranks than the preset's {cfg.shape.num_experts} experts")
+    except ValueError as exc:
+        console.print(f"[red]moekit ep-bench: {exc}[/red]")
+        return 2
+    grp = Group(0, n, "", device)
+    prov = _provenance(cfg, console)
+    console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
+                  f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend {cfg.backend}")
+    rows = _simulated_rows(cfg, grp, prov, console)
+    _write(rows, args.out or RESULTS_ROOT / f"ep-sim-{prov.run_id}", console)
+    return 1 if any(r.status != "ok" for r in rows) else 0

@@ -1,0 +1,269 @@
+"""Expert-parallel dispatch and combine over torch.distributed all-to-alls (DeepEP's two halves).
+
+Dataflow on one rank of N (T local tokens, K top_k, H hidden; S rows sent, R rows received):
+
+    plan     placement.assign: dest (T, K) rank of each pair (replicated experts split round-robin,
+             see moekit.placement), local (T, K) its expert's index there;
+             hit (T, N): token t has at least one pair on rank d; send_counts (N,) = hit.sum(0)
+    counts   all_to_all_single(send_counts) -> recv_counts (N,); both read on the host
+    pack     one row per (token, destination rank), sorted by (rank, token): a token with 3 experts
+             on rank d is sent to d once, its other slots marked -1 (what DeepEP does)
+    rows     all_to_all_single: x (S, H) -> (R, H); meta (S, 2K) int32 -> (R, 2K)
+    experts  moe_experts(ignore_invalid_ids=True) on the received rows, local ids -> (R, H)
+    back     all_to_all_single: (R, H) -> (S, H), the reverse splits
+    reduce   out[t] = sum of t's partial rows in increasing rank order, in fp32
+
+The sync point: all_to_all_single takes its split sizes as host integers, so the counts are copied
+to the host once per layer call (send and receive together, one device-to-host copy). Every other
+step is sized from those integers and runs without a sync. Avoiding it needs fixed-size buffers
+(DeepEP's low-latency mode, DeepGEMM's masked layout): not done here.
+
+Metadata (one rank):
+    send meta (S, 2K) int32: [:, :K] local expert ids or -1; [:, K:] the fp32 routing weights' bits
+        (0.0 where the id is -1). Ids and weights travel in one collective, and bit-exact.
+    DispatchHandle.combine_index (T, D) int64, D = min(K, N): row of the returned buffer holding
+        token t's partial from its j-th destination rank (increasing rank); S, a zero row, after
+        its last one. The reduction order is fixed, so results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moekit._validation import FLOAT_DTYPES, ID_DTYPES, check_expert_ids_in_range, check_shape, check_tensor
+from moekit.experts import moe_experts
+from moekit.placement import Placement, assign
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Where one rank's pairs go, before any communication.
+
+    Fields:
+        dest: (T, K) int64 destination rank of each pair; N for a pair that goes nowhere.
+        local: (T, K) int64 expert index on the destination rank; -1 where dest == N.
+        hit: (T, N) bool, token t has at least one pair on rank d.
+        send_counts: (N,) int64 on the device, rows for each rank (= hit.sum(0)).
+    """
+
+    dest: torch.Tensor
+    local: torch.Tensor
+    hit: torch.Tensor
+    send_counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchedTokens:
+    """What a rank receives: rows for its local experts.
+
+    Fields:
+        x: (R, H) token rows, grouped by source rank (increasing), by token within a source.
+        topk_weights: (R, K) float32 routing weights; 0 where the id is -1.
+        topk_ids: (R, K) int32 local expert ids in [0, E_local), or -1 for pairs held elsewhere.
+        recv_counts: rows from each source rank (N ints, sum R).
+    """
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    recv_counts: list[int]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs to bring the partial rows back and sum them.
+
+    Fields:
+        send_counts: rows sent to each rank (N ints, sum S).
+        recv_counts: rows received from each rank (N ints, sum R).
+        combine_index: (T, D) int64, D = min(K, N); see the module docstring.
+        dtype: of the output (the input's).
+    """
+
+    send_counts: list[int]
+    recv_counts: list[int]
+    combine_index: torch.Tensor
+    dtype: torch.dtype
+
+
+def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                  *, ignore_invalid_ids: bool = False) -> None:
+    """Shapes, dtypes, devices; id ranges on CPU (no host sync on CUDA), as `moe_experts` checks."""
+    check_tensor("hidden_states", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=x.device)
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must have shape (T={x.shape[0]}, K), got {tuple(topk_ids.shape)}")
+    if not 1 <= topk_ids.shape[1] <= num_experts:
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, E={num_experts}], "
+                         f"got {topk_ids.shape[1]}")
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
+    if x.device.type == "cpu" and not ignore_invalid_ids:
+        check_expert_ids_in_range(topk_ids, num_experts)
+
+
+def plan_routes(topk_ids: torch.Tensor, placement: Placement, rank: int,
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutePlan:
+    """Destination rank and local expert of every pair of `rank`'s tokens (no communication).
+
+    `tables` is `placement.copy_table(device)`, to reuse across calls.
+    """
+    n = placement.num_ranks
+    a = assign(topk_ids, placement, source_rank=rank, tables=tables)
+    dest = torch.where(a.rank >= 0, a.rank.long(), n)
+    local = a.local_ids.long()
+    hit = torch.zeros(topk_ids.shape[0], n + 1, dtype=torch.bool, device=topk_ids.device)
+    hit.scatter_(1, dest, True)  # column N collects the pairs that go nowhere
+    hit = hit[:, :n]
+    return RoutePlan(dest, local, hit, hit.sum(0))
+
+
+def pack(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan,
+         num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Send buffers of one rank, sized by the host count `num_rows` (= plan.send_counts.sum()).
+
+    Returns:
+        (send_x (S, H), send_meta (S, 2K) int32, combine_index (T, D) int64).
+    """
+    num_tokens, top_k = plan.dest.shape
+    n = plan.hit.shape[1]
+    dev = x.device
+    s = num_rows
+    # Rows are ordered by (destination rank, token): the order of the flattened (N, T) hit matrix.
+    flat = plan.hit.T.reshape(-1)
+    pos = torch.cumsum(flat, 0) - 1
+    where_to = torch.where(flat, pos, s)  # slot s is a dump for the (d, t) that send nothing
+    cell = torch.arange(n * num_tokens, device=dev, dtype=torch.int64)
+    rows = torch.empty(s + 1, dtype=torch.int64, device=dev).scatter_(0, where_to, cell)[:s]
+    row_token, row_dest = rows % max(num_tokens, 1), rows // max(num_tokens, 1)
+
+    same = plan.dest[row_token] == row_dest[:, None]  # (S, K) pairs of this row's token on its rank
+    send_ids = torch.where(same, plan.local[row_token], -1).to(torch.int32)
+    send_w = torch.where(same, topk_weights[row_token].float(), 0.0)
+    send_meta = torch.cat([send_ids, send_w.view(torch.int32)], dim=1)
+    send_x = x[row_token]
+
+    d = min(top_k, n)
+    slot = torch.cumsum(plan.hit, 1) - 1  # (T, N): j-th destination of the token
+    row_of = pos.view(n, num_tokens).T  # (T, N): its row, where hit
+    combine_index = torch.full((num_tokens, d + 1), s, dtype=torch.int64, device=dev)
+    combine_index.scatter_(1, torch.where(plan.hit, slot, d), torch.where(plan.hit, row_of, s))
+    return send_x, send_meta, combine_index[:, :d]
+
+
+def unpack_meta(meta: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, 2K) int32 -> (topk_weights (R, K) float32, topk_ids (R, K) int32)."""
+    ids = meta[:, :top_k].contiguous()
+    weights = meta[:, top_k:].contiguous().view(torch.float32)
+    return weights, ids
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor,
+                    group: dist.ProcessGroup | None) -> tuple[list[int], list[int]]:
+    """The one host sync of a layer call: all-to-all the counts, copy both to the host together."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts, group=group)
+    send_list, recv_list = torch.stack([send_counts, recv]).tolist()
+    return send_list, recv_list
+
+
+def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
+             *, group: dist.ProcessGroup | None = None, ignore_invalid_ids: bool = False,
+             tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[DispatchedTokens, DispatchHandle]:
+    """Send every token row to the ranks holding its experts (collective: every rank calls it).
+
+    Args:
+        x: (T, H) this rank's tokens (T may be 0).
+        topk_weights: (T, K) routing weights.
+        topk_ids: (T, K) global expert ids, int32 or int64.
+        placement: which rank holds which experts; placement.num_ranks must equal the group's size.
+        group: the process group (default: the world).
+        ignore_invalid_ids: pairs with ids outside [0, E) are not sent (contribute 0).
+        tables: `placement.copy_table(x.device)`, to reuse across calls.
+
+    Returns:
+        (DispatchedTokens for this rank's experts, DispatchHandle for `combine`).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if placement.num_ranks != world:
+        raise ValueError(f"placement is for {placement.num_ranks} ranks, the process group has {world}")
+    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        raise ValueError(f"hidden_states is on {x.device}, but gloo's all-to-all takes CPU tensors only; "
+                         "use an nccl process group for GPU tensors")
+    check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    plan = plan_routes(topk_ids, placement, rank, tables)
+    send_counts, recv_counts = exchange_counts(plan.send_counts, group)
+    send_x, send_meta, combine_index = pack(x, topk_weights, plan, sum(send_counts))
+    r = sum(recv_counts)
+    recv_x = x.new_empty(r, x.shape[1])
+    recv_meta = send_meta.new_empty(r, send_meta.shape[1])
+    _all_to_all(recv_x, send_x, recv_counts, send_counts, group)
+    _all_to_all(recv_meta, send_meta, recv_counts, send_counts, group)
+    weights, ids = unpack_meta(recv_meta, topk_ids.shape[1])
+    return (DispatchedTokens(recv_x, weights, ids, recv_counts),
+            DispatchHandle(send_counts, recv_counts, combine_index, x.dtype))
+
+
+def run_local_experts(tokens: DispatchedTokens, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                      *, backend: str = "auto", **experts_opts) -> torch.Tensor:
+    """The received rows through this rank's experts: (R, H), one partial sum per row.
+
+    `moe_experts` takes at most E_local slots per row; when K > E_local (a rank holding fewer
+    experts than top_k, e.g. uneven placement) the slots run in chunks of E_local, summed in fp32.
+    """
+    x, weights, ids = tokens.x, tokens.topk_weights, tokens.topk_ids
+    num_local, top_k = gate_up_proj.shape[0], ids.shape[1]
+    if num_local == 0 or x.shape[0] == 0:
+        # Nobody sends rows to a rank without experts; an empty receive needs no expert call.
+        return torch.zeros_like(x)
+    if top_k <= num_local:
+        return moe_experts(x, gate_up_proj, down_proj, weights, ids, backend=backend,
+                           ignore_invalid_ids=True, **experts_opts)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k0 in range(0, top_k, num_local):
+        sl = slice(k0, k0 + num_local)
+        acc += moe_experts(x, gate_up_proj, down_proj, weights[:, sl].contiguous(), ids[:, sl].contiguous(),
+                           backend=backend, ignore_invalid_ids=True, **experts_opts)
+    return acc.to(x.dtype)
+
+
+def reduce_partials(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(S + 1, H) partial rows (last row zero) -> (T, H): each token's rows summed in rank order, fp32."""
+    num_tokens, d = combine_index.shape
+    if num_tokens == 0:
+        return back.new_empty(0, back.shape[1], dtype=dtype)
+    acc = back[combine_index[:, 0]].float()
+    for j in range(1, d):
+        acc += back[combine_index[:, j]]
+    return acc.to(dtype)
+
+
+def combine(partial: torch.Tensor, handle: DispatchHandle, *,
+            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Return each received row's partial result to its source rank and sum per token (collective).
+
+    Args:
+        partial: (R, H) one row per received row, in the order `dispatch` delivered them.
+        handle: from the matching `dispatch`.
+
+    Returns:
+        (T, H) in the input's dtype: this rank's MoE output.
+    """
+    r = sum(handle.recv_counts)
+    if partial.dim() != 2 or partial.shape[0] != r:
+        raise ValueError(f"partial must have shape (R={r}, H), got {tuple(partial.shape)}")
+    s = sum(handle.send_counts)
+    back = partial.new_empty(s + 1, partial.shape[1])
+    back[s].zero_()
+    _all_to_all(back[:s], partial, handle.send_counts, handle.recv_counts, group)
+    return reduce_partials(back, handle.combine_index, handle.dtype)

@@ -1,0 +1,475 @@
+"""Expert parallelism: the EP layer must equal the single-device layer on the same tokens.
+
+Two kinds of test:
+  * in-process: `simulate_ep` runs N virtual ranks through the same plan / pack / experts / reduce
+    steps with a loopback all-to-all (fast; many placements and world sizes);
+  * spawned gloo groups of 2 and 4 processes on 127.0.0.1: each world is started once (a module
+    fixture), runs every case, and saves its outputs; the tests compare them here against
+    `MoELayer` / `moe_experts` on one device with fp32 tolerances.
+The parent process hosts the TCPStore (port 0: the OS picks a free one, so there is no race), and
+every child is killed if the world has not finished within WORLD_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moekit
+from moekit.parallel import (
+    NVLS_OFF,
+    ExpertParallelMoE,
+    combine,
+    disable_nvls,
+    dispatch,
+    ep_moe_experts,
+    run_local_experts,
+    shard_experts,
+    simulate_ep,
+)
+from moekit.parallel import bench as ep_bench
+from moekit.parallel.results import CSV_NAME, REPORT_NAME, STEP, read_csv
+from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
+from moekit.routing import expert_loads, make_scenario
+
+disable_nvls()  # NVLink multicast off for every test here, and for every process they start
+
+WORLD_TIMEOUT_S = 90
+SEED = 1234
+BACKEND = "grouped_mm"  # what "auto" picks on CPU for these shapes; the experts path is not under test
+# E = 7 does not divide over 2 or 4 ranks, and with 4 ranks one of them holds a single expert (< K).
+UNEVEN = moekit.MoEShape(7, 64, 48, 2)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One EP run. tokens[r] = rank r's token count; routing "router" uses the layer's router."""
+
+    name: str
+    tokens: tuple[int, ...]
+    routing: str = "router"
+    shape: str = "tiny"
+    spare_slots: int = 0      # > 0: replicas of the hottest experts fill the spare slots
+    duplicate_ids: bool = False
+    backend: str = BACKEND
+
+
+def _cases(world: int) -> list[Case]:
+    if world == 2:
+        uneven_tokens, idle = (9, 4), (0, 6)
+    else:
+        uneven_tokens, idle = (5, 0, 11, 3), (4, 0, 7, 0)
+    return [
+        Case("router", uneven_tokens),
+        Case("router-rank-without-tokens", idle),
+        Case("collapse", uneven_tokens, routing="collapse"),            # ranks > 0 receive nothing
+        Case("zipf-1.5", uneven_tokens, routing="zipf-1.5"),
+        Case("hot-replicated", uneven_tokens, routing="hot-1", spare_slots=1),
+        Case("uneven-experts", uneven_tokens, shape="uneven"),
+        Case("duplicate-ids", uneven_tokens, routing="zipf-1.0", duplicate_ids=True),
+        Case("loop-backend", idle, routing="balanced", backend="loop"),
+        Case("no-tokens-anywhere", (0,) * world),
+    ]
+
+
+def _gpu_cases(world: int) -> list[Case]:
+    tokens = tuple(range(37, 37 + world))
+    return [
+        Case("router", tokens, backend="auto"),
+        Case("collapse", tokens, routing="collapse", backend="auto"),
+        Case("uneven-experts", tokens, shape="uneven", backend="auto"),
+        Case("no-tokens-anywhere", (0,) * world, backend="auto"),
+    ]
+
+
+def _shape(case: Case) -> moekit.MoEShape:
+    return UNEVEN if case.shape == "uneven" else moekit.get_shape(case.shape)
+
+
+def _full_layer(case: Case) -> moekit.MoELayer:
+    layer = moekit.MoELayer(_shape(case), backend=case.backend)
+    layer.reset_parameters(torch.Generator().manual_seed(SEED))
+    return layer
+
+
+def _global_inputs(case: Case, layer: moekit.MoELayer):
+    """All ranks' tokens and routing, concatenated in rank order; the same in every process."""
+    shape, total = layer.shape, sum(case.tokens)
+    x = torch.randn(total, shape.hidden_size, generator=torch.Generator().manual_seed(SEED + 1))
+    if case.routing == "router":
+        weights, ids = layer.route(x)
+    else:
+        weights, ids = make_scenario(case.routing, total, shape.num_experts, shape.top_k, seed=SEED)
+    if case.duplicate_ids:
+        ids = ids.clone()
+        ids[::2, 1] = ids[::2, 0]  # each (token, slot) pair counts on its own
+    return x, weights, ids
+
+
+def _placement(case: Case, ids: torch.Tensor, world: int) -> Placement:
+    e = _shape(case).num_experts
+    base = contiguous_placement(e, world, spare_slots=case.spare_slots)
+    if case.spare_slots:
+        return replicate_hot_experts(expert_loads(ids, e), base)
+    return base
+
+
+def _run_case(case: Case, rank: int, world: int, device: torch.device) -> dict[str, torch.Tensor]:
+    layer = _full_layer(case)
+    x, weights, ids = _global_inputs(case, layer)
+    placement = _placement(case, ids, world)
+    layer, x, weights, ids = layer.to(device), x.to(device), weights.to(device), ids.to(device)
+    lo = sum(case.tokens[:rank])
+    mine = slice(lo, lo + case.tokens[rank])
+    ep = ExpertParallelMoE.from_layer(layer, placement=placement)
+    result = {}
+    with torch.no_grad():
+        if case.routing == "router":
+            out = ep(x[mine])
+            weights, ids = ep.route(x[mine])
+            result["ids"] = ids
+        else:
+            weights, ids = weights[mine], ids[mine]
+            out = ep.experts(x[mine], weights, ids)
+        # The same call through the three public phases, to see what this rank sent and received.
+        tokens, handle = dispatch(x[mine], weights, ids, placement)
+        partial = run_local_experts(tokens, ep.gate_up_proj, ep.down_proj, backend=case.backend)
+        again = combine(partial, handle)
+    result = {**result, "out": out, "again": again}
+    return {**{k: v.cpu() for k, v in result.items()}, "received": torch.tensor(tokens.recv_counts),
+            "sent": torch.tensor(handle.send_counts)}
+
+
+def _run_world_checks(rank: int, world: int) -> dict[str, object]:
+    """Checks that need a live group: bad arguments raise the same clear error on every rank."""
+    shape = moekit.get_shape("tiny")
+    placement = contiguous_placement(shape.num_experts, world)
+    x = torch.randn(3, shape.hidden_size)
+    w = torch.full((3, shape.top_k), 0.5)
+    ids = torch.zeros(3, shape.top_k, dtype=torch.int32)
+    gate_up = torch.zeros(len(placement.slots[rank]), 2 * shape.intermediate_size, shape.hidden_size)
+    down = torch.zeros(len(placement.slots[rank]), shape.hidden_size, shape.intermediate_size)
+    errors = {}
+    for name, kwargs in {
+        "wrong-world": dict(placement=contiguous_placement(shape.num_experts, world + 1)),
+        "bad-ids": dict(placement=placement, ids=ids + shape.num_experts),
+        "wrong-local-experts": dict(placement=placement, gate_up=gate_up[:0], down=down[:0]),
+    }.items():
+        try:
+            ep_moe_experts(x, kwargs.get("gate_up", gate_up), kwargs.get("down", down), w,
+                           kwargs.get("ids", ids), placement=kwargs["placement"])
+        except ValueError as exc:
+            errors[name] = str(exc)
+    # Ids out of range with ignore_invalid_ids: those pairs contribute exactly 0.
+    invalid = ids.clone()
+    invalid[:, 1] = -1
+    invalid[0, :] = shape.num_experts
+    out = ep_moe_experts(x, gate_up + 1.0, down + 1.0, w, invalid, placement=placement,
+                         ignore_invalid_ids=True)
+    # Forward only: with gradients on, the layer says so instead of silently dropping them.
+    layer = moekit.MoELayer(shape)
+    layer.reset_parameters(torch.Generator().manual_seed(SEED))
+    ep = ExpertParallelMoE.from_layer(layer)
+    try:
+        ep(x)
+    except RuntimeError as exc:
+        errors["grad"] = str(exc)
+    # Seeded construction holds this rank's share of the seeded single-device layer.
+    seeded = ExpertParallelMoE(shape)
+    seeded.reset_parameters(torch.Generator().manual_seed(SEED))
+    same = all(torch.equal(getattr(seeded, n), getattr(ep, n))
+               for n in ("router_weight", "gate_up_proj", "down_proj"))
+    return {"errors": errors, "invalid_out": out, "seeded_matches": same}
+
+
+def _run_bench(out_dir: Path) -> int:
+    """`moekit ep-bench` inside the live group (the same code torchrun runs), tiny and quick."""
+    parser = argparse.ArgumentParser()
+    ep_bench.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "--tokens", "16", "--scenarios", "balanced,collapse",
+                              "--spare-slots", "1", "--warmup", "1", "--iters", "3", "--out", str(out_dir)])
+    return ep_bench.run(args)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+    disable_nvls()  # NVLink multicast off, before any process group starts
+    torch.set_num_threads(1)  # 4 processes on a 2-core machine: no oversubscription
+    timeout = datetime.timedelta(seconds=WORLD_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    device = torch.device("cpu")
+    kwargs = {}
+    if dist_backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    try:
+        cases = _cases(world) if dist_backend == "gloo" else _gpu_cases(world)
+        results = {c.name: _run_case(c, rank, world, device) for c in cases}
+        results["_env"] = {k: os.environ.get(k) for k in NVLS_OFF}
+        if dist_backend == "gloo":
+            results["_checks"] = _run_world_checks(rank, world)
+            if world == 2:
+                results["_bench_rc"] = _run_bench(Path(out_dir) / "bench")
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_world(world: int, out_dir: Path, dist_backend: str = "gloo") -> list[dict]:
+    disable_nvls()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    ctx = mp.start_processes(_worker, args=(world, store.port, str(out_dir), dist_backend), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{dist_backend} world of {world} did not finish in {WORLD_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"gloo{n}")
+def gloo_world(request, tmp_path_factory):
+    world = request.param
+    out_dir = tmp_path_factory.mktemp(f"gloo{world}")
+    return world, _spawn_world(world, out_dir), out_dir
+
+
+def _expected(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    layer = _full_layer(case)
+    x, weights, ids = _global_inputs(case, layer)
+    layer, x, weights, ids = layer.to(device), x.to(device), weights.to(device), ids.to(device)
+    with torch.no_grad():
+        if case.routing == "router":
+            return layer(x).cpu(), ids.cpu()
+        return moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids,
+                                  backend=case.backend).cpu(), None
+
+
+@pytest.mark.parametrize("case_name", [c.name for c in _cases(2)])
+def test_gloo_matches_single_device(gloo_world, case_name):
+    world, results, _ = gloo_world
+    case = next(c for c in _cases(world) if c.name == case_name)
+    expected, expected_ids = _expected(case)
+    outs = [results[r][case.name]["out"] for r in range(world)]
+    for r, out in enumerate(outs):
+        assert out.shape == (case.tokens[r], _shape(case).hidden_size)
+        assert out.dtype == torch.float32
+        # Bitwise reproducible: the per-token sum runs in rank order, never through atomics.
+        assert torch.equal(out, results[r][case.name]["again"])
+    torch.testing.assert_close(torch.cat(outs), expected)
+    if expected_ids is not None:  # each rank's router picks exactly the single-device experts
+        assert torch.equal(torch.cat([results[r][case.name]["ids"] for r in range(world)]), expected_ids)
+
+
+def test_gloo_split_sizes(gloo_world):
+    """Collapse: only rank 0's experts get pairs, so the other ranks receive no rows (zero-size
+    splits) yet return their own tokens' outputs. Each token row travels once per destination."""
+    world, results, _ = gloo_world
+    collapse = next(c for c in _cases(world) if c.name == "collapse")
+    received = [results[r]["collapse"]["received"] for r in range(world)]
+    assert received[0].tolist() == list(collapse.tokens)  # one row per token, not one per pair
+    for r in range(1, world):
+        assert received[r].sum() == 0
+    hot = next(c for c in _cases(world) if c.name == "hot-replicated")
+    assert _placement(hot, _global_inputs(hot, _full_layer(hot))[2], world).num_replicas > 0
+    for name in ("collapse", "zipf-1.5", "hot-replicated", "uneven-experts"):
+        sent = torch.stack([results[r][name]["sent"] for r in range(world)])
+        recv = torch.stack([results[r][name]["received"] for r in range(world)])
+        assert torch.equal(sent, recv.T)  # rank s's sends to d are d's receives from s
+        case = next(c for c in _cases(world) if c.name == name)
+        top_k = _shape(case).top_k
+        assert all(n <= min(world, top_k) * t for n, t in zip(sent.sum(1).tolist(), case.tokens, strict=True))
+
+
+def test_gloo_argument_errors(gloo_world):
+    world, results, _ = gloo_world
+    for r in range(world):
+        errors = results[r]["_checks"]["errors"]
+        assert "placement is for" in errors["wrong-world"]
+        assert "topk_ids must lie in" in errors["bad-ids"]
+        assert "experts in the placement" in errors["wrong-local-experts"]
+        assert "forward-only" in errors["grad"]
+        assert results[r]["_checks"]["seeded_matches"]
+        # Rows with no valid pair output exactly 0; slot 1 (-1) adds nothing to the others.
+        out = results[r]["_checks"]["invalid_out"]
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert results[r]["_env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:
+    return list(torch.split(t, list(counts)))
+
+
+@pytest.mark.parametrize(
+    "num_experts,world,top_k,tokens",
+    [
+        (8, 1, 2, (13,)),
+        (8, 3, 2, (4, 0, 9)),          # uneven placement 3/3/2, a rank without tokens
+        (7, 4, 2, (3, 5, 1, 6)),       # one rank holds a single expert, fewer than K
+        (8, 8, 3, (2, 0, 1, 3, 0, 5, 1, 1)),
+        (5, 5, 5, (3, 2, 0, 4, 1)),    # top_k = E: every rank gets every token
+        (6, 2, 1, (0, 0)),             # no tokens anywhere
+    ],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+@pytest.mark.parametrize("routing", ["zipf-1.0", "collapse"])
+@pytest.mark.parametrize("replicas", [0, 1], ids=["contiguous", "replicated"])
+def test_simulated_group_matches_single_device(num_experts, world, top_k, tokens, routing, replicas):
+    shape = moekit.MoEShape(num_experts, 64, 48, top_k)
+    layer = moekit.MoELayer(shape, backend=BACKEND)
+    layer.reset_parameters(torch.Generator().manual_seed(SEED))
+    total = sum(tokens)
+    x = torch.randn(total, shape.hidden_size, generator=torch.Generator().manual_seed(SEED))
+    weights, ids = make_scenario(routing, total, num_experts, top_k, seed=SEED)
+    placement = contiguous_placement(num_experts, world, spare_slots=replicas)
+    if replicas:
+        placement = replicate_hot_experts(expert_loads(ids, num_experts), placement)
+    with torch.no_grad():
+        expected = moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids, backend=BACKEND)
+        outs = simulate_ep(_split(x, tokens), _split(weights, tokens), _split(ids, tokens),
+                           shard_experts(layer.gate_up_proj, layer.down_proj, placement), placement,
+                           backend=BACKEND)
+    assert [o.shape[0] for o in outs] == list(tokens)
+    torch.testing.assert_close(torch.cat(outs), expected)
+
+
+def test_simulated_group_nan_stays_in_its_row():
+    shape = moekit.get_shape("tiny")
+    layer = moekit.MoELayer(shape, backend=BACKEND)
+    x = torch.randn(6, shape.hidden_size)
+    x[2, 5] = float("nan")
+    placement = contiguous_placement(shape.num_experts, 2)
+    with torch.no_grad():
+        weights, ids = layer.route(x.nan_to_num())
+        outs = simulate_ep(_split(x, (3, 3)), _split(weights, (3, 3)), _split(ids, (3, 3)),
+                           shard_experts(layer.gate_up_proj, layer.down_proj, placement), placement,
+                           backend=BACKEND)
+    out = torch.cat(outs)
+    assert torch.isnan(out[2]).all()
+    assert torch.isfinite(out[torch.arange(6) != 2]).all()
+
+
+def test_simulated_group_rejects_mismatched_shards():
+    shape = moekit.get_shape("tiny")
+    layer = moekit.MoELayer(shape)
+    placement = contiguous_placement(shape.num_experts, 2)
+    shards = shard_experts(layer.gate_up_proj, layer.down_proj, placement)
+    x, w, ids = torch.randn(2, 64), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds 0 experts"):
+        simulate_ep([x, x], [w, w], [ids, ids], [shards[0], (shards[1][0][:0], shards[1][1][:0])],
+                    placement)
+    with torch.no_grad():
+        gate_up, _ = rank_weights(layer.gate_up_proj, layer.down_proj, placement, 1)
+    assert torch.equal(gate_up, layer.gate_up_proj[4:])
+
+
+def test_gloo_ep_bench(gloo_world):
+    """`moekit ep-bench` in a live gloo group: every row correct and timed, loads as routed."""
+    world, results, out_dir = gloo_world
+    if world != 2:
+        pytest.skip("the bench smoke run uses the world of 2")
+    assert [results[r]["_bench_rc"] for r in range(world)] == [0, 0]
+    rows = read_csv(out_dir / "bench" / CSV_NAME)
+    assert (out_dir / "bench" / REPORT_NAME).exists() and (out_dir / "bench" / "ep_tiny.png").exists()
+    # 2 scenarios x 2 placements x (2 ranks x 4 phases + the step)
+    assert len(rows) == 2 * 2 * (world * 4 + 1)
+    assert all(r.status == "ok" and r.n_rep == 3 and r.median_ms >= 0 for r in rows)
+    assert {r.dist_backend for r in rows} == {"gloo"} and {r.world_size for r in rows} == {2}
+    for (scenario, placement) in {(r.scenario, r.placement) for r in rows}:
+        group = [r for r in rows if r.scenario == scenario and r.placement == placement]
+        step = next(r for r in group if r.rank == STEP)
+        # step_i >= every rank's experts_i in every iteration, so the medians keep that order
+        assert all(step.median_ms >= r.median_ms for r in group if r.phase == "experts")
+        pairs = [next(r for r in group if r.rank == k and r.phase == "experts").pairs_recv for k in range(2)]
+        assert sum(pairs) == 2 * 16 * 2  # N * T * K: every pair runs exactly once
+        if (scenario, placement) == ("collapse", "contiguous"):
+            assert pairs[1] == 0 and step.rank_busiest_over_mean == 2.0
+        if (scenario, placement) == ("collapse", "replicated"):
+            assert step.replicas > 0 and step.rank_busiest_over_mean < 2.0
+
+
+def test_ep_bench_simulated_and_redraw(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    ep_bench.add_arguments(parser)
+    args = parser.parse_args(["--simulate", "3", "--preset", "tiny", "--tokens", "8", "--scenarios",
+                              "balanced,hot", "--warmup", "0", "--iters", "2", "--out", str(tmp_path)])
+    assert ep_bench.run(args) == 0
+    rows = read_csv(tmp_path / CSV_NAME)
+    assert len(rows) == 2 * (3 * 3 + 1)  # 2 scenarios x (3 ranks x 3 phases + the step)
+    assert {r.mode for r in rows} == {"simulated"} and all(r.status == "ok" for r in rows)
+    (tmp_path / REPORT_NAME).unlink()
+    redraw = parser.parse_args(["--redraw", str(tmp_path / CSV_NAME)])
+    assert ep_bench.run(redraw) == 0
+    assert "| contiguous | hot |" in (tmp_path / REPORT_NAME).read_text()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("run_id,date\n1,2\n")
+    assert ep_bench.run(parser.parse_args(["--redraw", str(bad)])) == 2
+    assert "missing columns" in capsys.readouterr().out
+
+
+def test_ep_bench_needs_a_group(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    parser = argparse.ArgumentParser()
+    ep_bench.add_arguments(parser)
+    assert ep_bench.run(parser.parse_args([])) == 2
+    assert "torchrun" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one(tmp_path):
+    """NCCL on one GPU: a world of 1 runs the same all-to-alls (to itself) and equals the layer."""
+    results = _spawn_world(1, tmp_path, "nccl")
+    assert results[0]["_env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    for case in _gpu_cases(1):
+        expected, expected_ids = _expected(case, "cuda")
+        torch.testing.assert_close(results[0][case.name]["out"], expected)
+        assert torch.equal(results[0][case.name]["out"], results[0][case.name]["again"])
+        if expected_ids is not None:
+            assert torch.equal(results[0][case.name]["ids"], expected_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_simulated_group_on_gpu(dtype):
+    """8 virtual ranks on the GPU with the triton backend, Qwen3-30B-A3B's shape, skewed routing."""
+    from moekit.bench.correctness import expected_output
+
+    shape = moekit.PRESETS["qwen3-30b-a3b"]
+    layer = moekit.MoELayer(shape, dtype=dtype, device="cuda")
+    tokens = (64, 0, 31, 200, 1, 64, 64, 7)
+    total = sum(tokens)
+    x = torch.randn(total, shape.hidden_size, device="cuda").to(dtype)
+    placement = contiguous_placement(shape.num_experts, 8)
+    for routing in ("zipf-1.5", "collapse"):
+        weights, ids = make_scenario(routing, total, shape.num_experts, shape.top_k, seed=SEED, device="cuda")
+        with torch.no_grad():
+            outs = simulate_ep(_split(x, tokens), _split(weights, tokens), _split(ids, tokens),
+                               shard_experts(layer.gate_up_proj, layer.down_proj, placement), placement,
+                               backend="triton")
+            out = torch.cat(outs)
+            if dtype == torch.float32:
+                single = moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids,
+                                            backend="triton")
+                torch.testing.assert_close(out, single)
+            check = expected_output(x, layer.gate_up_proj, layer.down_proj, weights, ids).check(out)
+            assert check.ok, check.reason
