@@ -17,7 +17,7 @@ fi
 for step in $steps; do
     echo "=== $step"
     case $step in
-        tests)   python3 -m pytest -m gpu -q -x tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+        tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;
