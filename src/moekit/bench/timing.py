@@ -83,6 +83,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _check_no_host_sync(fn: Callable[[], object], device: torch.device) -> None:
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        if "synchroniz" not in str(exc).lower():
+            raise
+        raise NotCapturable(f"the call synchronizes the host: {str(exc).splitlines()[0]}") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize(device)
+
+
+def _reset_capture_state(device: torch.device) -> None:
+    """After a failed capture: a small capture that succeeds takes the generators out of capture mode."""
+    stream = torch.cuda.Stream(device)
+    scratch = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            scratch.add_(1)
+            graph.capture_end()
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        pass  # best effort: the original failure is what gets reported
+
+
 def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
     """Record `fn` in a CUDA graph; raise `NotCapturable` with the reason when it cannot be.
 
@@ -100,6 +129,9 @@ def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
+    # A capture that fails leaves PyTorch's CUDA generators in capture mode (every later random
+    # op on the device then raises), so a call that syncs the host is caught here, uncaptured.
+    _check_no_host_sync(fn, device)
     graph = torch.cuda.CUDAGraph()
     capture_stream = torch.cuda.Stream(device)
     capture_stream.wait_stream(torch.cuda.current_stream(device))
@@ -124,6 +156,7 @@ def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch
     except Exception as exc:  # an invalidated capture may surface once more here
         failure = failure or exc
     if failure is not None:
+        _reset_capture_state(device)
         text = str(failure).strip()
         raise NotCapturable(f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}") from failure
     return graph, out

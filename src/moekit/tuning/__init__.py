@@ -16,7 +16,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -79,16 +79,42 @@ def shape_key(shape: MoEShape, dtype: torch.dtype) -> str:
             f"K={shape.top_k},dtype={str(dtype).removeprefix('torch.')}")
 
 
-def default_config(shape: MoEShape, num_tokens: int) -> ExpertsConfig:
-    """A sane config for any shape: tile height follows the mean rows per expert."""
+SHARED_MEMORY_BUDGET = 200 * 1024  # under Hopper's 227 KB per block, leaving room for the epilogue
+
+
+def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2) -> ExpertsConfig:
+    """A sane config for any shape: tile height follows the mean rows per expert; the pipelined
+    tiles are shrunk (stages first, then block_k) until they fit in shared memory for the dtype."""
     rows = max(1, num_tokens) * shape.top_k / shape.num_experts
     if rows <= 16:
-        return ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
-    if rows <= 48:
-        return ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4, 4)
-    if rows <= 160:
-        return ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
-    return ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
+        cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
+    elif rows <= 48:
+        cfg = ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4, 4)
+    elif rows <= 160:
+        cfg = ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
+    else:
+        cfg = ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
+    return fit_shared_memory(cfg, itemsize)
+
+
+def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
+    """Shared memory of one GEMM's pipelined operand tiles (GEMM1 streams gate and up tiles)."""
+    if gemm == 1:
+        return cfg.stages1 * (cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
+    return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
+
+
+def fit_shared_memory(cfg: ExpertsConfig, itemsize: int) -> ExpertsConfig:
+    for gemm in (1, 2):
+        stages, block_k = f"stages{gemm}", f"block_k{gemm}"
+        while pipeline_bytes(cfg, itemsize, gemm) > SHARED_MEMORY_BUDGET:
+            if getattr(cfg, stages) > 2:
+                cfg = replace(cfg, **{stages: getattr(cfg, stages) - 1})
+            elif getattr(cfg, block_k) > 16:
+                cfg = replace(cfg, **{block_k: getattr(cfg, block_k) // 2})
+            else:
+                break
+    return cfg
 
 
 def device_slug(device: torch.device | str | None = None) -> str:
@@ -145,7 +171,7 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
         if slug != "cpu" and (slug, key) not in _warned:
             _warned.add((slug, key))
             warnings.warn(f"moekit: no tuned config for {key} on {slug}; using defaults", stacklevel=3)
-        return default_config(shape, num_tokens)
+        return default_config(shape, num_tokens, torch.empty((), dtype=dtype).element_size())
     t = max(1, num_tokens)
     best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
     return entry[best]
