@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|tune|compare|bench]...   (default: tests compare)
-# Writes logs under $OUT (or ./gpu-out when OUT is unset).
+# Usage: bash scripts/gpu_check.sh [tests|tune|compare|bench|imbalance|transformers]...
+# (default: tests compare). TESTS selects test files (default: all). Logs and results go under
+# $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -17,10 +18,17 @@ fi
 for step in $steps; do
     echo "=== $step"
     case $step in
-        tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE --durations=8 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+        tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE --durations=8 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;
-        bench)   MOEKIT_CONFIG_DIR=$OUT python3 -m moekit bench --out "$OUT/bench" 2>&1 | tail -40 ;;
+        bench)   timeout ${BENCH_TIMEOUT:-450} python3 -m moekit bench --peers ${BENCH_ARGS:-} \
+                     --tokens 1,4,16,64,256,1024,2048,4096,8192,16384 --out "$OUT/bench" 2>&1 \
+                     | tee "$OUT/bench.log" | tail -60 ;;
+        imbalance) timeout ${IMBALANCE_TIMEOUT:-300} python3 -m moekit imbalance ${IMBALANCE_ARGS:-} --out "$OUT/imbalance" 2>&1 \
+                     | tee "$OUT/imbalance.log" | tail -40 ;;
+        transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 scripts/gpu_transformers.py "$OUT/transformers" ${TRANSFORMERS_ARGS:-} \
+                     2>&1 | tee "$OUT/transformers.log" | tail -40 ;;
     esac
 done
+(cd "$OUT" && tar czf ../bundle.tgz . && find . -mindepth 1 -delete && mv ../bundle.tgz .)
