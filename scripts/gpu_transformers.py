@@ -25,7 +25,6 @@ import argparse
 import csv
 import datetime
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 import moekit
+from moekit.bench.results import git_commit
 from moekit.integrations.transformers import register
 from moekit.reference import moe_experts_ref
 
@@ -195,11 +195,7 @@ def provenance() -> dict:
     import transformers
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = git_commit() or "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
     return dict(gpu=gpu, commit=commit,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -99,8 +99,14 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
 _TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(ResultRow)}
 
 
-def _git_commit() -> str:
-    """Commit of the moekit source tree, "+dirty" when it has local changes; "" outside git."""
+def git_commit() -> str:
+    """Commit of the moekit source tree, "+dirty" when it has local changes; "" outside git.
+
+    MOEKIT_COMMIT, when set, wins: a source tree copied without its .git (as the GPU runs are)
+    says its commit that way.
+    """
+    if os.environ.get("MOEKIT_COMMIT"):
+        return os.environ["MOEKIT_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
@@ -140,7 +146,7 @@ def collect_provenance(device: torch.device, dtype: torch.dtype, copy_gbps: floa
     return Provenance(
         run_id=now.strftime("%Y%m%dT%H%M%SZ"),
         date=now.isoformat(timespec="seconds"),
-        commit=_git_commit(),
+        commit=git_commit(),
         device_type=device.type,
         device_name=device_name(device),
         torch_version=torch.__version__,
