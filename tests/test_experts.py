@@ -225,3 +225,16 @@ def test_bad_options_raise():
         ExpertsConfig(block_m=0)
     with pytest.raises(ValueError, match="power of two"):
         ExpertsConfig(block_n1=48)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_slots_than_experts_when_invalid_ids_are_ignored(backend):
+    # An expert-parallel rank holding 2 experts sees K = 3 slots, one always marked -1.
+    x = torch.randn(5, 32)
+    gate_up, down = make_weights(2, 32, 16, torch.float32)
+    ids = torch.tensor([[0, 1, -1], [1, -1, 0], [-1, -1, 1], [0, -1, -1], [1, 0, -1]], dtype=torch.int32)
+    w = torch.rand(5, 3)
+    out = run(backend, x, gate_up, down, w, ids, ignore_invalid_ids=True)
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+    with pytest.raises(ValueError, match="top_k"):
+        run(backend, x, gate_up, down, w, ids.clamp(min=0))

@@ -72,3 +72,44 @@ def check_triton_device(name: str, t: torch.Tensor) -> None:
         f"backend='triton' needs {name} on a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), "
         f"got {t.device}"
     )
+
+
+def check_experts_args(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    top_k_at_most_experts: bool = True,
+) -> int:
+    """Shapes, dtypes and devices of the expert path's inputs; returns E. Reads no tensor data, so
+    it also holds for fake tensors with a symbolic T. The layout is Transformers' by contract, never
+    guessed from the shapes: gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I).
+
+    top_k_at_most_experts=False lets K exceed E, for expert-parallel ranks holding fewer experts
+    than a token picks (their other slots carry ids outside [0, E)).
+    """
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    num_tokens, hidden = hidden_states.shape
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
+    check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
+    num_experts, two_i, h_in = gate_up_proj.shape
+    if h_in != hidden or two_i % 2:
+        raise ValueError(
+            f"gate_up_proj must have shape (E, 2*I, H={hidden}) (Transformers layout, gate rows "
+            f"first), got {tuple(gate_up_proj.shape)}"
+        )
+    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev)
+    top_k = topk_ids.shape[1]
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must have shape (T={num_tokens}, K), got {tuple(topk_ids.shape)}")
+    if top_k < 1 or (top_k_at_most_experts and top_k > num_experts):
+        bound = f"[1, E={num_experts}]" if top_k_at_most_experts else ">= 1"
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be {'in ' if top_k_at_most_experts else ''}"
+                         f"{bound}, got {top_k}")
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
+    return num_experts

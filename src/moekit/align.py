@@ -64,17 +64,42 @@ def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"topk_ids has {topk_ids.numel()} pairs; at most 2**31 - 2 are supported")
 
 
+@dataclass(frozen=True)
+class PairSort:
+    """The T*K pairs stably sorted by expert (torch ops; shared by align and the torch backends).
+
+    Attributes:
+        valid: bool (S,), the pair's id lies in [0, E).
+        key: int64 (S,), the expert id, or E for invalid pairs (they sort last).
+        e_sorted: int64 (S,), keys in sorted order.
+        order: int64 (S,), pair ids in sorted order (a stable sort: pair order within an expert).
+        counts: int64 (E + 1,), pairs per expert; counts[E] counts the invalid pairs.
+    """
+
+    valid: torch.Tensor
+    key: torch.Tensor
+    e_sorted: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> PairSort:
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    e_sorted, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, device=flat.device, dtype=torch.int64)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return PairSort(valid, key, e_sorted, order, counts)
+
+
 def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """PyTorch align: the reference the Triton kernels must match exactly."""
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    dev = flat.device
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, num_experts)                   # invalid pairs sort last, unplaced
-    e_sorted, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int64)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
+    pairs = sort_pairs(topk_ids, num_experts)
+    num_pairs = pairs.key.numel()
+    dev = pairs.key.device
+    e_sorted, order = pairs.e_sorted, pairs.order
+    counts = pairs.counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded

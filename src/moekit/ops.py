@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from moekit._validation import (
     FLOAT_DTYPES,
-    ID_DTYPES,
-    check_shape,
+    check_experts_args,
     check_tensor,
     check_top_k,
     check_triton_device,
@@ -49,20 +48,7 @@ _HOST_BACKENDS = {"loop": experts_loop, "padded": experts_padded, "grouped_mm": 
 def _check_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
     """Shape, dtype and device checks only: they hold for fake tensors with a symbolic T too."""
-    check_tensor("hidden_states", x, ndim=2, dtypes=FLOAT_DTYPES)
-    dev = x.device
-    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(x.dtype,), device=dev)
-    check_tensor("down_proj", down_proj, ndim=3, dtypes=(x.dtype,), device=dev)
-    num_experts, two_i, hidden = gate_up_proj.shape
-    if hidden != x.shape[1] or two_i % 2:
-        raise ValueError(f"gate_up_proj must have shape (E, 2*I, H={x.shape[1]}) (gate rows first), "
-                         f"got {tuple(gate_up_proj.shape)}")
-    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev)
-    if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must have shape (T={x.shape[0]}, K >= 1), got {tuple(topk_ids.shape)}")
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
+    check_experts_args(x, gate_up_proj, down_proj, topk_weights, topk_ids, top_k_at_most_experts=False)
 
 
 @torch.library.custom_op(

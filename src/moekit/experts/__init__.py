@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from moekit._validation import (
-    FLOAT_DTYPES,
-    ID_DTYPES,
     check_expert_ids_in_range,
+    check_experts_args,
     check_shape,
     check_tensor,
 )
@@ -40,30 +39,6 @@ def resolve_backend(backend: str, device: torch.device, hidden: int = 16, inter:
         return "triton"
     aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
     return "grouped_mm" if aligned else "loop"
-
-
-def _validate(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids):
-    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
-    dev, dtype = hidden_states.device, hidden_states.dtype
-    num_tokens, hidden = hidden_states.shape
-    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
-    check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
-    num_experts, two_i, h_in = gate_up_proj.shape
-    if h_in != hidden or two_i % 2:
-        raise ValueError(
-            f"gate_up_proj must have shape (E, 2*I, H={hidden}) (Transformers layout, gate rows "
-            f"first), got {tuple(gate_up_proj.shape)}"
-        )
-    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev)
-    top_k = topk_ids.shape[1]
-    if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids must have shape (T={num_tokens}, K), got {tuple(topk_ids.shape)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, E={num_experts}], got {top_k}")
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
-    return num_experts
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -102,15 +77,16 @@ def moe_experts(
         capacity_factor: padded backend only: cap each expert at ceil(c * T * K / E) pairs.
         stats: padded backend only: filled with "capacity" and "dropped" (device scalar).
         ignore_invalid_ids: pairs with ids outside [0, E) contribute exactly 0 (expert
-            parallelism marks non-local experts so). When False, such ids raise ValueError where
-            that costs no host sync: on CPU, or when validate=True.
+            parallelism marks non-local experts so), and K may exceed E. When False, such ids
+            raise ValueError where that costs no host sync: on CPU, or when validate=True.
         validate: check id ranges (a host sync on CUDA). Default: True on CPU, False on CUDA.
         out: optional (T, H) output buffer of the input dtype; must not overlap any input.
 
     Returns:
         (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
     """
-    num_experts = _validate(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    num_experts = check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                     top_k_at_most_experts=not ignore_invalid_ids)
     dev = hidden_states.device
     backend = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
                               hidden_states.element_size())

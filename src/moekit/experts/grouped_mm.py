@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekit.align import sort_pairs
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -39,15 +41,10 @@ def experts_grouped_mm(
     num_tokens, hidden = hidden_states.shape
     num_experts = gate_up_proj.shape[0]
     top_k = topk_ids.shape[1]
-    dev = hidden_states.device
 
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, num_experts)
-    _, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int32)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_experts], 0, dtype=torch.int32)     # invalid pairs lie past offs[-1]
+    pairs = sort_pairs(topk_ids, num_experts)
+    valid, order = pairs.valid, pairs.order
+    offs = torch.cumsum(pairs.counts[:num_experts], 0, dtype=torch.int32)  # invalid pairs lie past offs[-1]
 
     x_sorted = hidden_states[order // top_k].contiguous()
     h = _grouped_mm(x_sorted, gate_up_proj.transpose(-1, -2), offs=offs)

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moekit.align import sort_pairs
+
 
 class PaddedWorkspaceTooLarge(RuntimeError):
     """The (E, cap, *) buffers would not fit in the device's free memory."""
@@ -57,12 +59,8 @@ def experts_padded(
     num_pairs = num_tokens * top_k
     dev = hidden_states.device
 
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, num_experts)
-    e_sorted, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_experts + 1, device=dev, dtype=torch.int64)
-    counts.scatter_add_(0, key, torch.ones_like(key))
+    pairs = sort_pairs(topk_ids, num_experts)
+    valid, key, e_sorted, order, counts = pairs.valid, pairs.key, pairs.e_sorted, pairs.order, pairs.counts
     start = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(num_pairs, device=dev) - start[e_sorted]
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)   # rank of pair p in its expert
