@@ -3,11 +3,17 @@
 One row per measurement (preset x T x backend x mode). Every row carries its provenance (device,
 commit, date, versions) and the ceilings of its run, so rows from different runs can be appended
 into one file and still be read on their own. Plots and the report are drawn from these rows only.
+
+The CSV code is generic over a frozen row dataclass: its fields, in order, are the columns, and each
+field's annotation (str, float, int or int | None) says how a cell is written and read back. The
+`moekit ep-bench` rows (`moekit.parallel.results`) and the `moekit imbalance` rows
+(`moekit.bench.imbalance_report`) use the same functions with their own row types.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -46,24 +52,11 @@ class Provenance:
 
 
 @dataclass(frozen=True)
-class ResultRow:
-    """One measurement. Times in ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when
-    the case was not timed (status other than "ok") or the quantity does not exist (busy time on
-    the CPU)."""
+class ResultRow(Provenance):
+    """One measurement: its run's `Provenance` columns, then the case and its statistics. Times in
+    ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed (status
+    other than "ok") or the quantity does not exist (busy time on the CPU)."""
 
-    run_id: str
-    date: str
-    commit: str
-    device_type: str
-    device_name: str
-    torch_version: str
-    triton_version: str
-    transformers_version: str
-    python_version: str
-    moekit_version: str
-    dtype: str
-    copy_gbps: float
-    matmul_tflops: float
     preset: str
     num_experts: int
     hidden_size: int
@@ -95,8 +88,28 @@ class ResultRow:
     experts_expected: float
 
 
-COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
-_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(ResultRow)}
+_KINDS = ("str", "float", "int", "int | None")
+
+
+@functools.cache
+def _schema(row_type: type) -> tuple[tuple[str, str], ...]:
+    """(column, kind) per field of a row dataclass, in field order; kind is one of _KINDS."""
+    schema = []
+    for f in fields(row_type):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind not in _KINDS:
+            raise TypeError(f"{row_type.__name__}.{f.name}: a CSV column's type must be one of {_KINDS}, "
+                            f"got {kind!r}")
+        schema.append((f.name, kind))
+    return tuple(schema)
+
+
+def columns(row_type: type) -> tuple[str, ...]:
+    """The CSV columns of a row dataclass: its field names, in order."""
+    return tuple(name for name, _ in _schema(row_type))
+
+
+COLUMNS: tuple[str, ...] = columns(ResultRow)
 
 
 def git_commit() -> str:
@@ -168,8 +181,7 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def _parse(column: str, text: str, where: str) -> object:
-    kind = _TYPES[column]
+def _parse(column: str, kind: str, text: str, where: str) -> object:
     if kind == "str":
         return text
     if text == "":
@@ -211,17 +223,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def rows_to_csv(rows: Iterable[ResultRow]) -> str:
+def rows_to_csv(rows: Iterable[object], row_type: type = ResultRow, *, header: bool = True) -> str:
+    """CSV text of rows of `row_type`: NaN and None as empty cells, floats exact (repr)."""
+    cols = columns(row_type)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(COLUMNS)
+    if header:
+        writer.writerow(cols)
     for row in rows:
-        writer.writerow([_format(getattr(row, c)) for c in COLUMNS])
+        writer.writerow([_format(getattr(row, c)) for c in cols])
     return buf.getvalue()
 
 
-def write_csv(rows: Iterable[ResultRow], path: Path) -> None:
-    atomic_write_text(path, rows_to_csv(rows))
+def write_csv(rows: Iterable[object], path: Path, row_type: type = ResultRow) -> None:
+    atomic_write_text(path, rows_to_csv(rows, row_type))
 
 
 def write_json(rows: Iterable[ResultRow], path: Path) -> None:
@@ -234,22 +249,29 @@ def write_json(rows: Iterable[ResultRow], path: Path) -> None:
     atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
 
 
-def read_csv(path: Path) -> list[ResultRow]:
-    """Rows of a results CSV. Raises ValueError naming the file (and line) on any problem."""
+def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit results CSV",
+             statuses: tuple[str, ...] | None = STATUSES) -> list:
+    """Rows of a CSV of `row_type` rows. Raises ValueError naming the file (and line) on any problem.
+
+    Args:
+        what: the kind of file expected, for the messages ("an ep-bench CSV").
+        statuses: the values the "status" column may hold (None: any).
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read results CSV ({exc})") from None
+        raise ValueError(f"{path}: cannot read {what} ({exc})") from None
     if not text.strip():
-        raise ValueError(f"{path}: empty file, expected a moekit results CSV")
+        raise ValueError(f"{path}: empty file, expected {what}")
+    schema = _schema(row_type)
     try:
         reader = csv.reader(io.StringIO(text))
         header = next(reader, None) or []
-        missing = [c for c in COLUMNS if c not in header]
+        missing = [c for c, _ in schema if c not in header]
         if missing:
-            raise ValueError(f"{path}: not a moekit results CSV; missing columns {missing}")
-        index = {c: header.index(c) for c in COLUMNS}
+            raise ValueError(f"{path}: not {what}; missing columns {missing}")
+        index = [(c, kind, header.index(c)) for c, kind in schema]
         rows = []
         for line_no, record in enumerate(reader, start=2):
             if not record:
@@ -257,10 +279,10 @@ def read_csv(path: Path) -> list[ResultRow]:
             if len(record) != len(header):
                 raise ValueError(f"{path}:{line_no}: {len(record)} fields, the header has {len(header)}")
             where = f"{path}:{line_no}"
-            values = {c: _parse(c, record[i], where) for c, i in index.items()}
-            if values["status"] not in STATUSES:
-                raise ValueError(f"{where}: status must be one of {STATUSES}, got {values['status']!r}")
-            rows.append(ResultRow(**values))
+            values = {c: _parse(c, kind, record[i], where) for c, kind, i in index}
+            if statuses is not None and values["status"] not in statuses:
+                raise ValueError(f"{where}: status must be one of {statuses}, got {values['status']!r}")
+            rows.append(row_type(**values))
     except csv.Error as exc:
         raise ValueError(f"{path}: malformed CSV ({exc})") from None
     if not rows:

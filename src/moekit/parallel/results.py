@@ -8,16 +8,15 @@ and the report are drawn from rows read back from the CSV, never from live measu
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from moekit.bench.results import Provenance, atomic_write, atomic_write_text
+from moekit.bench import results
+from moekit.bench.results import Provenance, atomic_write, atomic_write_text, columns, rows_to_csv
 
 CSV_NAME = "ep_results.csv"
 REPORT_NAME = "ep_report.md"
@@ -27,8 +26,9 @@ STATUSES = ("ok", "failed")
 
 
 @dataclass(frozen=True)
-class EPRow:
-    """One measurement of `moekit ep-bench`. Times in ms (NaN when not timed).
+class EPRow(Provenance):
+    """One measurement of `moekit ep-bench`: its run's `Provenance` columns, then the case. Times in
+    ms (NaN when not timed).
 
     Setup: mode "distributed" (a real process group) or "simulated" (N virtual ranks in one process,
     no communication timed); dist_backend "nccl" | "gloo" | "" (simulated); placement "contiguous"
@@ -37,19 +37,6 @@ class EPRow:
     rows_sent / rows_recv / pairs_recv of this rank (on step rows: the busiest rank's).
     """
 
-    run_id: str
-    date: str
-    commit: str
-    device_type: str
-    device_name: str
-    torch_version: str
-    triton_version: str
-    transformers_version: str
-    python_version: str
-    moekit_version: str
-    dtype: str
-    copy_gbps: float
-    matmul_tflops: float
     mode: str
     dist_backend: str
     world_size: int
@@ -80,83 +67,20 @@ class EPRow:
     pairs_recv: int
 
 
-COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(EPRow))
-_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(EPRow)}
-PROVENANCE_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Provenance))
-
-
-def _format(value: object) -> str:
-    if isinstance(value, float):
-        return "" if math.isnan(value) else repr(value)
-    return str(value)
-
-
-def _parse(column: str, text: str, where: str) -> object:
-    kind = _TYPES[column]
-    if kind == "str":
-        return text
-    if kind == "float":
-        if text == "":
-            return math.nan
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{where}: column {column!r} must hold a number, got {text!r}") from None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{where}: column {column!r} must hold an integer, got {text!r}") from None
-
-
-def rows_to_csv(rows: Sequence[EPRow], *, header: bool = True) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    if header:
-        writer.writerow(COLUMNS)
-    for row in rows:
-        writer.writerow([_format(getattr(row, c)) for c in COLUMNS])
-    return buf.getvalue()
+COLUMNS: tuple[str, ...] = columns(EPRow)
+PROVENANCE_COLUMNS: tuple[str, ...] = columns(Provenance)
 
 
 def read_csv(path: Path) -> list[EPRow]:
     """Rows of an ep-bench CSV; ValueError naming the file (and line) on any problem."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read the ep-bench CSV ({exc})") from None
-    try:
-        reader = csv.reader(io.StringIO(text))
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{path}: empty file, expected an ep-bench CSV header")
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path}: not an ep-bench CSV; missing columns {missing}")
-        index = {c: header.index(c) for c in COLUMNS}
-        rows = []
-        for line_no, record in enumerate(reader, start=2):
-            if not record:
-                continue
-            where = f"{path}:{line_no}"
-            if len(record) != len(header):
-                raise ValueError(f"{where}: {len(record)} fields, the header has {len(header)}")
-            row = EPRow(**{c: _parse(c, record[i], where) for c, i in index.items()})
-            if row.status not in STATUSES:
-                raise ValueError(f"{where}: status must be one of {STATUSES}, got {row.status!r}")
-            rows.append(row)
-    except csv.Error as exc:
-        raise ValueError(f"{path}: malformed CSV ({exc})") from None
-    if not rows:
-        raise ValueError(f"{path}: no result rows")
-    return rows
+    return results.read_csv(path, EPRow, what="an ep-bench CSV", statuses=STATUSES)
 
 
 def append_csv(rows: Sequence[EPRow], path: Path) -> Path:
     """Add rows to `path` (created if absent; an existing file must be an ep-bench CSV). Atomic."""
     path = Path(path)
-    old = rows_to_csv(read_csv(path)) if path.exists() else rows_to_csv([])
-    atomic_write_text(path, old + rows_to_csv(rows, header=False))
+    old = rows_to_csv(read_csv(path) if path.exists() else [], EPRow)
+    atomic_write_text(path, old + rows_to_csv(rows, EPRow, header=False))
     return path
 
 

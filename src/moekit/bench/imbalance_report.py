@@ -1,0 +1,328 @@
+"""`moekit imbalance` results: the row schema, its CSV, the plots and the imbalance.md report.
+
+The study (`moekit.bench.imbalance`) writes `ImbalanceRow`s to imbalance.csv with the generic CSV
+code of `moekit.bench.results`; everything here draws from rows read back from that CSV, so
+`moekit imbalance --redraw DIR` rebuilds the plots and the report without a device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from rich.table import Table
+
+from moekit.bench import results
+from moekit.bench.results import Provenance, atomic_write, atomic_write_text, columns
+
+CSV_NAME, REPORT_NAME = "imbalance.csv", "imbalance.md"
+
+
+@dataclass(frozen=True)
+class ImbalanceRow(Provenance):
+    """One measurement of the study: the run's `Provenance` (as in `moekit bench`), then the case.
+    NaN / None where a column does not apply to the experiment.
+
+    experiment: "one_gpu" | "ep" (one simulated rank) | "ep_step" (a placement's step) | "capacity".
+    placement: the starting placement ("contiguous", "strided"), or "replicated" (ep rows).
+    pairs: pairs of the case (the whole layer, or the rank's share).
+    status, reason: as in `moekit bench` (ok, failed, error, skipped, ...).
+    """
+
+    preset: str
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    tokens: int
+    seed: int
+    scenario: str
+    busiest_over_mean: float
+    experiment: str
+    backend: str
+    mode: str
+    status: str
+    reason: str = ""
+    max_err: float = math.nan
+    median_ms: float = math.nan
+    p20_ms: float = math.nan
+    p80_ms: float = math.nan
+    n_rep: int | None = None
+    floor_ms: float = math.nan
+    pct_floor: float = math.nan
+    kernels: int | None = None
+    pairs: int | None = None
+    placement: str = ""
+    ep_ranks: int | None = None
+    spare_slots: int | None = None
+    replicas: int | None = None
+    rank: int | None = None
+    rank_experts: int | None = None
+    rank_tokens: int | None = None
+    step_ms: float = math.nan
+    mean_ms: float = math.nan
+    slowest_over_mean: float = math.nan
+    slowest_rank: int | None = None
+    busiest_rank_pairs: int | None = None
+    pairs_busiest_over_mean: float = math.nan
+    capacity_factor: float = math.nan
+    capacity: int | None = None
+    dropped: int | None = None
+    dropped_frac: float = math.nan
+
+
+COLUMNS: tuple[str, ...] = columns(ImbalanceRow)
+
+
+def read_rows(path: Path) -> list[ImbalanceRow]:
+    """Rows of an imbalance CSV. Raises ValueError naming the file (and line) on any problem."""
+    return results.read_csv(path, ImbalanceRow, what="a moekit imbalance CSV", statuses=None)
+
+
+def write_rows(rows: Sequence[ImbalanceRow], path: Path) -> None:
+    """imbalance.csv: long format, provenance in every row; written atomically."""
+    results.write_csv(rows, path, ImbalanceRow)
+
+
+def _fmt(v: float | int | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _scenarios(rows: Sequence[ImbalanceRow]) -> list[str]:
+    return list(dict.fromkeys(r.scenario for r in rows))
+
+
+def _placements(rows: Sequence[ImbalanceRow]) -> list[str]:
+    """The EP placements in the rows, starting placement first ("contiguous", "replicated")."""
+    return list(dict.fromkeys(r.placement for r in rows if r.experiment == "ep_step"))
+
+
+def _pick(rows: Sequence[ImbalanceRow], **match) -> list[ImbalanceRow]:
+    return [r for r in rows if all(getattr(r, k) == v for k, v in match.items())]
+
+
+def _subtitle(r: ImbalanceRow) -> str:
+    return (f"{r.preset} (E={r.num_experts}, H={r.hidden_size}, I={r.intermediate_size}, K={r.top_k}), "
+            f"T={r.tokens}, {r.dtype}, {r.mode}, {r.device_name}")
+
+
+def _save(fig, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    return path
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float]], notes: dict[str, list[str]]) -> None:
+    """Grouped bars: one group per scenario, one bar per series; a note where a bar is missing."""
+    width = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [v if not math.isnan(v) else 0 for v in values], width, label=label)
+        for xpos, v, note in zip(xs, values, notes.get(label, [""] * len(groups)), strict=True):
+            if math.isnan(v) and note:
+                ax.annotate(note, (xpos, 0), xytext=(0, 3), textcoords="offset points", rotation=90,
+                            ha="center", va="bottom", fontsize=6, color="gray")
+    ax.set_xticks(range(len(groups)), groups, rotation=20, fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_one_gpu(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path:
+    rs, scen = _pick(rows, experiment="one_gpu"), _scenarios(rows)
+    backends = list(dict.fromkeys(r.backend for r in rs))
+    by = {(r.scenario, r.backend): r for r in rs}
+    series = {b: [by[s, b].median_ms if (s, b) in by else math.nan for s in scen] for b in backends}
+    notes = {b: [by[s, b].status if (s, b) in by else "" for s in scen] for b in backends}
+    fig = Figure(figsize=(8.5, 4.8))
+    ax = fig.subplots()
+    _bars(ax, scen, series, notes)
+    ax.set_yscale("log")
+    ax.set_ylabel("median time per call (ms)")
+    ax.set_title(f"one device, whole layer, by routing scenario\n{_subtitle(rows[0])}", fontsize=9)
+    return _save(fig, out_dir / f"imbalance_one_gpu_{rows[0].preset}.png")
+
+
+def plot_ep(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
+    rs, scen = _pick(rows, experiment="ep_step"), _scenarios(rows)
+    if not rs:
+        return None
+    by = {(r.scenario, r.placement): r for r in rs}
+    series, notes = {}, {}
+    for label in _placements(rs):
+        series[label] = [by[s, label].step_ms if (s, label) in by else math.nan for s in scen]
+        notes[label] = [by[s, label].status if (s, label) in by else "" for s in scen]
+    fig = Figure(figsize=(8.5, 4.8))
+    ax = fig.subplots()
+    _bars(ax, scen, series, notes)
+    for i, s in enumerate(scen):
+        for j, label in enumerate(_placements(rs)):
+            r = by.get((s, label))
+            if r is not None and r.status == "ok":
+                ax.annotate(f"{r.slowest_over_mean:.2f}×", (i + (j - 0.5) * 0.4, r.step_ms), xytext=(0, 2),
+                            textcoords="offset points", ha="center", fontsize=6)
+    r0 = rs[0]
+    ax.set_ylabel("step time = slowest rank (ms)")
+    ax.set_title(f"simulated EP: {r0.ep_ranks} ranks, {r0.backend}, before / after replicating hot experts "
+                 f"({r0.spare_slots} spare slots per rank); labels: slowest / mean rank\n"
+                 f"{_subtitle(r0)}", fontsize=9)
+    return _save(fig, out_dir / f"imbalance_ep_{r0.preset}.png")
+
+
+def plot_capacity(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
+    rs = _pick(rows, experiment="capacity")
+    if not rs:
+        return None
+    fig = Figure(figsize=(10, 4.2))
+    ax_drop, ax_time = fig.subplots(1, 2)
+    for s in _scenarios(rs):
+        pts = sorted((r.capacity_factor, r) for r in rs if r.scenario == s)
+        ax_drop.plot([c for c, _ in pts], [100 * r.dropped_frac for _, r in pts], marker="o", ms=3, label=s)
+        ax_time.plot([c for c, _ in pts], [r.median_ms for _, r in pts], marker="o", ms=3, label=s)
+    ax_drop.set_ylabel("pairs dropped (%)")
+    ax_time.set_ylabel("padded backend, median ms")
+    ax_time.set_yscale("log")
+    for ax in (ax_drop, ax_time):
+        ax.set_xlabel("capacity factor c (cap = ceil(c·T·K/E) pairs per expert)")
+        ax.grid(True, alpha=0.3)
+    ax_drop.legend(fontsize=7)
+    fig.suptitle(f"capacity factor: pairs dropped vs time\n{_subtitle(rs[0])}", fontsize=9)
+    return _save(fig, out_dir / f"imbalance_capacity_{rs[0].preset}.png")
+
+
+def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
+    if r is None:
+        return ""
+    return value(r) if r.status == "ok" else r.status.replace("_", " ")
+
+
+def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[Path] = ()) -> str:
+    """The "Load imbalance" report section, from rows alone."""
+    r0, scen = rows[0], _scenarios(rows)
+    one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
+    backends = list(dict.fromkeys(b for _, b in one))
+    lines = [
+        f"## Load imbalance: {r0.preset}, T = {r0.tokens}",
+        "",
+        f"- run {', '.join(sorted({r.run_id for r in rows}))}, {r0.date}, commit `{r0.commit or 'unknown'}`; "
+        f"{r0.device_name} ({r0.device_type}); torch {r0.torch_version}, triton {r0.triton_version}; "
+        f"python {r0.python_version}",
+        f"- {_subtitle(r0)}; seed {r0.seed}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
+        f"{r0.matmul_tflops:,.2f} TFLOP/s",
+        "- busiest / mean = the busiest expert's pairs over the mean (1 = balanced, E/K = collapse). "
+        "Every case passed the fp32-reference gate before it was timed; one that did not is listed "
+        "below, never timed.",
+        "",
+    ]
+    if r0.device_type == "cpu":
+        lines += ["> CPU run (Triton interpreted, small T): the flow of the study, not GPU performance.", ""]
+    lines += ["### One device: median ms per call (% of floor)", "",
+              "| scenario | busiest / mean | floor ms | " + " | ".join(backends) + " |",
+              "|---|---:|---:|" + "---:|" * len(backends)]
+    for s in scen:
+        first = next((one[s, b] for b in backends if (s, b) in one), None)
+        if first is None:
+            continue
+        cells = [_cell(one.get((s, b)), lambda r: f"{_fmt(r.median_ms)} ({r.pct_floor:.0f}%)")
+                 for b in backends]
+        lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {_fmt(first.floor_ms)} | "
+                     + " | ".join(cells) + " |")
+
+    steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
+    if steps:
+        st0 = next(iter(steps.values()))
+        labels = _placements(rows)
+        ref = "balanced" if "balanced" in scen else scen[0]
+        base = steps.get((ref, labels[0]))
+        lines += ["", f"### Simulated expert parallelism: {st0.ep_ranks} ranks, {st0.backend}", "",
+                  f"Each rank's pairs run alone on this device, one rank after another; a step lasts as long "
+                  f"as its slowest rank. *Replicated*: copies of hot experts in {st0.spare_slots} spare "
+                  f"slot(s) per rank, pairs split round-robin among copies (`moekit.placement`). "
+                  f"*vs {ref}*: step time over {ref}'s {labels[0]} step.", "",
+                  "| scenario | placement | copies | busiest rank pairs / mean | step ms | slowest / mean "
+                  f"| vs {ref} |", "|---|---|---:|---:|---:|---:|---:|"]
+        for s in scen:
+            for label in labels:
+                r = steps.get((s, label))
+                if r is None:
+                    continue
+                rel = (f"{r.step_ms / base.step_ms:.2f}×" if base is not None and base.status == "ok"
+                       and r.status == "ok" else "–")
+                lines.append(f"| {s} | {label} | {r.replicas} | {r.pairs_busiest_over_mean:.2f} | "
+                             f"{_cell(r, lambda r: _fmt(r.step_ms))} | "
+                             f"{_cell(r, lambda r: f'{r.slowest_over_mean:.2f}')} | {rel} |")
+        ranks = _pick(rows, experiment="ep")
+        n = max((r.rank for r in ranks if r.rank is not None), default=-1) + 1
+        lines += ["", "Per rank: median ms (pairs)", "",
+                  "| scenario | placement | " + " | ".join(f"rank {i}" for i in range(n)) + " |",
+                  "|---|---|" + "---:|" * n]
+        by_rank = {(r.scenario, r.placement, r.rank): r for r in ranks}
+        for s in scen:
+            for label in labels:
+                cells = [_cell(by_rank.get((s, label, i)), lambda r: f"{_fmt(r.median_ms)} ({r.pairs})")
+                         for i in range(n)]
+                if any(cells):
+                    lines.append(f"| {s} | {label} | " + " | ".join(cells) + " |")
+
+    caps = {(r.scenario, r.capacity_factor): r for r in _pick(rows, experiment="capacity")}
+    if caps:
+        factors = sorted({c for _, c in caps})
+        lines += ["", "### Capacity factor (padded backend): pairs dropped, median ms", "",
+                  "Each expert keeps its first ceil(c·T·K/E) pairs; the rest are dropped (they add 0, as "
+                  "a token past capacity rides the residual connection in the Switch Transformer). "
+                  "*no cap*: the padded backend padded to the busiest expert.", "",
+                  "| scenario | no cap | " + " | ".join(f"c = {c:g}" for c in factors) + " |",
+                  "|---|---:|" + "---:|" * len(factors)]
+        for s in scen:
+            uncapped = one.get((s, "padded"))
+            cells = [_cell(caps.get((s, c)), lambda r: f"{100 * r.dropped_frac:.1f}% dropped, "
+                           f"{_fmt(r.median_ms)} ms") for c in factors]
+            if any(cells):
+                lines.append(f"| {s} | {_cell(uncapped, lambda r: _fmt(r.median_ms) + ' ms')} | "
+                             + " | ".join(cells) + " |")
+
+    untimed = [r for r in rows if r.status != "ok"]
+    if untimed:
+        lines += ["", "### Not timed", ""]
+        for r in untimed:
+            where = r.experiment + (f" {r.placement}" if r.placement else "") + \
+                (f" rank {r.rank}" if r.rank is not None else "") + \
+                (f" c={r.capacity_factor:g}" if not math.isnan(r.capacity_factor) else "")
+            lines.append(f"- {r.scenario}, {where}, {r.backend}: **{r.status}**: {r.reason}")
+    if plots:
+        lines += ["", "### Plots", ""] + [f"![{p.stem}]({p.name})\n" for p in plots]
+    lines += ["", f"Data: `{CSV_NAME}` (long format, provenance in every row). Redraw the plots and this "
+              f"section with `moekit imbalance --redraw <this folder>`.", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(rows: Sequence[ImbalanceRow], out_dir: Path) -> list[Path]:
+    """Plots and imbalance.md from the rows (the CSV is written separately); returns the files."""
+    out_dir = Path(out_dir)
+    plots = [p for p in (plot_one_gpu(rows, out_dir), plot_ep(rows, out_dir), plot_capacity(rows, out_dir))
+             if p is not None]
+    report = out_dir / REPORT_NAME
+    atomic_write_text(report, render_report(rows, plots))
+    return [*plots, report]
+
+
+def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
+    one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
+    steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
+    backends = list(dict.fromkeys(b for _, b in one))
+    r0 = rows[0]
+    skew = {r.scenario: r.busiest_over_mean for r in rows}
+    table = Table(title=f"{r0.preset}, T={r0.tokens}: median ms; EP step ms (slowest / mean)")
+    for col in ("scenario", "busiest/mean", *backends, *(f"EP {p}" for p in _placements(rows))):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    for s in _scenarios(rows):
+        cells = [_cell(one.get((s, b)), lambda r: _fmt(r.median_ms)) for b in backends]
+        cells += [_cell(steps.get((s, p)), lambda r: f"{_fmt(r.step_ms)} ({r.slowest_over_mean:.2f})")
+                  for p in _placements(rows)]
+        table.add_row(s, f"{skew[s]:.2f}", *cells)
+    return table
