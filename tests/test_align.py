@@ -104,3 +104,14 @@ def test_bad_inputs():
         align_block_size(torch.zeros(2, 2, dtype=torch.int32), 4, 0)
     with pytest.raises(ValueError, match="backend"):
         align_block_size(torch.zeros(2, 2, dtype=torch.int32), 4, 4, backend="cuda")
+
+
+def test_experts_above_the_triton_limit():
+    from moekit.align import MAX_TRITON_EXPERTS
+
+    num_experts = MAX_TRITON_EXPERTS + 1
+    ids = torch.tensor([[num_experts - 1, 0], [5, 4000]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"num_experts <= {MAX_TRITON_EXPERTS}"):
+        align_block_size(ids, num_experts, 16, backend="triton")
+    a = align_block_size(ids, num_experts, 16)            # auto takes the torch path: still right
+    _invariants(ids, num_experts, 16, a)
