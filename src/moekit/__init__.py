@@ -16,7 +16,9 @@ if "TRITON_INTERPRET" not in _os.environ:
         # before the kernels are defined. Set TRITON_INTERPRET=0 to opt out.
         _os.environ["TRITON_INTERPRET"] = "1"
 
-if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+from moekit._validation import interpreting as _interpreting
+
+if _interpreting():
     from moekit._compat import patch_triton_interpreter
 
     patch_triton_interpreter()

@@ -47,7 +47,7 @@ class MoEShape:
         return 3 * self.hidden_size * self.intermediate_size
 
     def expert_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        return self.params_per_expert * _itemsize(dtype)
+        return self.params_per_expert * dtype.itemsize
 
     def layer_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of all experts' weights (the router is not counted)."""
@@ -62,10 +62,6 @@ class MoEShape:
         """Experts hit by T tokens under uniform random routing: E * (1 - ((E-K)/E)^T)."""
         e, k = self.num_experts, self.top_k
         return e * (1.0 - ((e - k) / e) ** num_tokens)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 PRESETS: dict[str, MoEShape] = {

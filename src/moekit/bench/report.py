@@ -85,7 +85,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     r0 = rs[0]
     cross = crossover_of(r0)
     ridge = Ceilings(r0.copy_gbps, r0.matmul_tflops).ridge_flops_per_byte
-    item = torch.empty((), dtype=dtype_of(r0.dtype)).element_size()
+    item = dtype_of(r0.dtype).itemsize
     scale = "" if item == 2 else f" × itemsize/2 ({item}/2)"
     t_max = max(r.tokens for r in rs)
     bound_at_max = next(r.bound for r in rs if r.tokens == t_max)

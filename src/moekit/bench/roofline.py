@@ -50,10 +50,6 @@ class Traffic:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def traffic(
     shape: MoEShape,
     tokens: int,
@@ -68,7 +64,7 @@ def traffic(
     ids = topk_ids.reshape(-1).long()
     valid = ids[(ids >= 0) & (ids < shape.num_experts)]
     experts_hit = int(torch.unique(valid).numel())
-    item = _itemsize(dtype)
+    item = dtype.itemsize
     return Traffic(
         experts_hit=experts_hit,
         weight_bytes=experts_hit * shape.expert_bytes(dtype),
@@ -101,4 +97,4 @@ def crossover_tokens(shape: MoEShape, dtype: torch.dtype, ceilings: Ceilings) ->
     With all E experts read, bytes ~ E * 3HI * itemsize and FLOPs = T * K * 2 * 3HI, so the
     intensity is T * K * 2 / (E * itemsize); it meets the ridge at the T returned here.
     """
-    return ceilings.ridge_flops_per_byte * shape.num_experts / shape.top_k * _itemsize(dtype) / 2
+    return ceilings.ridge_flops_per_byte * shape.num_experts / shape.top_k * dtype.itemsize / 2

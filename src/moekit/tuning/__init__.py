@@ -171,7 +171,7 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
         if slug != "cpu" and (slug, key) not in _warned:
             _warned.add((slug, key))
             warnings.warn(f"moekit: no tuned config for {key} on {slug}; using defaults", stacklevel=3)
-        return default_config(shape, num_tokens, torch.empty((), dtype=dtype).element_size())
+        return default_config(shape, num_tokens, dtype.itemsize)
     t = max(1, num_tokens)
     best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
     return entry[best]
