@@ -6,11 +6,14 @@ therefore only called for CPU tensors or when the caller asked for validation.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The Triton router and align kernels hold one row of E (padded to a power of two) per program.
+MAX_TRITON_EXPERTS = 4096
 ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -58,6 +61,62 @@ def check_expert_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
             f"topk_ids must lie in [0, num_experts={num_experts}), got values in [{lo}, {hi}]; "
             "pass ignore_invalid_ids=True to skip out-of-range pairs (expert parallelism)"
         )
+
+
+def check_capacity_factor(capacity_factor: object) -> float | None:
+    """None, or a finite real number > 0 (the padded backend's Switch-Transformer capacity)."""
+    if capacity_factor is None:
+        return None
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor must be a number or None, got {type(capacity_factor).__name__} "
+                        f"{capacity_factor!r}")
+    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be > 0 and finite, got {capacity_factor}")
+    return float(capacity_factor)
+
+
+def check_dtype(name: str, dtype: object) -> torch.dtype:
+    """A floating torch.dtype moekit computes in; names such as "bfloat16" are accepted."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    if dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+        raise TypeError(f"{name} must be one of ({allowed}) or its name, got {dtype!r}")
+    return dtype
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses a strided view can touch."""
+    last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the memory the views a and b can reach intersects. Exact for slices of rows;
+    conservative (True) for views interleaved within one span."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_out(out: torch.Tensor, like: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+    """An `out=` buffer: same shape, dtype and device as `like`, no element written twice (no
+    internal overlap, e.g. an expanded view), and no byte shared with any input."""
+    check_tensor("out", out, dtypes=(like.dtype,), device=like.device)
+    check_shape("out", out, tuple(like.shape), "same as hidden_states")
+    if torch._debug_has_internal_overlap(out) != 0:
+        raise ValueError("out must not overlap itself (an expanded or stride-0 view writes one element "
+                         "twice); pass a plain buffer")
+    for name, t in inputs.items():
+        if overlaps(out, t):
+            raise ValueError(f"out must not share memory with {name}")
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Autograd would record this call: grad mode is on and some input requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def interpreting() -> bool:

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moekit._validation import ID_DTYPES, check_tensor, check_triton_device
+from moekit import _workspace
+from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
 from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel
 
 ALIGN_BACKENDS = ("torch", "triton")
-MAX_TRITON_EXPERTS = 4096
 FUSED_MAX_PAIRS = 1024
+SCAN_ELEMENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,10 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     dev = ids.device
     length = padded_length(num_pairs, num_experts, block_m)
     max_blocks = triton.cdiv(length, block_m)
-    sorted_ids = torch.empty(length, device=dev, dtype=torch.int32)
-    expert_ids = torch.empty(max_blocks, device=dev, dtype=torch.int32)
-    num_padded = torch.empty((), device=dev, dtype=torch.int32)
-    tokens_per_expert = torch.empty(num_experts, device=dev, dtype=torch.int32)
+    sorted_ids = _workspace.empty(length, device=dev, dtype=torch.int32)
+    expert_ids = _workspace.empty(max_blocks, device=dev, dtype=torch.int32)
+    num_padded = _workspace.empty(device=dev, dtype=torch.int32)
+    tokens_per_expert = _workspace.empty(num_experts, device=dev, dtype=torch.int32)
     out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs)
     if num_pairs == 0:
         num_padded.zero_()
@@ -154,17 +155,19 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
             num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True, **scatter,
         )
         return out
-    counts = torch.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
-    base = torch.empty_like(counts)
-    pad_end = torch.empty(e_pad, device=dev, dtype=torch.int32)
+    counts = _workspace.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
+    base = _workspace.empty_like(counts)
+    pad_end = _workspace.empty(e_pad, device=dev, dtype=torch.int32)
     align_hist_kernel[(num_chunks,)](
         ids, counts, sorted_ids, num_pairs, num_experts, length, triton.cdiv(length, num_chunks),
         CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps,
     )
-    c_pad = triton.next_power_of_2(num_chunks)
+    # The scan walks the (chunks, E_PAD) counts in slabs of at most SCAN_ELEMENTS, so its
+    # registers and shared memory stay bounded at any T (long-context prefill).
+    c_block = max(1, min(triton.next_power_of_2(num_chunks), SCAN_ELEMENTS // e_pad))
     align_scan_kernel[(1,)](
         counts, base, pad_end, num_padded, tokens_per_expert, num_chunks, num_experts,
-        BLOCK_M=block_m, C_PAD=c_pad, E_PAD=e_pad, num_warps=8 if c_pad * e_pad > 8192 else 4,
+        BLOCK_M=block_m, C_BLOCK=c_block, E_PAD=e_pad, num_warps=8 if c_block * e_pad > 8192 else 4,
     )
     align_scatter_kernel[(num_chunks,)](
         ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit import ops
+from moekit._validation import check_dtype
 from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
 from moekit.routing import route, topk_softmax
@@ -30,7 +31,7 @@ class MoELayer(nn.Module):
         shape: an `MoEShape` or a preset name from `moekit.PRESETS`.
         backend: experts backend, "auto" or one of `moekit.BACKENDS`.
         router_backend: "auto", "torch" or "triton".
-        dtype, device: of the parameters.
+        dtype, device: of the parameters; dtype may be given by name ("bfloat16").
 
     Parameters:
         router_weight (E, H), gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I).
@@ -39,6 +40,7 @@ class MoELayer(nn.Module):
     def __init__(self, shape: MoEShape | str, *, backend: str = "auto", router_backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
+        dtype = check_dtype("dtype", dtype)
         self.shape = get_shape(shape)
         self.backend = backend
         self.router_backend = router_backend
@@ -69,6 +71,10 @@ class MoELayer(nn.Module):
         """x (..., H) -> (..., H). Extra keyword arguments go to `moekit.moe_experts`."""
         if x.shape[-1] != self.shape.hidden_size:
             raise ValueError(f"x must have shape (..., H={self.shape.hidden_size}), got {tuple(x.shape)}")
+        dtype = self.gate_up_proj.dtype
+        if x.dtype != dtype:
+            raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "
+                            f"cast x (x.to({dtype})) or the layer (layer.to(dtype))")
         flat = x.reshape(-1, self.shape.hidden_size)
         if torch.compiler.is_compiling():
             # Dynamo cannot trace the host-side id check or the launchers' Python with a symbolic T:

@@ -14,7 +14,8 @@ input sizes alone, so one graph serves every token count, and there is no graph 
     sync would break the graph). Expert parallelism marks non-local experts so (Transformers uses
     E, moekit's parallel code -1).
   * K may exceed E: an expert-parallel rank can hold fewer experts than a token picks.
-Neither op has a backward; calling one on tensors that need gradients fails at backward time.
+Neither op has a backward yet: a call on tensors that need gradients (grad mode on) raises before
+any launch, so no output is ever silently detached from the autograd graph.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from moekit._validation import (
     check_tensor,
     check_top_k,
     check_triton_device,
+    needs_grad,
 )
 from moekit.experts import resolve_backend
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
@@ -37,12 +39,20 @@ from moekit.experts.loop import experts_loop
 from moekit.experts.padded import experts_padded
 from moekit.experts.triton import experts_triton
 from moekit.routing import topk_softmax as _topk_softmax
+from moekit.routing.router import resolve_router_backend
 from moekit.tuning import ExpertsConfig
 
 __all__ = ["experts", "route", "topk_softmax"]
 
 _CONFIG_FIELDS = tuple(f.name for f in fields(ExpertsConfig))
 _HOST_BACKENDS = {"loop": experts_loop, "padded": experts_padded, "grouped_mm": experts_grouped_mm}
+
+
+def _refuse_grad(op: str, *tensors: torch.Tensor) -> None:
+    if needs_grad(*tensors):
+        raise RuntimeError(f"moekit::{op} has no backward, but an input requires grad and grad mode is on; "
+                           "run it under torch.no_grad() / torch.inference_mode(), or call "
+                           "moekit.moe_experts / moekit.route, which pick a differentiable path")
 
 
 def _check_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -102,6 +112,7 @@ def experts(
         (T, H) contiguous, in the dtype of hidden_states.
     """
     _check_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    _refuse_grad("experts", hidden_states, gate_up_proj, down_proj, topk_weights)
     backend = resolve_backend(backend, hidden_states.device, hidden_states.shape[1], down_proj.shape[2],
                               hidden_states.element_size())
     if backend == "triton":
@@ -140,12 +151,10 @@ def topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool = True,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """`moekit.topk_softmax` through `moekit::topk_softmax`; same Args and Returns."""
     _check_logits(logits, top_k)
-    if backend == "auto":
-        backend = "triton" if logits.is_cuda else "torch"
+    _refuse_grad("topk_softmax", logits)
+    backend = resolve_router_backend(backend, logits)
     if backend == "triton":
         check_triton_device("logits", logits)
-    elif backend != "torch":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     return torch.ops.moekit.topk_softmax(logits, top_k, renormalize, backend)
 
 

@@ -9,13 +9,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from moekit._validation import (
+    check_capacity_factor,
     check_expert_ids_in_range,
     check_experts_args,
-    check_shape,
-    check_tensor,
+    check_out,
+    needs_grad,
 )
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.experts.loop import experts_loop
@@ -25,28 +28,46 @@ from moekit.tuning import ExpertsConfig
 
 BACKENDS = ("loop", "padded", "grouped_mm", "triton")
 
-__all__ = ["BACKENDS", "PaddedWorkspaceTooLarge", "moe_experts", "resolve_backend"]
+__all__ = ["BACKENDS", "PaddedWorkspaceTooLarge", "has_backward", "moe_experts", "resolve_backend"]
+
+
+def has_backward(backend: str, device: torch.device) -> bool:
+    """Whether autograd can differentiate the backend on this device. The triton kernels have no
+    backward yet; torch's grouped_mm has one on CUDA only."""
+    if backend == "triton":
+        return False
+    return backend != "grouped_mm" or device.type == "cuda"
+
+
+_warned_grad_fallback: set[str] = set()
 
 
 def resolve_backend(backend: str, device: torch.device, hidden: int = 16, inter: int = 16,
-                    itemsize: int = 2) -> str:
-    """"auto" -> triton on CUDA; on CPU grouped_mm when its alignment holds, else loop."""
+                    itemsize: int = 2, *, grad: bool = False) -> str:
+    """"auto" -> triton on CUDA; on CPU grouped_mm when its alignment holds, else loop.
+
+    grad=True (the call needs gradients): "auto" picks a backend with a backward (grouped_mm on
+    CUDA when aligned, else loop) and warns once; an explicit backend without one raises.
+    """
+    aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if grad and not has_backward(backend, device):
+            raise RuntimeError(
+                f"backend={backend!r} has no backward on {device.type}, but this call needs gradients "
+                "(an input requires grad and grad mode is on); run it under torch.no_grad() or "
+                "torch.inference_mode(), or use backend='auto' (picks a differentiable backend)")
         return backend
-    if device.type == "cuda":
-        return "triton"
-    aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
-    return "grouped_mm" if aligned else "loop"
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when the storages behind a and b share any byte (conservative for views)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    return sa.data_ptr() < sb.data_ptr() + sb.nbytes() and sb.data_ptr() < sa.data_ptr() + sa.nbytes()
+    choice = "triton" if device.type == "cuda" else ("grouped_mm" if aligned else "loop")
+    if grad and not has_backward(choice, device):
+        fallback = "grouped_mm" if aligned and has_backward("grouped_mm", device) else "loop"
+        if choice not in _warned_grad_fallback:
+            _warned_grad_fallback.add(choice)
+            warnings.warn(f"moekit: backend {choice!r} has no backward; this call needs gradients, so "
+                          f"it runs on {fallback!r} (warned once)", stacklevel=3)
+        choice = fallback
+    return choice
 
 
 def moe_experts(
@@ -72,7 +93,9 @@ def moe_experts(
         down_proj: (E, H, I).
         topk_weights: (T, K) routing weights (any float dtype; applied in fp32 by triton).
         topk_ids: (T, K) int32 or int64 expert ids.
-        backend: "auto" or one of `BACKENDS`.
+        backend: "auto" or one of `BACKENDS`. A call that needs gradients runs only on a backend
+            with a backward (`has_backward`); "auto" picks one (warning once), an explicit
+            backend without one raises RuntimeError. Never a silently detached output.
         config: tile config for the triton backend (default: the tuned table for the device).
         capacity_factor: padded backend only: cap each expert at ceil(c * T * K / E) pairs.
         stats: padded backend only: filled with "capacity" and "dropped" (device scalar).
@@ -80,7 +103,8 @@ def moe_experts(
             parallelism marks non-local experts so), and K may exceed E. When False, such ids
             raise ValueError where that costs no host sync: on CPU, or when validate=True.
         validate: check id ranges (a host sync on CUDA). Default: True on CPU, False on CUDA.
-        out: optional (T, H) output buffer of the input dtype; must not overlap any input.
+        out: optional (T, H) output buffer of the input dtype; must not overlap itself or any
+            input (a disjoint slice of an input's storage is fine).
 
     Returns:
         (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
@@ -88,8 +112,10 @@ def moe_experts(
     num_experts = check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                      top_k_at_most_experts=not ignore_invalid_ids)
     dev = hidden_states.device
+    grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
     backend = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
-                              hidden_states.element_size())
+                              hidden_states.element_size(), grad=grad)
+    capacity_factor = check_capacity_factor(capacity_factor)
     if validate is None:
         validate = dev.type == "cpu"
     if validate and not ignore_invalid_ids:
@@ -99,12 +125,12 @@ def moe_experts(
     if config is not None and backend != "triton":
         raise ValueError("config applies to backend='triton' only")
     if out is not None:
-        check_tensor("out", out, dtypes=(hidden_states.dtype,), device=dev)
-        check_shape("out", out, tuple(hidden_states.shape), "same as hidden_states")
-        for name, t in (("hidden_states", hidden_states), ("gate_up_proj", gate_up_proj),
-                        ("down_proj", down_proj), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-            if _overlaps(out, t):
-                raise ValueError(f"out must not share memory with {name}")
+        if grad:
+            raise RuntimeError("out= cannot be used when the call needs gradients (autograd does not "
+                               "record writes into out); drop out= or run under torch.no_grad()")
+        check_out(out, hidden_states, {"hidden_states": hidden_states, "gate_up_proj": gate_up_proj,
+                                       "down_proj": down_proj, "topk_weights": topk_weights,
+                                       "topk_ids": topk_ids})
 
     if hidden_states.shape[0] == 0:
         return out if out is not None else torch.empty_like(hidden_states)

@@ -30,6 +30,15 @@ def check_grouped_mm_layout(hidden_states: torch.Tensor, gate_up_proj: torch.Ten
             )
 
 
+def _aligned_weight(w: torch.Tensor) -> torch.Tensor:
+    """w itself when grouped_mm can read it (unit inner stride, 16-byte outer strides and base),
+    else a contiguous copy: a padded or strided weight view gives the right answer, a little slower."""
+    item = w.element_size()
+    ok = (w.stride(-1) == 1 and all(s * item % 16 == 0 for s in w.stride()[:-1])
+          and w.data_ptr() % 16 == 0)
+    return w if ok else w.contiguous()
+
+
 def experts_grouped_mm(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -38,6 +47,7 @@ def experts_grouped_mm(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     check_grouped_mm_layout(hidden_states, gate_up_proj, down_proj)
+    gate_up_proj, down_proj = _aligned_weight(gate_up_proj), _aligned_weight(down_proj)
     num_tokens, hidden = hidden_states.shape
     num_experts = gate_up_proj.shape[0]
     top_k = topk_ids.shape[1]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from moekit._validation import check_triton_device
+from moekit import _workspace
+from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device
 from moekit.align import Alignment, align_block_size
 from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
 from moekit.shapes import MoEShape
@@ -28,7 +29,7 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
     """h (L, I): silu(x_tok @ gate_e^T) * (x_tok @ up_e^T) at each sorted row; padding rows 0."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
-    h = torch.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    h = _workspace.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
     moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
         x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.num_padded,
@@ -45,7 +46,7 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
                    align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
     """y (S, H): (h_row @ down_e^T) * routing weight, stored at each pair's own row."""
     num_experts, hidden, inter = down_proj.shape
-    y = torch.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
+    y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
     moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
         h, down_proj, y, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
@@ -85,14 +86,16 @@ def experts_triton(
     num_experts, two_i, hidden = gate_up_proj.shape
     top_k = topk_ids.shape[1]
     if config is None:
-        shape = MoEShape(num_experts, hidden, two_i // 2, top_k)
+        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
+        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
+        shape = MoEShape(num_experts, hidden, two_i // 2, min(top_k, num_experts))
         config = get_config(shape, num_tokens, hidden_states.dtype, hidden_states.device)
     if out is None:
-        out = torch.empty_like(hidden_states)
+        out = _workspace.empty_like(hidden_states)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     align = align_block_size(ids, num_experts, config.block_m,
-                             backend="triton" if num_experts <= 4096 else "torch")
+                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
     h = gemm1_swiglu(hidden_states, gate_up_proj, align, top_k, config)
     y = gemm2_weighted(h, down_proj, weights, align, config)
     return moe_sum(y, ids, num_experts, out)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit import ops
-from moekit._validation import FLOAT_DTYPES
+from moekit._validation import FLOAT_DTYPES, needs_grad
 from moekit.experts import BACKENDS
 from moekit.shapes import MoEShape
 
@@ -193,9 +193,7 @@ def experts_forward(
         (T, H) in the dtype of hidden_states.
     """
     reason = unsupported_reason(self)
-    if reason is None and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)
-    ):
+    if reason is None and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj):
         reason = ("inputs that need gradients (moekit's expert kernels are forward-only: run inference "
                   "under torch.no_grad() or torch.inference_mode())")
     if reason is not None:

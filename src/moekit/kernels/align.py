@@ -27,8 +27,9 @@ def _chunk_keys(ids_ptr, c, S, E, CHUNK: tl.constexpr):
     """(expert per element with E for invalid/padding, sort keys) of chunk c."""
     i = tl.arange(0, CHUNK)
     offs = c * CHUNK + i
-    e = tl.load(ids_ptr + offs, mask=offs < S, other=-1).to(tl.int32)
-    e = tl.where((e >= 0) & (e < E), e, E)
+    e = tl.load(ids_ptr + offs, mask=offs < S, other=-1)
+    # Range-check in the ids' own dtype: an int64 id such as 2**32 + 3 must not wrap into [0, E).
+    e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
     return e, e * CHUNK + i
 
 
@@ -66,22 +67,30 @@ def align_hist_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, S, E, length, fill_ch
 
 @triton.jit
 def align_scan_kernel(counts_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr,
-                      C, E, BLOCK_M: tl.constexpr, C_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    rc = tl.arange(0, C_PAD)
+                      C, E, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     re = tl.arange(0, E_PAD)
-    offs = rc[:, None] * E_PAD + re[None, :]                            # [C_PAD, E_PAD]
-    m = (rc[:, None] < C) & (re[None, :] < E)
-    counts = tl.load(counts_ptr + offs, mask=m, other=0)
-    total = tl.sum(counts, axis=0)                                      # [E_PAD]
+    rc = tl.arange(0, C_BLOCK)
+    e_in = re[None, :] < E
+    total = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, C, C_BLOCK):                                     # pass 1: pairs per expert
+        offs = (c0 + rc)[:, None] * E_PAD + re[None, :]                 # [C_BLOCK, E_PAD]
+        counts = tl.load(counts_ptr + offs, mask=((c0 + rc)[:, None] < C) & e_in, other=0)
+        total += tl.sum(counts, axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
-    before_chunks = tl.cumsum(counts, axis=0) - counts                  # pairs of e in chunks < c
-    before_experts = tl.cumsum(counts, axis=1) - counts                 # pairs of experts < e in c
-    base = (pad_end - padded)[None, :] + before_chunks - before_experts
-    tl.store(base_ptr + offs, base, mask=m)
+    pad_start = pad_end - padded
     tl.store(pad_end_ptr + re, pad_end)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
     tl.store(tokens_per_expert_ptr + re, total, mask=re < E)
+    carry = tl.zeros((E_PAD,), dtype=tl.int32)                          # pairs of e in earlier slabs
+    for c0 in range(0, C, C_BLOCK):                                     # pass 2: each chunk's base
+        offs = (c0 + rc)[:, None] * E_PAD + re[None, :]
+        m = ((c0 + rc)[:, None] < C) & e_in
+        counts = tl.load(counts_ptr + offs, mask=m, other=0)
+        before_chunks = carry[None, :] + tl.cumsum(counts, axis=0) - counts  # pairs of e in chunks < c
+        before_experts = tl.cumsum(counts, axis=1) - counts                  # pairs of experts < e in c
+        tl.store(base_ptr + offs, pad_start[None, :] + before_chunks - before_experts, mask=m)
+        carry += tl.sum(counts, axis=0)
 
 
 @triton.jit

@@ -12,18 +12,40 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from moekit._validation import FLOAT_DTYPES, check_tensor, check_top_k, check_triton_device
+from moekit import _workspace
+from moekit._validation import (
+    FLOAT_DTYPES,
+    MAX_TRITON_EXPERTS,
+    check_tensor,
+    check_top_k,
+    check_triton_device,
+    needs_grad,
+)
 from moekit.kernels.router import topk_softmax_kernel
 from moekit.reference import topk_softmax_ref
 
 ROUTER_BACKENDS = ("torch", "triton")
 
 
-def _resolve(backend: str, t: torch.Tensor) -> str:
+def resolve_router_backend(backend: str, logits: torch.Tensor) -> str:
+    """"auto" -> triton on CUDA for E <= MAX_TRITON_EXPERTS when no gradient is needed, else torch.
+
+    The Triton kernel has no backward: with gradients needed (so that the router trains) "auto"
+    takes the torch path, which gives identical ids, and an explicit "triton" raises.
+    """
+    num_experts = logits.shape[-1]
+    grad = needs_grad(logits)
     if backend == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if logits.is_cuda and num_experts <= MAX_TRITON_EXPERTS and not grad else "torch"
     if backend not in ROUTER_BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {ROUTER_BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        if num_experts > MAX_TRITON_EXPERTS:
+            raise ValueError(f"router backend='triton' supports at most {MAX_TRITON_EXPERTS} experts, got "
+                             f"E={num_experts}; use backend='torch' or 'auto'")
+        if grad:
+            raise RuntimeError("router backend='triton' has no backward, but the logits need gradients; "
+                               "use backend='auto' or 'torch', or run under torch.no_grad()")
     return backend
 
 
@@ -51,7 +73,7 @@ def topk_softmax(
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, num_experts = logits.shape
     check_top_k(top_k, num_experts)
-    backend = _resolve(backend, logits)
+    backend = resolve_router_backend(backend, logits)
     if backend == "torch":
         if num_valid_tokens is not None:
             raise ValueError("num_valid_tokens is supported by backend='triton' only")
@@ -60,8 +82,8 @@ def topk_softmax(
     check_triton_device("logits", logits)
     if num_valid_tokens is not None:
         check_tensor("num_valid_tokens", num_valid_tokens, dtypes=(torch.int32,), device=logits.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = _workspace.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = _workspace.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(num_experts)

@@ -1,0 +1,40 @@
+"""Fresh buffers for the kernels' outputs and workspaces, with a poison mode for tests.
+
+With poisoning on (`MOEKIT_POISON_WORKSPACES=1`, or the `poisoning()` context manager), every buffer
+that a launcher allocates for a kernel to fill starts as NaN (floats) or the dtype's minimum
+(integers), so a row a kernel forgets to write shows up in the result or as an out-of-range index,
+never as a plausible stale value. Off by default: it costs a fill per buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+_poison = os.environ.get("MOEKIT_POISON_WORKSPACES", "0") not in ("", "0")
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.empty, NaN- or minimum-filled while poisoning is on."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _poison:
+        t.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
+    return t
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    return empty(*t.shape, dtype=t.dtype, device=t.device)
+
+
+@contextlib.contextmanager
+def poisoning(enabled: bool = True) -> Iterator[None]:
+    """Turn workspace poisoning on (or off) inside the block."""
+    global _poison
+    before, _poison = _poison, enabled
+    try:
+        yield
+    finally:
+        _poison = before

@@ -1,0 +1,268 @@
+"""Issue 13's findings in the core, each pinned by a test that failed before its fix (CPU).
+
+Gradients never silently dropped; `out=` that overlaps itself refused, a disjoint slice of an input
+accepted; int64 ids outside [0, E) never placed by the Triton align; the align scan bounded at any
+T; top_k > E on the triton path; clear errors for bad options; the poison mode for workspaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit
+from helpers import distinct_topk_ids, poisoned, rel_err
+from moekit import ExpertsConfig, MoELayer, align_block_size, moe_experts, ops
+from moekit._workspace import poisoning
+from moekit.reference import moe_experts_ref, moe_layer_ref
+
+SMALL = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
+                      block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
+
+
+def case(num_tokens=9, num_experts=4, hidden=32, inter=16, top_k=2, dtype=torch.float32):
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter) / inter**0.5).to(dtype)
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k)
+    w = torch.rand(num_tokens, top_k)
+    return x, gate_up, down, w, ids
+
+
+# 1. Gradients: never a silently detached output.
+
+def test_explicit_triton_with_grad_raises():
+    x, gate_up, down, w, ids = case()
+    gate_up.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="backend='triton' has no backward"):
+        moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
+    with torch.no_grad():                            # inference needs no backward
+        out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
+    assert rel_err(out, moe_experts_ref(x, gate_up.detach(), down, w, ids)) <= 1e-5
+
+
+def test_grouped_mm_without_cpu_backward_raises():
+    x, gate_up, down, w, ids = case()
+    with pytest.raises(RuntimeError, match="no backward on cpu"):
+        moe_experts(x.requires_grad_(True), gate_up, down, w, ids, backend="grouped_mm")
+
+
+def test_out_with_grad_raises():
+    x, gate_up, down, w, ids = case()
+    with pytest.raises(RuntimeError, match="out= cannot be used"):
+        moe_experts(x, gate_up, down, w.requires_grad_(True), ids, backend="loop", out=torch.empty_like(x))
+
+
+def _fp32_grads(x, gate_up, down, w, ids):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts_ref(*leaves, ids).pow(2).sum().backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    import moekit.experts
+
+    monkeypatch.setattr(moekit.experts, "_warned_grad_fallback", set())
+
+
+def test_auto_with_grad_runs_a_differentiable_backend(fresh_warnings):
+    # On the CPU "auto" is grouped_mm for aligned shapes, which has no CPU backward: loop runs.
+    x, gate_up, down, w, ids = case()
+    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    with pytest.warns(UserWarning, match="'grouped_mm' has no backward.*runs on 'loop'"):
+        out = moe_experts(*leaves, ids, backend="auto")
+    assert out.grad_fn is not None
+    out.pow(2).sum().backward()
+    for name, got, ref in zip(("x", "gate_up", "down", "w"), (t.grad for t in leaves),
+                              _fp32_grads(x, gate_up, down, w, ids)):
+        assert rel_err(got, ref) <= 1e-5, name
+
+
+def test_layer_backward_fills_every_parameter_grad(fresh_warnings):
+    torch.manual_seed(0)
+    layer = MoELayer("tiny")
+    x = torch.randn(11, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match="no backward"):
+        out = layer(x)
+    out.pow(2).sum().backward()
+    params = [layer.router_weight, layer.gate_up_proj, layer.down_proj]
+    assert all(p.grad is not None for p in params)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, *params)]
+    s = layer.shape
+    moe_layer_ref(*leaves, s.top_k, s.norm_topk_prob).pow(2).sum().backward()
+    for got, ref in zip((x.grad, *(p.grad for p in params)), (t.grad for t in leaves)):
+        assert rel_err(got, ref) <= 1e-5
+
+
+def test_layer_with_triton_backend_and_grad_raises():
+    layer = MoELayer("tiny", backend="triton")
+    with pytest.raises(RuntimeError, match="no backward"):
+        layer(torch.randn(3, 64))                     # the parameters require grad
+
+
+def test_triton_router_with_grad_raises():
+    logits = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="router backend='triton' has no backward"):
+        moekit.topk_softmax(logits, 2, backend="triton")
+    w, _ = moekit.topk_softmax(logits, 2, backend="auto")
+    assert w.grad_fn is not None
+
+
+def test_custom_ops_refuse_grad():
+    x, gate_up, down, w, ids = case()
+    with pytest.raises(RuntimeError, match="moekit::experts has no backward"):
+        ops.experts(x, gate_up, down, w.requires_grad_(True), ids, backend="loop")
+    with pytest.raises(RuntimeError, match="moekit::topk_softmax has no backward"):
+        ops.topk_softmax(torch.randn(4, 8, requires_grad=True), 2)
+
+
+# 2. out=: no internal overlap; a disjoint slice of an input's storage is legal.
+
+@pytest.mark.parametrize("backend", moekit.BACKENDS)
+def test_out_overlapping_itself_raises(backend):
+    x, gate_up, down, w, ids = case()
+    out = torch.zeros(1, 32).expand(9, 32)
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        moe_experts(x, gate_up, down, w, ids, backend=backend, out=out)
+
+
+@pytest.mark.parametrize("backend", moekit.BACKENDS)
+def test_out_as_disjoint_slice_of_input_storage(backend):
+    _, gate_up, down, w, ids = case()
+    buf = torch.randn(18, 32)
+    x, out = buf[:9], buf[9:]
+    out.fill_(float("nan"))
+    kw = {"config": SMALL} if backend == "triton" else {}
+    got = moe_experts(x, gate_up, down, w, ids, backend=backend, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+    with pytest.raises(ValueError, match="out must not share memory with hidden_states"):
+        moe_experts(buf[:9], gate_up, down, w, ids, backend=backend, out=buf[8:17], **kw)
+
+
+# 3. int64 ids outside [0, E) that wrap into range when truncated to 32 bits.
+
+WRAPPING = [2**32 + 3, -(2**32) + 2, 2**33, 2**31, -(2**31) - 1]
+
+
+def test_triton_align_never_places_wrapping_int64_ids():
+    ids = torch.tensor([[0, WRAPPING[0]], [WRAPPING[1], 1], [WRAPPING[2], 3], [WRAPPING[3], WRAPPING[4]]])
+    for block_m in (1, 4):
+        got = align_block_size(ids, 4, block_m, backend="triton")
+        ref = align_block_size(ids, 4, block_m, backend="torch")
+        assert torch.equal(got.tokens_per_expert, torch.tensor([1, 1, 0, 1], dtype=torch.int32))
+        for name in ("sorted_ids", "expert_ids", "num_padded", "tokens_per_expert"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_triton_experts_skip_wrapping_int64_ids():
+    x, gate_up, down, w, _ = case(num_tokens=5)
+    ids = torch.tensor([[0, WRAPPING[0]], [WRAPPING[1], 1], [2, 3], [WRAPPING[2], WRAPPING[3]], [1, 0]])
+    out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL, ignore_invalid_ids=True)
+    valid = (ids >= 0) & (ids < 4)
+    ref = moe_experts_ref(x, gate_up, down, torch.where(valid, w, 0.0), torch.where(valid, ids, 0))
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out[3], torch.zeros(32))
+
+
+# 4. The align scan stays bounded at any T: walk the counts in several slabs.
+
+@pytest.mark.parametrize("num_experts", [5, 60])
+def test_align_scan_in_slabs_matches_torch(monkeypatch, num_experts):
+    import moekit.align as align_mod
+
+    monkeypatch.setattr(align_mod, "SCAN_ELEMENTS", 16)    # slabs of 2 chunk rows (E=5), of 1 (E=60)
+    gen = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(-1, num_experts, (700, 4), generator=gen)     # 2800 pairs: 11 chunks of 256
+    ids[:, 0] = num_experts // 2                                     # one expert gets every row
+    for block_m in (1, 16):
+        got = align_block_size(ids, num_experts, block_m, backend="triton")
+        ref = align_block_size(ids, num_experts, block_m, backend="torch")
+        for name in ("sorted_ids", "expert_ids", "num_padded", "tokens_per_expert"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (block_m, name)
+
+
+# 5. top_k > E on the triton path (an expert-parallel rank with fewer experts than a token picks).
+
+def _ep_case():
+    x, gate_up, down, _, _ = case(num_tokens=6, num_experts=2)
+    ids = torch.tensor([[0, 1, -1], [1, -1, 0], [-1, -1, 1], [0, -1, 5], [1, 0, -1], [3, 4, 5]])
+    return x, gate_up, down, torch.rand(6, 3), ids
+
+
+def test_triton_top_k_above_experts_with_default_config():
+    x, gate_up, down, w, ids = _ep_case()
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    out = moe_experts(x, gate_up, down, w, ids, backend="triton", ignore_invalid_ids=True)
+    assert rel_err(out, ref) <= 1e-5
+    with torch.no_grad():
+        out_op = ops.experts(x, gate_up, down, w, ids, backend="triton")
+    assert rel_err(out_op, ref) <= 1e-5
+
+
+# 7. Clear errors, named arguments.
+
+@pytest.mark.parametrize("value,exc,msg", [
+    (float("inf"), ValueError, "capacity_factor must be > 0 and finite"),
+    (float("nan"), ValueError, "capacity_factor must be > 0 and finite"),
+    ("1", TypeError, "capacity_factor must be a number"),
+    (True, TypeError, "capacity_factor must be a number"),
+])
+def test_capacity_factor_is_checked(value, exc, msg):
+    x, gate_up, down, w, ids = case()
+    with pytest.raises(exc, match=msg):
+        moe_experts(x, gate_up, down, w, ids, backend="padded", capacity_factor=value)
+
+
+def test_triton_router_above_its_expert_limit_raises():
+    from moekit._validation import MAX_TRITON_EXPERTS
+
+    logits = torch.randn(2, MAX_TRITON_EXPERTS + 1)
+    with pytest.raises(ValueError, match=f"at most {MAX_TRITON_EXPERTS} experts"):
+        moekit.topk_softmax(logits, 2, backend="triton")
+    w, ids = moekit.topk_softmax(logits, 2, backend="auto")             # auto stays on torch
+    assert ids.shape == (2, 2)
+
+
+def test_grouped_mm_takes_strided_weight_views():
+    x, gate_up, down, w, ids = case(hidden=40)
+    padded = torch.zeros(4, 32, 41)                                     # row stride 41 floats: unaligned
+    padded[..., :40] = gate_up
+    gate_up_view = padded[..., :40]
+    out = moe_experts(x, gate_up_view, down, w, ids, backend="grouped_mm")
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
+def test_layer_names_a_dtype_mismatch_and_takes_dtype_names():
+    layer = MoELayer("tiny", dtype="float32")
+    assert layer.gate_up_proj.dtype == torch.float32
+    with pytest.raises(TypeError, match="x has dtype torch.float16, but this layer's parameters are"):
+        layer(torch.randn(3, 64, dtype=torch.float16))
+    for bad in ("int8", "nosuch", torch.int32):
+        with pytest.raises(TypeError, match="dtype must be one of"):
+            MoELayer("tiny", dtype=bad)
+
+
+# Poison mode: every workspace starts as NaN / int minimum, and the result is still exact.
+
+def test_triton_path_with_poisoned_workspaces():
+    x, gate_up, down, w, ids = case(num_tokens=40, num_experts=5, top_k=3)
+    ids[:, 0] = 4                                                      # one busy expert, others sparse
+    with poisoning():
+        for num_tokens in (40, 1):
+            out = poisoned((num_tokens, 32), torch.float32, "cpu")
+            moe_experts(x[:num_tokens], gate_up, down, w[:num_tokens], ids[:num_tokens], backend="triton",
+                        config=SMALL, out=out)
+            ref = moe_experts_ref(x[:num_tokens], gate_up, down, w[:num_tokens], ids[:num_tokens])
+            assert rel_err(out, ref) <= 1e-5
+        weights, got_ids = moekit.topk_softmax(torch.randn(7, 5), 2, backend="triton")
+    assert torch.isfinite(weights).all() and ((got_ids >= 0) & (got_ids < 5)).all()
+
+
+def test_poisoning_fills_new_buffers():
+    from moekit import _workspace
+
+    with poisoning():
+        assert torch.isnan(_workspace.empty(3, dtype=torch.float16, device="cpu")).all()
+        assert (_workspace.empty(3, dtype=torch.int32, device="cpu") == torch.iinfo(torch.int32).min).all()
