@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|tune|compare|bench|imbalance|transformers]...
+# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|imbalance|transformers]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -20,6 +20,25 @@ for step in $steps; do
     echo "=== $step"
     case $step in
         tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE --durations=8 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+        memcheck)
+            # Kernels with the caching allocator off, so every buffer's bounds are exact; the graph
+            # tests keep it on (cudaMalloc is not allowed while a stream captures).
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-25} MOEKIT_FUZZ_SECONDS=150 \
+                timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py tests/test_gpu_reliability.py \
+                -k "not capture and not graph and not long_context and not bitwise and not 1000 and not 4096" \
+                2>&1 | tee "$OUT/memcheck_kernels.log" | tail -4
+            timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py -k "capture or graph" \
+                2>&1 | tee "$OUT/memcheck_graphs.log" | tail -4 ;;
+        racecheck)
+            MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-25} MOEKIT_FUZZ_SECONDS=150 timeout ${RACECHECK_TIMEOUT:-200} \
+                compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+                "tests/test_gpu_core.py::test_backends_bf16_qwen3[1]" "tests/test_gpu_core.py::test_backends_bf16_qwen3[64]" \
+                tests/test_gpu_core.py::test_router_and_align_triton_equal_torch_on_gpu \
+                tests/test_gpu_reliability.py::test_fuzz_triton_against_fp32_reference \
+                2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;

@@ -21,7 +21,7 @@ QWEN = PRESETS["qwen3-30b-a3b"]
 @pytest.fixture(scope="module")
 def qwen_layer():
     torch.manual_seed(0)
-    return MoELayer(QWEN, dtype=torch.bfloat16, device="cuda")
+    return MoELayer(QWEN, dtype=torch.bfloat16, device="cuda").requires_grad_(False)   # inference
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000, 4096])
@@ -112,7 +112,7 @@ def test_layer_capture_256_replays_1_and_256(qwen_layer):
 
 def test_layer_capture_follows_in_place_weight_changes():
     torch.manual_seed(1)
-    layer = MoELayer("olmoe-1b-7b", dtype=torch.bfloat16, device="cuda")
+    layer = MoELayer("olmoe-1b-7b", dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     run = layer.capture(64, buckets=[8, 64])
     x = torch.randn(20, layer.shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

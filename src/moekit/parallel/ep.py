@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import skip_init
 
-from moekit._validation import FLOAT_DTYPES, check_shape, check_tensor
+from moekit._validation import FLOAT_DTYPES, check_shape, check_tensor, needs_grad
 from moekit.layer import MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
 from moekit.placement import Placement, contiguous_placement, rank_weights
@@ -26,7 +26,7 @@ from moekit.shapes import MoEShape, get_shape
 
 
 def _check_no_grad(*tensors: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         raise RuntimeError("moekit expert parallelism is forward-only (the all-to-alls carry no "
                            "gradient); run it under torch.no_grad() or torch.inference_mode()")
 
