@@ -1,7 +1,8 @@
 """Test helpers shared by the suite (imported as `helpers`; pytest puts tests/ on sys.path).
 
 The oracles here are written independently of the code under test (RELIABILITY.md case 27): plain
-PyTorch and no moekit code.
+PyTorch, no moekit import except `moekit.reference.moe_experts_ref`, the project's fp32 reference
+of the expert path (itself used by no backend).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from moekit.reference import moe_experts_ref
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:
@@ -78,3 +81,34 @@ def same_dtype_bound(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     base_err = rel_err(experts_same_dtype(x, gate_up_proj, down_proj, topk_weights, topk_ids), ref)
     assert math.isfinite(base_err), f"the same-dtype baseline or the reference is not finite ({base_err})"
     return 2 * base_err
+
+
+def topk_softmax_fp32(logits: torch.Tensor, top_k: int,
+                      renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent fp32 router reference: (weights float32 (T, K), ids int32 (T, K)).
+
+    Experts ordered by logit, highest first; equal logits (-0.0 equals +0.0) go to the lower
+    expert id; NaN ranks below every number. Weights: softmax over the fp32 logits with +inf read
+    as the largest float and -inf, NaN as the most negative one (moekit's documented behaviour),
+    gathered at the ids; renormalised to sum 1 if asked (a zero sum is left at 0, not NaN).
+    """
+    x = logits.float() + 0.0
+    nan = torch.isnan(x)
+    # Two stable sorts: by value (highest first), then NaN last; ties keep ascending expert order.
+    order = torch.sort(torch.where(nan, 0.0, -x), dim=-1, stable=True).indices
+    order = order.gather(-1, torch.sort(nan.gather(-1, order).int(), dim=-1, stable=True).indices)
+    ids = order[:, :top_k]
+    big = torch.finfo(torch.float32).max
+    probs = torch.softmax(x.nan_to_num(nan=-big, posinf=big, neginf=-big), dim=-1)
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total > 0, weights / total, 0.0)
+    return weights, ids.to(torch.int32)
+
+
+def layer_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+              down_proj: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """The whole layer in fp32: fp32 logits, `topk_softmax_fp32`, then `moe_experts_ref`."""
+    weights, ids = topk_softmax_fp32(x.float() @ router_weight.float().T, top_k, renormalize)
+    return moe_experts_ref(x, gate_up_proj, down_proj, weights, ids)
