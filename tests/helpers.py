@@ -112,3 +112,42 @@ def layer_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.
     """The whole layer in fp32: fp32 logits, `topk_softmax_fp32`, then `moe_experts_ref`."""
     weights, ids = topk_softmax_fp32(x.float() @ router_weight.float().T, top_k, renormalize)
     return moe_experts_ref(x, gate_up_proj, down_proj, weights, ids)
+
+
+def align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
+    """What `align_block_size` must return, built pair by pair in Python (independent of moekit).
+
+    Pair p = t * K + k. Expert by expert (ascending), its pairs in ascending order, then the
+    sentinel S up to a multiple of block_m; after the last expert the sentinel up to the buffer
+    length L = S + min(E, S) * (block_m - 1). expert_ids: the expert of each block in use, -1 after.
+    """
+    flat = topk_ids.reshape(-1).tolist()
+    num_pairs = len(flat)
+    length = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    by_expert: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(flat):
+        if 0 <= e < num_experts:
+            by_expert[e].append(p)
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for e, pairs in enumerate(by_expert):
+        blocks = -(-len(pairs) // block_m)
+        sorted_ids += pairs + [num_pairs] * (blocks * block_m - len(pairs))
+        expert_ids += [e] * blocks
+    num_padded = len(sorted_ids)
+    sorted_ids += [num_pairs] * (length - num_padded)
+    expert_ids += [-1] * (-(-length // block_m) - len(expert_ids))
+    return {
+        "sorted_ids": torch.tensor(sorted_ids, dtype=torch.int32),
+        "expert_ids": torch.tensor(expert_ids, dtype=torch.int32),
+        "num_padded": torch.tensor(num_padded, dtype=torch.int32),
+        "tokens_per_expert": torch.tensor([len(p) for p in by_expert], dtype=torch.int32),
+    }
+
+
+def assert_alignment_equals(a, expected: dict[str, torch.Tensor]) -> None:
+    """Every field of an `Alignment` equal (values and dtype) to `align_ref`'s."""
+    for name, want in expected.items():
+        got = getattr(a, name).cpu()
+        assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, tuple(got.shape))
+        assert torch.equal(got, want), name
