@@ -168,6 +168,27 @@ def test_padded_capacity_factor_drops_and_reports():
     assert rel_err(out, ref) <= 1e-5
 
 
+def test_padded_capacity_counts_only_valid_pairs_as_dropped():
+    """Ids outside [0, E) are skipped, not dropped: `dropped` counts valid pairs past capacity."""
+    x = torch.randn(8, 32)
+    gate_up, down = make_weights(3, 32, 16, torch.float32)
+    ids = torch.tensor([[0, -1], [0, 3], [0, 0], [1, 0], [0, 5], [-1, -1], [0, 2], [0, 1]],
+                       dtype=torch.int32)
+    # Pairs p = 2t + k. Expert 0: p 0, 2, 4, 5, 7, 8, 12, 14 (8 pairs); expert 1: p 6, 15; expert 2:
+    # p 13; invalid (-1, 3, 5): p 1, 3, 9, 10, 11. Capacity ceil(1.0 * 16 / 3) = 6, so expert 0 keeps
+    # its first six pairs and drops p 12 and 14: 2 dropped, the 5 invalid pairs not among them.
+    w = torch.rand(8, 2)
+    stats = {}
+    out = moe_experts(x, gate_up, down, w, ids, backend="padded", capacity_factor=1.0, stats=stats,
+                      ignore_invalid_ids=True)
+    assert stats["capacity"] == 6 and int(stats["dropped"]) == 2
+    kept = torch.ones(16, dtype=torch.bool)
+    kept[[1, 3, 9, 10, 11, 12, 14]] = False
+    ref = moe_experts_ref(x, gate_up, down, w, torch.where(kept.view(8, 2), ids, -1))
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out[5], torch.zeros(32))      # both slots invalid: exactly 0
+
+
 def test_grouped_mm_alignment_error():
     gate_up, down = make_weights(4, 37, 11, torch.float32)
     with pytest.raises(ValueError, match="16 bytes"):
