@@ -1,8 +1,18 @@
-"""Test helpers shared by the suite (imported as `helpers`; pytest puts tests/ on sys.path)."""
+"""Test helpers shared by the suite (imported as `helpers`; pytest puts tests/ on sys.path).
+
+The oracles here are written independently of the code under test (RELIABILITY.md case 27): plain
+PyTorch, no moekit import except `moekit.reference.moe_experts_ref`, the project's fp32 reference
+of the expert path (itself used by no backend).
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+
+from moekit.reference import moe_experts_ref
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:
@@ -13,10 +23,10 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp64; NaN anywhere gives inf."""
+    """‖out − ref‖ / ‖ref‖ in fp64; NaN or Inf in either gives NaN, which fails every comparison."""
     out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
+    if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
+        return math.nan
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
@@ -31,3 +41,113 @@ def distinct_topk_ids(num_tokens, num_experts, top_k, *, generator=None, device=
     scores = torch.rand(num_tokens, len(pool), generator=generator)
     idx = scores.argsort(dim=1)[:, :top_k]
     return pool_t[idx].to(dtype=dtype, device=device)
+
+
+def experts_same_dtype(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch in x's dtype: the "PyTorch in the same dtype" baseline of the tolerance rule.
+
+    Every (token, slot) pair with an id in [0, E) is computed on its own row: gate and up
+    projections, silu(gate) * up and the down projection, each rounded to the dtype; times the
+    routing weight (one rounding to the dtype); the K slots are added in slot order in the dtype.
+    Written without any moekit code, so a backend under test never sets its own bound.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    for slot in range(topk_ids.shape[1]):
+        ids = topk_ids[:, slot].long()
+        contrib = torch.zeros_like(out)
+        for e in range(num_experts):
+            rows = torch.nonzero(ids == e)[:, 0]
+            if rows.numel() == 0:
+                continue
+            xe = x[rows]
+            gate = xe @ gate_up_proj[e, :inter].T
+            up = xe @ gate_up_proj[e, inter:].T
+            y = (F.silu(gate) * up) @ down_proj[e].T
+            contrib[rows] = (y.float() * topk_weights[rows, slot].float()[:, None]).to(x.dtype)
+        out = out + contrib
+    return out
+
+
+def same_dtype_bound(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, ref: torch.Tensor) -> float:
+    """2x the relative error of `experts_same_dtype` against the fp32 reference `ref` (quack's rule).
+
+    A baseline that is not finite sets no bound: the test fails here instead of comparing with inf.
+    """
+    base_err = rel_err(experts_same_dtype(x, gate_up_proj, down_proj, topk_weights, topk_ids), ref)
+    assert math.isfinite(base_err), f"the same-dtype baseline or the reference is not finite ({base_err})"
+    return 2 * base_err
+
+
+def topk_softmax_fp32(logits: torch.Tensor, top_k: int,
+                      renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent fp32 router reference: (weights float32 (T, K), ids int32 (T, K)).
+
+    Experts ordered by logit, highest first; equal logits (-0.0 equals +0.0) go to the lower
+    expert id; NaN ranks below every number. Weights: softmax over the fp32 logits with +inf read
+    as the largest float and -inf, NaN as the most negative one (moekit's documented behaviour),
+    gathered at the ids; renormalised to sum 1 if asked (a zero sum is left at 0, not NaN).
+    """
+    x = logits.float() + 0.0
+    nan = torch.isnan(x)
+    # Two stable sorts: by value (highest first), then NaN last; ties keep ascending expert order.
+    order = torch.sort(torch.where(nan, 0.0, -x), dim=-1, stable=True).indices
+    order = order.gather(-1, torch.sort(nan.gather(-1, order).int(), dim=-1, stable=True).indices)
+    ids = order[:, :top_k]
+    big = torch.finfo(torch.float32).max
+    probs = torch.softmax(x.nan_to_num(nan=-big, posinf=big, neginf=-big), dim=-1)
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total > 0, weights / total, 0.0)
+    return weights, ids.to(torch.int32)
+
+
+def layer_ref(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+              down_proj: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """The whole layer in fp32: fp32 logits, `topk_softmax_fp32`, then `moe_experts_ref`."""
+    weights, ids = topk_softmax_fp32(x.float() @ router_weight.float().T, top_k, renormalize)
+    return moe_experts_ref(x, gate_up_proj, down_proj, weights, ids)
+
+
+def align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
+    """What `align_block_size` must return, built pair by pair in Python (independent of moekit).
+
+    Pair p = t * K + k. Expert by expert (ascending), its pairs in ascending order, then the
+    sentinel S up to a multiple of block_m; after the last expert the sentinel up to the buffer
+    length L = S + min(E, S) * (block_m - 1). expert_ids: the expert of each block in use, -1 after.
+    """
+    flat = topk_ids.reshape(-1).tolist()
+    num_pairs = len(flat)
+    length = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    by_expert: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(flat):
+        if 0 <= e < num_experts:
+            by_expert[e].append(p)
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for e, pairs in enumerate(by_expert):
+        blocks = -(-len(pairs) // block_m)
+        sorted_ids += pairs + [num_pairs] * (blocks * block_m - len(pairs))
+        expert_ids += [e] * blocks
+    num_padded = len(sorted_ids)
+    sorted_ids += [num_pairs] * (length - num_padded)
+    expert_ids += [-1] * (-(-length // block_m) - len(expert_ids))
+    return {
+        "sorted_ids": torch.tensor(sorted_ids, dtype=torch.int32),
+        "expert_ids": torch.tensor(expert_ids, dtype=torch.int32),
+        "num_padded": torch.tensor(num_padded, dtype=torch.int32),
+        "tokens_per_expert": torch.tensor([len(p) for p in by_expert], dtype=torch.int32),
+    }
+
+
+def assert_alignment_equals(a, expected: dict[str, torch.Tensor]) -> None:
+    """Every field of an `Alignment` equal (values and dtype) to `align_ref`'s."""
+    for name, want in expected.items():
+        got = getattr(a, name).cpu()
+        assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, tuple(got.shape))
+        assert torch.equal(got, want), name

@@ -89,12 +89,15 @@ def test_ceilings_must_be_positive(bad):
 
 def test_measure_ceilings_on_cpu():
     c = measure_ceilings("cpu", torch.float32, copy_bytes=8 << 20, matmul_n=256, rep=3)
-    assert c.copy_gbps > 0.1 and c.matmul_tflops > 1e-4
-    assert math.isfinite(c.ridge_flops_per_byte)
+    # Measured rates are not asserted against any speed (a timing is never a unit test): only that
+    # both are finite positive floats and the ridge point follows from them.
+    for rate in (c.copy_gbps, c.matmul_tflops):
+        assert isinstance(rate, float) and math.isfinite(rate) and rate > 0
+    assert c.ridge_flops_per_byte == pytest.approx(c.matmul_tflops * 1e3 / c.copy_gbps)
 
 
 @pytest.mark.gpu
 def test_measure_ceilings_on_gpu():
     c = measure_ceilings("cuda", torch.bfloat16)
-    # Any GPU moekit targets copies faster than 100 GB/s and multiplies bf16 faster than 10 TFLOP/s.
-    assert c.copy_gbps > 100 and c.matmul_tflops > 10
+    for rate in (c.copy_gbps, c.matmul_tflops):
+        assert isinstance(rate, float) and math.isfinite(rate) and rate > 0

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-import time
+import math
 
 import pytest
 import torch
 
-from moekit.bench.timing import MAX_REP, MIN_REP, NotCapturable, TimingStats, capture_graph, time_fn
+from moekit.bench import timing
+from moekit.bench.timing import (
+    MAX_REP,
+    MIN_REP,
+    TARGET_MS,
+    NotCapturable,
+    TimingStats,
+    capture_graph,
+    time_fn,
+)
 
 
 def test_stats_from_samples():
@@ -27,23 +36,53 @@ def test_stats_are_frozen():
         s.median_ms = 2.0
 
 
-def test_time_fn_counts_calls_and_measures_them():
+class FakeClock:
+    """Stands in for time.perf_counter inside moekit.bench.timing: only `advance` moves it.
+
+    A test thus states how long each call takes, and the statistics follow exactly, on any machine
+    and under any load (a wall-clock assertion is never a unit test).
+    """
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+def test_time_fn_counts_calls_and_measures_them(clock):
     calls = []
 
     def fn():
         calls.append(1)
-        time.sleep(0.002)
+        clock.advance(0.002 * len(calls))         # call i takes 2i ms
 
     s = time_fn(fn, warmup=2, rep=5, flush_l2=False, device="cpu")
     assert s.n == 5 and len(calls) == 7          # warm-up first, then one timed call each
-    assert s.median_ms >= 2.0                     # the sleep is inside the window
+    # The timed calls are calls 3..7 (6..14 ms): the window holds exactly the call.
+    assert s.median_ms == pytest.approx(10.0) and s.p20_ms == pytest.approx(7.6)
+    assert s.p80_ms == pytest.approx(12.4)
 
 
-def test_default_repeats_follow_the_article():
+def test_default_repeats_follow_the_article(clock):
     fast = time_fn(lambda: None, flush_l2=False, device="cpu")
     assert fast.n == MAX_REP                     # a trivial call gets the most repeats
-    slow = time_fn(lambda: time.sleep(0.05), warmup=1, flush_l2=False, device="cpu")
+    slow = time_fn(lambda: clock.advance(0.05), warmup=1, flush_l2=False, device="cpu")
     assert slow.n == MIN_REP                     # a slow one never fewer than the article's 15
+    assert slow.median_ms == pytest.approx(50.0)
+    # Between the two: about TARGET_MS of calls.
+    mid = time_fn(lambda: clock.advance(0.004), warmup=1, flush_l2=False, device="cpu")
+    assert mid.n == math.ceil(TARGET_MS / 4.0)
 
 
 def test_flush_runs_before_each_call():

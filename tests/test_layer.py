@@ -3,30 +3,48 @@ import json
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import layer_ref, rel_err
 from moekit import BACKENDS, PRESETS, ExpertsConfig, MoELayer, MoEShape
-from moekit.reference import moe_layer_ref
 from moekit.tuning import default_config, get_config, load_table, parse_table, shape_key
 
+# The reference routes with the tests' own fp32 router (helpers.topk_softmax_fp32), never with
+# moekit's: the torch router backend is moekit.reference.topk_softmax_ref itself.
 
+
+@pytest.mark.parametrize("router_backend", ["torch", "triton"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layer_matches_reference(backend):
-    torch.manual_seed(0)
-    layer = MoELayer("tiny", backend=backend)
+def test_layer_matches_reference(backend, router_backend):
+    layer = MoELayer("tiny", backend=backend, router_backend=router_backend)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():   # triton, and grouped_mm on the CPU, have no backward
         out = layer(x)
     assert out.shape == x.shape
     s = layer.shape
-    ref = moe_layer_ref(x.reshape(-1, 64), layer.router_weight, layer.gate_up_proj, layer.down_proj,
-                        s.top_k, s.norm_topk_prob)
+    ref = layer_ref(x.reshape(-1, 64), layer.router_weight, layer.gate_up_proj, layer.down_proj,
+                    s.top_k, s.norm_topk_prob)
     assert rel_err(out.reshape(-1, 64), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_1_without_renormalisation_applies_the_weight(backend):
+    """top_k = 1 and norm_topk_prob off: each token's output is its expert's times p < 1.
+
+    With renormalisation the one weight would be exactly 1, and a backend that dropped the weight
+    multiply would pass; here the weights are the softmax probabilities (about 1/E).
+    """
+    layer = MoELayer(MoEShape(6, 32, 16, 1, norm_topk_prob=False), backend=backend)
+    x = torch.randn(9, 32)
+    weights, _ = layer.route(x)
+    assert (weights < 0.9).all()
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 1, False)
+    with torch.no_grad():
+        assert rel_err(layer(x), ref) <= 1e-5
 
 
 def test_layer_without_renormalisation_and_triton_router():
     layer = MoELayer(MoEShape(6, 32, 16, 3, norm_topk_prob=False), router_backend="triton")
     x = torch.randn(7, 32)
-    ref = moe_layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 3, False)
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 3, False)
     with torch.no_grad():   # the Triton router has no backward
         assert rel_err(layer(x), ref) <= 1e-5
 

@@ -1,11 +1,13 @@
-"""Expert parallelism: the EP layer must equal the single-device layer on the same tokens.
+"""Expert parallelism: the EP layer must compute the layer on the same tokens.
 
 Two kinds of test:
   * in-process: `simulate_ep` runs N virtual ranks through the same plan / pack / experts / reduce
     steps with a loopback all-to-all (fast; many placements and world sizes);
   * spawned gloo groups of 2 and 4 processes on 127.0.0.1: each world is started once (a module
-    fixture), runs every case, and saves its outputs; the tests compare them here against
-    `MoELayer` / `moe_experts` on one device with fp32 tolerances.
+    fixture), runs every case, and saves its outputs; the tests compare them here.
+The oracle is the fp32 reference on all the tokens (`moe_experts_ref`, routed by the tests' own
+`helpers.topk_softmax_fp32`), never moekit's single-device layer. The per-token reduction in rank
+order is checked bitwise against an explicitly ordered fp32 sum (`exact_experts`).
 The parent process hosts the TCPStore (port 0: the OS picks a free one, so there is no race), and
 every child is killed if the world has not finished within WORLD_TIMEOUT_S.
 """
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moekit
+from helpers import rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit.parallel import (
     NVLS_OFF,
     ExpertParallelMoE,
@@ -40,6 +43,7 @@ from moekit.parallel import (
 from moekit.parallel import bench as ep_bench
 from moekit.parallel.results import CSV_NAME, REPORT_NAME, STEP, read_csv
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
+from moekit.reference import moe_experts_ref
 from moekit.routing import expert_loads, make_scenario
 
 disable_nvls()  # NVLink multicast off for every test here, and for every process they start
@@ -49,6 +53,59 @@ SEED = 1234
 BACKEND = "grouped_mm"  # what "auto" picks on CPU for these shapes; the experts path is not under test
 # E = 7 does not divide over 2 or 4 ranks, and with 4 ranks one of them holds a single expert (< K).
 UNEVEN = moekit.MoEShape(7, 64, 48, 2)
+
+
+# The rank-order case: E = 4 experts, one per rank of 4, top_k = 3 < 4: a token's partials come
+# from 3 ranks, and three fp32 additions depend on their order.
+ORDER_WORLD = 4
+ORDER_TOKENS = (1, 2, 0, 1)
+TINY_W = 2.0**-24  # half an ulp of 1.0: 1 + TINY_W rounds back to 1, TINY_W + TINY_W + 1 does not
+
+
+def exact_experts(num_experts: int, hidden: int = 8, inter: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts whose output is exactly ones(H) for any x with x[:, 0] == 1, in fp32 on any backend.
+
+    gate = 32 * x0 = 32, up = x0 / 32; silu(32) = 32 in fp32 (sigmoid(32) rounds to 1), so the
+    activation is exactly 1 and down (column 0 of ones) gives 1 in every row. A pair's partial is
+    then exactly its routing weight, and a token's output is the fp32 sum of its weights in the
+    order the combine adds them.
+    """
+    gate_up = torch.zeros(num_experts, 2 * inter, hidden)
+    gate_up[:, :inter, 0] = 32.0
+    gate_up[:, inter:, 0] = 1 / 32
+    down = torch.zeros(num_experts, hidden, inter)
+    down[:, :, 0] = 1.0
+    return gate_up, down
+
+
+def ordered_case():
+    """(x, weights, ids, gate_up, down) of the rank-order case; each token has one weight 1 and two
+    TINY_W, the 1 placed first or last in rank order and anywhere in slot order."""
+    ids = torch.tensor([[0, 1, 2], [2, 1, 0], [3, 0, 2], [1, 3, 0]], dtype=torch.int32)
+    weights = torch.tensor([[1, TINY_W, TINY_W], [1, TINY_W, TINY_W], [TINY_W, 1, TINY_W],
+                            [TINY_W, 1, TINY_W]], dtype=torch.float32)
+    x = torch.randn(ids.shape[0], 8, generator=torch.Generator().manual_seed(SEED))
+    x[:, 0] = 1.0
+    return (x, weights, ids, *exact_experts(ORDER_WORLD))
+
+
+def rank_order_sum(weights: torch.Tensor, ids: torch.Tensor, placement: Placement,
+                   reverse: bool = False) -> torch.Tensor:
+    """(T,) each token's weights added one by one in fp32, by the rank holding the expert
+    (increasing, or decreasing with `reverse`): what the combine of `exact_experts` must return."""
+    out = []
+    for w_row, id_row in zip(weights.tolist(), ids.tolist(), strict=True):
+        ranks = [next(r for r, slots in enumerate(placement.slots) if e in slots) for e in id_row]
+        acc = torch.zeros((), dtype=torch.float32)
+        for _, w in sorted(zip(ranks, w_row, strict=True), reverse=reverse):
+            acc = acc + torch.tensor(w, dtype=torch.float32)
+        out.append(acc)
+    return torch.stack(out)
+
+
+def _split_rows(tokens) -> list[slice]:
+    bounds = [0, *torch.tensor(tokens).cumsum(0).tolist()]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 @dataclass(frozen=True)
@@ -189,7 +246,16 @@ def _run_world_checks(rank: int, world: int) -> dict[str, object]:
     seeded.reset_parameters(torch.Generator().manual_seed(SEED))
     same = all(torch.equal(getattr(seeded, n), getattr(ep, n))
                for n in ("router_weight", "gate_up_proj", "down_proj"))
-    return {"errors": errors, "invalid_out": out, "seeded_matches": same}
+    # The combine's rank-order sum, through real all-to-alls (one expert per rank, K = 3 < N = 4).
+    ordered = None
+    if world == ORDER_WORLD:
+        x_all, w_all, ids_all, gate_up_all, down_all = ordered_case()
+        mine = _split_rows(ORDER_TOKENS)[rank]
+        placement = contiguous_placement(ORDER_WORLD, ORDER_WORLD)
+        gate_up_r, down_r = rank_weights(gate_up_all, down_all, placement, rank)
+        ordered = ep_moe_experts(x_all[mine], gate_up_r, down_r, w_all[mine], ids_all[mine],
+                                 placement=placement, backend=BACKEND)
+    return {"errors": errors, "invalid_out": out, "seeded_matches": same, "ordered": ordered}
 
 
 def _run_bench(out_dir: Path) -> int:
@@ -254,19 +320,21 @@ def gloo_world(request, tmp_path_factory):
     return world, _spawn_world(world, out_dir), out_dir
 
 
-def _expected(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def _expected(case: Case) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 reference output of all ranks' tokens, and the router's ids for the "router" cases."""
     layer = _full_layer(case)
     x, weights, ids = _global_inputs(case, layer)
-    layer, x, weights, ids = layer.to(device), x.to(device), weights.to(device), ids.to(device)
+    expected_ids = None
     with torch.no_grad():
         if case.routing == "router":
-            return layer(x).cpu(), ids.cpu()
-        return moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids,
-                                  backend=case.backend).cpu(), None
+            weights, expected_ids = topk_softmax_fp32(x @ layer.router_weight.T, layer.shape.top_k,
+                                                      layer.shape.norm_topk_prob)
+        return moe_experts_ref(x, layer.gate_up_proj, layer.down_proj, weights, ids
+                               if expected_ids is None else expected_ids), expected_ids
 
 
 @pytest.mark.parametrize("case_name", [c.name for c in _cases(2)])
-def test_gloo_matches_single_device(gloo_world, case_name):
+def test_gloo_matches_reference(gloo_world, case_name):
     world, results, _ = gloo_world
     case = next(c for c in _cases(world) if c.name == case_name)
     expected, expected_ids = _expected(case)
@@ -277,7 +345,7 @@ def test_gloo_matches_single_device(gloo_world, case_name):
         # Bitwise reproducible: the per-token sum runs in rank order, never through atomics.
         assert torch.equal(out, results[r][case.name]["again"])
     torch.testing.assert_close(torch.cat(outs), expected)
-    if expected_ids is not None:  # each rank's router picks exactly the single-device experts
+    if expected_ids is not None:  # each rank's router picks exactly the reference's experts
         assert torch.equal(torch.cat([results[r][case.name]["ids"] for r in range(world)]), expected_ids)
 
 
@@ -334,7 +402,7 @@ def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:
 )
 @pytest.mark.parametrize("routing", ["zipf-1.0", "collapse"])
 @pytest.mark.parametrize("replicas", [0, 1], ids=["contiguous", "replicated"])
-def test_simulated_group_matches_single_device(num_experts, world, top_k, tokens, routing, replicas):
+def test_simulated_group_matches_reference(num_experts, world, top_k, tokens, routing, replicas):
     shape = moekit.MoEShape(num_experts, 64, 48, top_k)
     layer = moekit.MoELayer(shape, backend=BACKEND)
     layer.reset_parameters(torch.Generator().manual_seed(SEED))
@@ -345,12 +413,38 @@ def test_simulated_group_matches_single_device(num_experts, world, top_k, tokens
     if replicas:
         placement = replicate_hot_experts(expert_loads(ids, num_experts), placement)
     with torch.no_grad():
-        expected = moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids, backend=BACKEND)
+        expected = moe_experts_ref(x, layer.gate_up_proj, layer.down_proj, weights, ids)
         outs = simulate_ep(_split(x, tokens), _split(weights, tokens), _split(ids, tokens),
                            shard_experts(layer.gate_up_proj, layer.down_proj, placement), placement,
                            backend=BACKEND)
     assert [o.shape[0] for o in outs] == list(tokens)
     torch.testing.assert_close(torch.cat(outs), expected)
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+def test_simulated_combine_sums_in_rank_order(backend):
+    """Each token's partials are added in increasing rank order, bit for bit (dispatch.py's
+    contract): reversed, or in slot order, the sums of 1 and two half-ulps differ."""
+    x, weights, ids, gate_up, down = ordered_case()
+    placement = contiguous_placement(ORDER_WORLD, ORDER_WORLD)
+    expected = rank_order_sum(weights, ids, placement)
+    assert not torch.equal(expected, rank_order_sum(weights, ids, placement, reverse=True))
+    rows = _split_rows(ORDER_TOKENS)
+    with torch.no_grad():
+        outs = simulate_ep([x[r] for r in rows], [weights[r] for r in rows], [ids[r] for r in rows],
+                           shard_experts(gate_up, down, placement), placement, backend=backend)
+    out = torch.cat(outs)
+    assert torch.equal(out, expected[:, None].expand_as(out))
+
+
+def test_gloo_combine_sums_in_rank_order(gloo_world):
+    world, results, _ = gloo_world
+    if world != ORDER_WORLD:
+        pytest.skip("three partials per token need a world of 4")
+    _, weights, ids, _, _ = ordered_case()
+    expected = rank_order_sum(weights, ids, contiguous_placement(ORDER_WORLD, ORDER_WORLD))
+    out = torch.cat([results[r]["_checks"]["ordered"] for r in range(world)])
+    assert torch.equal(out, expected[:, None].expand_as(out))
 
 
 def test_simulated_group_nan_stays_in_its_row():
@@ -441,7 +535,7 @@ def test_nccl_world_of_one(tmp_path):
     results = _spawn_world(1, tmp_path, "nccl")
     assert results[0]["_env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     for case in _gpu_cases(1):
-        expected, expected_ids = _expected(case, "cuda")
+        expected, expected_ids = _expected(case)
         torch.testing.assert_close(results[0][case.name]["out"], expected)
         assert torch.equal(results[0][case.name]["out"], results[0][case.name]["again"])
         if expected_ids is not None:
@@ -452,8 +546,6 @@ def test_nccl_world_of_one(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_simulated_group_on_gpu(dtype):
     """8 virtual ranks on the GPU with the triton backend, Qwen3-30B-A3B's shape, skewed routing."""
-    from moekit.bench.correctness import expected_output
-
     shape = moekit.PRESETS["qwen3-30b-a3b"]
     layer = moekit.MoELayer(shape, dtype=dtype, device="cuda")
     tokens = (64, 0, 31, 200, 1, 64, 64, 7)
@@ -467,9 +559,7 @@ def test_simulated_group_on_gpu(dtype):
                                shard_experts(layer.gate_up_proj, layer.down_proj, placement), placement,
                                backend="triton")
             out = torch.cat(outs)
-            if dtype == torch.float32:
-                single = moekit.moe_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids,
-                                            backend="triton")
-                torch.testing.assert_close(out, single)
-            check = expected_output(x, layer.gate_up_proj, layer.down_proj, weights, ids).check(out)
-            assert check.ok, check.reason
+            args = (x, layer.gate_up_proj, layer.down_proj, weights, ids)
+            ref = moe_experts_ref(*args)
+            bound = 1e-5 if dtype == torch.float32 else same_dtype_bound(*args, ref)
+            assert rel_err(out, ref) <= bound, (routing, rel_err(out, ref), bound)
