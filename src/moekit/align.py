@@ -83,6 +83,16 @@ class PairSort:
     order: torch.Tensor
     counts: torch.Tensor
 
+    def sorted_ranks(self) -> torch.Tensor:
+        """int64 (S,): at sorted position i, how many earlier pairs went to the same expert."""
+        start = torch.cumsum(self.counts, 0) - self.counts
+        return torch.arange(self.order.numel(), device=self.order.device) - start[self.e_sorted]
+
+    def ranks(self) -> torch.Tensor:
+        """int64 (S,): pair p's position among its expert's pairs, which keep pair order."""
+        ranks = self.sorted_ranks()
+        return torch.empty_like(ranks).scatter_(0, self.order, ranks)
+
 
 def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> PairSort:
     flat = topk_ids.reshape(-1).long()
@@ -104,10 +114,9 @@ def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: in
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
-    start = torch.cumsum(counts, 0) - counts
     length = padded_length(num_pairs, num_experts, block_m)
     e_clamped = e_sorted.clamp(max=num_experts - 1)
-    dest = pad_start[e_clamped] + torch.arange(num_pairs, device=dev) - start[e_clamped]
+    dest = pad_start[e_clamped] + pairs.sorted_ranks()
     dest = torch.where(e_sorted < num_experts, dest, length)      # one spare slot takes the unplaced
     buf = torch.full((length + 1,), num_pairs, device=dev, dtype=torch.int32)
     buf.scatter_(0, dest, order.to(torch.int32))

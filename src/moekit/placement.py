@@ -36,6 +36,7 @@ from functools import cached_property
 import torch
 
 from moekit._validation import ID_DTYPES, check_tensor
+from moekit.align import sort_pairs
 
 
 @dataclass(frozen=True)
@@ -268,18 +269,9 @@ def assign(topk_ids: torch.Tensor, placement: Placement, *, source_rank: int = 0
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
     e_count, dev = placement.num_experts, topk_ids.device
     table, n_copies = tables if tables is not None else placement.copy_table(dev)
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    valid = (flat >= 0) & (flat < e_count)
-    key = torch.where(valid, flat, e_count)
-    # j = how many earlier pairs (lower pair index) went to the same expert: a stable sort by expert
-    # keeps pair order within each expert, so j is the position minus the expert's start.
-    key_sorted, order = torch.sort(key, stable=True)
-    counts = torch.zeros(e_count + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    start = torch.cumsum(counts, 0) - counts
-    j_sorted = torch.arange(num_pairs, device=dev) - start[key_sorted]
-    j = torch.empty_like(j_sorted).scatter_(0, order, j_sorted)
+    pairs = sort_pairs(topk_ids, e_count)
+    flat, valid = topk_ids.reshape(-1).long(), pairs.valid
+    j = pairs.ranks()               # how many earlier pairs (lower pair index) went to the same expert
     safe = torch.where(valid, flat, 0)  # never index with an out-of-range id, not even -1
     copy = (j + source_rank) % n_copies[safe]
     slot = table[safe, copy]

@@ -60,10 +60,8 @@ def experts_padded(
     dev = hidden_states.device
 
     pairs = sort_pairs(topk_ids, num_experts)
-    valid, key, e_sorted, order, counts = pairs.valid, pairs.key, pairs.e_sorted, pairs.order, pairs.counts
-    start = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(num_pairs, device=dev) - start[e_sorted]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)   # rank of pair p in its expert
+    valid, key, counts = pairs.valid, pairs.key, pairs.counts
+    rank = pairs.ranks()                                                 # rank of pair p in its expert
 
     if capacity_factor is None:
         cap = int(counts[:num_experts].max()) if num_pairs else 0        # host sync
