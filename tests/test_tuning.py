@@ -1,13 +1,18 @@
 """Tuning as data: the default heuristic, the log-scale lookup, the shared-memory fit, the packaged
-H200 table and bad table files."""
+H200 table, bad table files, and the tuner's logic with its GPU timer stubbed (CPU, interpreter)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from moekit.cli import build_parser, main
 from moekit.shapes import PRESETS
 from moekit.tuning import (
     PACKAGED_DIR,
@@ -20,6 +25,7 @@ from moekit.tuning import (
     load_table,
     parse_table,
     shape_key,
+    tuner,
 )
 
 QWEN = PRESETS["qwen3-30b-a3b"]   # E=128, K=8: mean rows per expert = T / 16
@@ -186,3 +192,166 @@ def test_bad_table_file_is_a_value_error_naming_the_file(tmp_path, name, content
     with pytest.raises(ValueError) as info:
         parse_table(path)
     assert str(path) in str(info.value) and message in str(info.value)
+
+
+# The tuner's logic (the GPU timer stubbed).
+
+
+def test_block_m_candidates_grow_with_rows_per_expert():
+    got = [tuner.block_m_candidates(QWEN, t) for t in (1, 64, 256, 1024, 4096, 16384)]
+    assert got == [[16], [16], [16, 32], [16, 32, 64], [32, 64, 128], [64, 128]]
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_gemm_candidates_fit_shared_memory(block_m, itemsize):
+    for swiglu, gemm in ((True, 1), (False, 2)):
+        cands = tuner.gemm_candidates(block_m, itemsize, swiglu)
+        assert cands and len({tuple(p.items()) for p in cands}) == len(cands)
+        for p in cands:
+            cfg = tuner._with(ExpertsConfig(block_m=block_m), gemm, p)
+            assert smem_bytes(cfg, itemsize, gemm) <= SHARED_MEMORY_LIMIT, (swiglu, p)
+
+
+def test_gemm_candidates_drop_only_tiles_over_the_limit():
+    # 4 x (128x128 + 2 x 128x128) x 2 = 384 KiB: over; 3 x (128x64 + 2 x 64x128) x 2 = 144 KiB: kept.
+    cands = tuner.gemm_candidates(128, 2, swiglu=True)
+    assert dict(block_n=128, block_k=128, warps=8, stages=4) not in cands
+    assert dict(block_n=128, block_k=64, warps=8, stages=3) in cands
+    # 16-row tiles with the widest block_k: 5 x (16x256 + 2 x 256x128) x 2 = 680 KiB: over.
+    small = tuner.gemm_candidates(16, 2, swiglu=True)
+    assert dict(block_n=128, block_k=256, warps=4, stages=5) not in small
+    assert dict(block_n=128, block_k=256, warps=4, stages=3) not in small   # 408 KiB
+    assert dict(block_n=32, block_k=256, warps=4, stages=5) in small         # 200 KiB
+
+
+FAST1 = dict(block_n=32, block_k=64, warps=4, stages=3)
+FAST2 = dict(block_n=64, block_k=128, warps=4, stages=4)
+
+
+def fake_timer(calls: list):
+    """ms of a candidate without running it: FAST1 / FAST2 win their GEMM; one tile "fails to compile"."""
+    def timer(fn) -> float:
+        assert isinstance(fn, functools.partial)
+        cfg = fn.args[-1]
+        calls.append((fn.func.__name__, cfg))
+        if fn.func is tuner._path_all:
+            return 0.5
+        gemm = 1 if fn.func is tuner._gemm1_all else 2
+        p = dict(block_n=getattr(cfg, f"block_n{gemm}"), block_k=getattr(cfg, f"block_k{gemm}"),
+                 warps=getattr(cfg, f"warps{gemm}"), stages=getattr(cfg, f"stages{gemm}"))
+        if p == dict(block_n=16, block_k=64, warps=4, stages=3):
+            raise RuntimeError("out of resources")
+        return 0.1 if p == (FAST1 if gemm == 1 else FAST2) else 1.0 + p["block_n"] / 1000
+
+    return timer
+
+
+def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
+    shape = PRESETS["tiny"]
+    calls, logged = [], []
+    best, records = tuner.tune_tokens(shape, 4, torch.float32, rotations=2, log=logged.append,
+                                      device="cpu", timer=fake_timer(calls))
+    assert best.block_m == 16 and best.group_m == 1
+    assert (best.block_n1, best.block_k1, best.warps1, best.stages1) == tuple(FAST1.values())
+    assert (best.block_n2, best.block_k2, best.warps2, best.stages2) == tuple(FAST2.values())
+    n1, n2 = len(tuner.gemm_candidates(16, 4, True)), len(tuner.gemm_candidates(16, 4, False))
+    assert len(calls) == n1 + n2 + 1
+    gemm_records = [r for r in records if r["gemm"] in (1, 2)]
+    assert len(gemm_records) == n1 + n2 - 2                 # the failing tile, once per GEMM, skipped
+    assert sum("skip" in m for m in logged) == 2
+    for r in gemm_records:
+        assert set(r) == {"tokens", "block_m", "gemm", "ms", "block_n", "block_k", "warps", "stages"}
+        assert r["tokens"] == 4 and r["block_m"] == 16
+    fast = [r for r in gemm_records if r["ms"] == 0.1 / 2]    # ms per routing: divided by rotations
+    assert [(r["gemm"], r["block_n"]) for r in fast] == [(1, 32), (2, 64)]
+    (path,) = [r for r in records if r["gemm"] == 0]
+    assert path["ms"] == 0.25 and ExpertsConfig(**{k: v for k, v in path.items()
+                                                   if k not in ("tokens", "gemm", "ms")}) == best
+    json.dumps(records)                                         # the --records lines are JSON
+
+
+def test_tune_tokens_says_so_when_no_tile_runs():
+    def failing(fn):
+        raise RuntimeError("out of resources")
+
+    with pytest.raises(RuntimeError, match="no candidate config ran at T=4"):
+        tuner.tune_tokens(PRESETS["tiny"], 4, torch.float32, rotations=1, log=lambda m: None,
+                          device="cpu", timer=failing)
+
+
+KEY = shape_key(PRESETS["tiny"], torch.bfloat16)
+
+
+def test_write_table_merges_in_token_order_and_keeps_other_shapes(tmp_path):
+    path = tmp_path / "t.json"
+    other = shape_key(QWEN, torch.bfloat16)
+    a, b, c = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32), ExpertsConfig(block_m=64)
+    tuner.write_table(path, other, {4: a})
+    tuner.write_table(path, KEY, {256: b})
+    tuner.write_table(path, KEY, {16: a, 256: c, 4: b})       # replaces 256, adds 4 and 16 before it
+    raw = json.loads(path.read_text())
+    assert list(raw[KEY]) == ["4", "16", "256"] and raw[KEY]["256"] == c.to_dict()   # numeric order
+    assert parse_table(path) == {other: {4: a}, KEY: {4: b, 16: a, 256: c}}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask      # a plain file's mode, not mkstemp's 0600
+
+
+def test_write_table_refuses_a_bad_table_and_leaves_it_alone(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"k": {"0": {}}}')
+    with pytest.raises(ValueError, match="token count") as info:
+        tuner.write_table(path, KEY, {16: ExpertsConfig()})
+    assert str(path) in str(info.value)
+    assert path.read_text() == '{"k": {"0": {}}}'
+
+
+def test_write_table_never_leaves_a_partial_file(tmp_path):
+    class Unwritable(ExpertsConfig):
+        def to_dict(self):
+            return {**super().to_dict(), "block_m": object()}  # json cannot write it
+
+    path = tmp_path / "t.json"
+    tuner.write_table(path, KEY, {1: ExpertsConfig()})
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        tuner.write_table(path, KEY, {2: Unwritable()})
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+# The command line.
+
+
+TUNE_BAD_ARGUMENTS = [("--tokens", "0"), ("--tokens", "1,x"), ("--tokens", ","), ("--rotations", "-1"),
+                      ("--out", "/dev/null/x.json"), ("--out", "{dir}"), ("--records", "/dev/null/r.jsonl")]
+
+
+@pytest.mark.parametrize("flag,value", TUNE_BAD_ARGUMENTS, ids=[f"{f} {v}" for f, v in TUNE_BAD_ARGUMENTS])
+def test_tune_refuses_a_bad_argument_while_parsing(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", flag, value.format(dir=tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"moekit tune: error: argument {flag}:")
+
+
+def test_tune_defaults_parse():
+    args = build_parser().parse_args(["tune"])
+    assert args.tokens == list(tuner.DEFAULT_TOKENS) and args.rotations == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_tune_without_cuda_is_one_error_line(tmp_path, capsys):
+    assert main(["tune", "--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit tune: error: ") and "CUDA" in err and len(err.strip().splitlines()) == 1
+
+
+def test_python_dash_m_moekit_help():
+    done = subprocess.run([sys.executable, "-m", "moekit", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    for command in ("bench", "report", "imbalance", "ep-bench", "tune"):
+        assert command in done.stdout
