@@ -107,9 +107,15 @@ def test_fit_shared_memory_hand_examples():
     # GEMM2: 3 x (256x64 + 64x64) x 4 = 240 KiB -> 2 stages = 160 KiB.
     assert (fit.stages2, fit.block_k2, fit.block_n2) == (2, 64, 64)
     assert fit.block_m == 256 and fit.block_n1 == 256
-    # Already fits: unchanged.
+    # Already fits: unchanged; so is a tile that needs exactly the budget, 5 x (16x256 + 2 x 256x32) x 2.
     small = ExpertsConfig(block_m=16, block_n1=32, block_k1=64, stages1=5)
     assert fit_shared_memory(small, 2) == small
+    exact = ExpertsConfig(block_m=16, block_n1=32, block_k1=256, stages1=5)
+    assert smem_bytes(exact, 2, 1) == SHARED_MEMORY_BUDGET and fit_shared_memory(exact, 2) == exact
+    # Nothing fits: 2 stages x (256x16 + 2 x 16x2048) x 2 = 272 KiB at the smallest step; it stops
+    # there (stages 2, block_k 16) and leaves the rest to the caller.
+    huge = ExpertsConfig(block_m=256, block_n1=2048, block_k1=64, stages1=3)
+    assert (fit_shared_memory(huge, 2).stages1, fit_shared_memory(huge, 2).block_k1) == (2, 16)
 
 
 def shrink_steps(cfg: ExpertsConfig, gemm: int) -> list[tuple[int, int]]:
@@ -236,7 +242,7 @@ def fake_timer(calls: list):
         cfg = fn.args[-1]
         calls.append((fn.func.__name__, cfg))
         if fn.func is tuner._path_all:
-            return 0.5
+            return 0.5 if cfg.block_m == 16 else 0.3
         gemm = 1 if fn.func is tuner._gemm1_all else 2
         p = dict(block_n=getattr(cfg, f"block_n{gemm}"), block_k=getattr(cfg, f"block_k{gemm}"),
                  warps=getattr(cfg, f"warps{gemm}"), stages=getattr(cfg, f"stages{gemm}"))
@@ -269,6 +275,15 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     assert path["ms"] == 0.25 and ExpertsConfig(**{k: v for k, v in path.items()
                                                    if k not in ("tokens", "gemm", "ms")}) == best
     json.dumps(records)                                         # the --records lines are JSON
+
+
+def test_tune_tokens_keeps_the_block_m_of_the_fastest_path():
+    # tiny at T=48: 12 rows per expert, block_m 16 and 32 are tried; the stub times 32's path faster.
+    assert tuner.block_m_candidates(PRESETS["tiny"], 48) == [16, 32]
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=fake_timer([]))
+    assert best.block_m == 32 and best.block_n1 == FAST1["block_n"]
+    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0) == [(16, 0.5), (32, 0.3)]
 
 
 def test_tune_tokens_says_so_when_no_tile_runs():
