@@ -129,6 +129,13 @@ def test_bad_argument_is_one_error_line_at_parse_time(command, flag, value, caps
     assert not (tmp_path / "report.md").exists()
 
 
+@pytest.mark.parametrize("value", ["nosuch", "cuda:abc", "cpu:1", "meta", "mps", ""])
+def test_device_must_be_cpu_or_cuda(value, capsys):
+    assert run_cli(["bench", "--device", value]) == 2
+    line = error_line(capsys, "moekit bench")
+    assert f"argument --device: expected cpu, cuda or cuda:N, got {value!r}" in line
+
+
 def test_the_error_and_the_exit_status_reach_the_shell():
     done = subprocess.run([sys.executable, "-m", "moekit", "bench", "--device", "nosuch"],
                           capture_output=True, text=True, timeout=120)
