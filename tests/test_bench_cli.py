@@ -51,12 +51,14 @@ def test_graph_flag_on_cpu_records_not_capturable(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--preset", "nope"], "unknown preset"),
-    (["--backends", "loop,warp"], "unknown backend"),
+    (["--preset", "nope"], "argument --preset: unknown preset 'nope'"),
+    (["--backends", "loop,warp"], "argument --backends: unknown backend 'warp'"),
 ])
 def test_bad_arguments_are_reported(tmp_path, capsys, argv, message):
-    assert bench([*argv, "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
-    assert message in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench([*argv, "--device", "cpu", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -12,39 +12,14 @@ import pytest
 
 from moekit.bench import plots, report_cli
 from moekit.bench.report import crossover_of, render
-from moekit.bench.results import COLUMNS, ResultRow, read_csv, write_csv, write_json
+from moekit.bench.results import COLUMNS, read_csv, write_csv, write_json
+from result_rows import sample_rows
 
 PROVENANCE = ("run_id", "date", "commit", "device_type", "device_name", "torch_version", "triton_version",
               "transformers_version", "dtype", "copy_gbps", "matmul_tflops")
 CASE = ("preset", "tokens", "backend", "mode", "status", "reason")
 STATS = ("median_ms", "p20_ms", "p80_ms", "n_rep", "floor_ms", "pct_floor", "gbps", "tflops", "kernels",
          "busy_ms", "idle_pct", "experts_hit", "experts_hit_mean", "experts_expected")
-
-
-def make_row(**kw) -> ResultRow:
-    base = dict(
-        run_id="20260101T000000Z", date="2026-01-01T00:00:00+00:00", commit="abc123", device_type="cpu",
-        device_name="Test CPU", torch_version="2.13", triton_version="3.6", transformers_version="",
-        python_version="3.11", moekit_version="0.1.0", dtype="float32", copy_gbps=20.0, matmul_tflops=0.2,
-        preset="tiny", num_experts=8, hidden_size=64, intermediate_size=48, top_k=2, tokens=4,
-        backend="triton", mode="eager", status="ok", reason="", max_err=1e-7, tol=1e-6,
-        median_ms=2.0, p20_ms=1.5, p80_ms=2.5, n_rep=15, bytes=100_000, flops=200_000, floor_ms=0.005,
-        bound="memory", pct_floor=0.25, gbps=0.05, tflops=1e-4, kernels=8, busy_ms=math.nan,
-        idle_pct=math.nan, experts_hit=5, experts_hit_mean=5.4, experts_expected=5.46875,
-    )
-    base.update(kw)
-    return ResultRow(**base)
-
-
-def sample_rows() -> list[ResultRow]:
-    rows = []
-    for t in (1, 4, 16):
-        for b, k in (("loop", 30 + 9 * t), ("triton", 8)):
-            rows.append(make_row(tokens=t, backend=b, kernels=k, median_ms=0.5 * t))
-    rows.append(make_row(tokens=16, backend="padded", status="failed", reason="max error 1 > 0.1",
-                         median_ms=math.nan, p20_ms=math.nan, p80_ms=math.nan, n_rep=None, kernels=None,
-                         pct_floor=math.nan, gbps=math.nan, tflops=math.nan))
-    return rows
 
 
 def test_schema_has_provenance_case_and_stats():
@@ -113,8 +88,9 @@ def test_malformed_csv_names_the_file(tmp_path, case, mutate, message):
 def test_report_cli_rejects_a_bad_csv_cleanly(tmp_path, capsys):
     path = _write_broken(tmp_path, lambda ls: ["not,a,results,file", "1,2,3,4"])
     assert report_cli.run(argparse.Namespace(path=tmp_path, out=None)) == 2
-    out = capsys.readouterr().out.replace("\n", "")
-    assert "missing columns" in out and path.name in out
+    err = capsys.readouterr().err
+    assert err.startswith("moekit report: error: ") and len(err.strip().splitlines()) == 1
+    assert "missing columns" in err and str(path) in err
     assert not (tmp_path / "report.md").exists()
 
 

@@ -157,8 +157,14 @@ def test_cli_help(capsys):
 @pytest.mark.parametrize("argv", [["--scenarios", "nope"], ["--ep", "9"], ["--trace", "/nonexistent/t.npy"],
                                   ["--backends", "fast"], ["--ep-backend", "fast"]],
                          ids=["scenario", "ep", "trace", "backend", "ep-backend"])
-def test_cli_rejects_bad_arguments_before_measuring(argv, tmp_path):
-    assert main(["imbalance", "--preset", "tiny", "--out", str(tmp_path), *argv]) == 2
+def test_cli_rejects_bad_arguments_before_measuring(argv, tmp_path, capsys):
+    try:
+        code = main(["imbalance", "--preset", "tiny", "--out", str(tmp_path), *argv])
+    except SystemExit as exc:   # refused while parsing
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("moekit imbalance: error: ") and "Traceback" not in err
     assert not (tmp_path / CSV_NAME).exists()
 
 

@@ -11,6 +11,7 @@
     results.py      the CSV schema, provenance, atomic CSV / JSON files
     plots.py        PNGs from rows;  report.py  report.md from rows
     cli.py          `moekit bench`;  report_cli.py  `moekit report DIR`
+    args.py         argument types and up-front checks shared by every subcommand; exit statuses
 
 Only the light modules are imported here; plotting pulls in matplotlib when it is used.
 """

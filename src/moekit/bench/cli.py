@@ -3,12 +3,18 @@
 With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with CUDA graphs on a
 GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
 runs end to end in well under two minutes.
+
+Every argument is checked while parsing and the output folder before anything is measured; a folder
+that already holds results is refused unless --overwrite is given. All outputs are rendered in
+memory and then written, each file atomically. Exit status: 0 when at least one case was timed,
+1 when none was, 2 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,15 +24,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from moekit.bench import args as arg_types
 from moekit.bench import peers
+from moekit.bench.args import DTYPES, usage_error
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.report import CSV_NAME, JSON_NAME, crossover_of, fmt_pct, write_report
-from moekit.bench.results import ResultRow, collect_provenance, write_csv, write_json
+from moekit.bench.report import CSV_NAME, JSON_NAME, REPORT_NAME, crossover_of, fmt_pct, report_files
+from moekit.bench.results import ResultRow, collect_provenance, json_text, rows_to_csv, write_files
 from moekit.bench.runner import Options
 from moekit.bench.sweep import Plan, run_sweep, summarize_rows
 from moekit.experts import BACKENDS
 from moekit.shapes import PRESETS
 
+PROG = "moekit bench"
 GPU_PRESET = "qwen3-30b-a3b"
 CPU_PRESET = "tiny"
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
@@ -37,69 +46,47 @@ QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 RESULTS_ROOT = Path("moekit-results")
-
-
-def _csv_list(text: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
-    return items
-
-
-def _tokens(text: str) -> list[int]:
-    try:
-        values = [int(s) for s in _csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens must be comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--tokens must be >= 1, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+RESULT_FILES = (CSV_NAME, JSON_NAME, REPORT_NAME)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", type=_csv_list, default=None,
+    p.add_argument("--preset", type=arg_types.names(lambda: sorted(PRESETS), "preset"), default=None,
                    help=f"preset(s), comma-separated, from {sorted(PRESETS)} "
                         f"(default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine)")
-    p.add_argument("--tokens", type=_tokens, default=None,
+    p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
                    help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
-    p.add_argument("--backends", type=_csv_list, default=list(BACKENDS),
+    p.add_argument("--backends", type=arg_types.names(lambda: [*BACKENDS, *peers.PEERS], "backend"),
+                   default=list(BACKENDS),
                    help=f"backends, comma-separated (default: {','.join(BACKENDS)}); "
                         f"Transformers peers {','.join(peers.PEERS)} may be named too")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="also time each backend captured in a CUDA graph (default: on with CUDA)")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/<UTC timestamp>)")
+    p.add_argument("--out", type=arg_types.out_dir, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/<UTC timestamp>); a folder that already "
+                        f"holds {', '.join(RESULT_FILES)} is refused unless --overwrite is given")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results already in --out (files of the same names; others are kept)")
     p.add_argument("--peers", action="store_true",
                    help="also time Transformers' experts implementations (eager, batched_mm, grouped_mm)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
-    p.add_argument("--rep", type=_positive, default=None,
+    p.add_argument("--rep", type=arg_types.int_range(1), default=None,
                    help="timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
                         "5..400 on the CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per case")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and router")
+    p.add_argument("--warmup", type=arg_types.int_range(0), default=None, help="warm-up calls per case")
+    p.add_argument("--device", type=arg_types.device, default=None,
+                   help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
+                   help="seed of the weights, tokens and router")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
-    device = torch.device(args.device) if args.device else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or arg_types.default_device()
     on_gpu = device.type == "cuda"
-    if on_gpu and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is available")
     if args.preset is None:
         presets = [GPU_PRESET if on_gpu else CPU_PRESET]
         if not on_gpu:
@@ -166,13 +153,22 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
     return table
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """Before any work: the output folder (or the default's parent) is writable and holds no results."""
+    if args.out is None:
+        arg_types.check_out_dir(RESULTS_ROOT, "the default output folder")
+        return
+    arg_types.check_out_dir(args.out)
+    arg_types.check_no_results(args.out, RESULT_FILES, args.overwrite)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         plan, with_peers = _resolve_plan(args, console)
+        _check_out(args)
     except ValueError as exc:
-        console.print(f"[red]moekit bench: {exc}[/red]")
-        return 2
+        return usage_error(PROG, exc)
     options = _options(args, plan.device)
     console.print(f"Measuring ceilings on {plan.device} ({str(plan.dtype).removeprefix('torch.')})...")
     ceilings = measure_ceilings(plan.device, plan.dtype, rep=options.rep)
@@ -195,9 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
         rows = run_sweep(plan, ceilings, prov, options, on_case)
 
-    write_csv(rows, out_dir / CSV_NAME)
-    write_json(rows, out_dir / JSON_NAME)
-    written = write_report(rows, out_dir)
+    files = {CSV_NAME: rows_to_csv(rows), JSON_NAME: json_text(rows), **report_files(rows)}
+    written = write_files(files, out_dir)
     for preset in plan.presets:
         console.print(_summary_table(rows, preset))
     counts = summarize_rows(rows)
@@ -205,9 +200,13 @@ def run(args: argparse.Namespace) -> int:
     bad = [r for r in rows if r.status in ("failed", "error")]
     for r in bad:
         console.print(f"[red]{r.preset} T={r.tokens} {r.backend} ({r.mode}) {r.status}: {r.reason}[/red]")
-    console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 1} plots and "
+    console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 3} plots and "
                   f"{written[-1].name} in {out_dir}")
     if any(math.isnan(r.median_ms) for r in rows if r.status == "ok"):
-        console.print("[red]internal error: a timed row has no time[/red]")
+        print(f"{PROG}: error: internal error: a timed row has no time", file=sys.stderr)
+        return 1
+    if counts.get("ok", 0) == 0:
+        print(f"{PROG}: error: no case succeeded (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+              + f"); the reasons are in {out_dir / CSV_NAME}", file=sys.stderr)
         return 1
     return 0

@@ -24,26 +24,28 @@ import argparse
 import gc
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 from rich.console import Console
 
+from moekit.bench import args as arg_types
+from moekit.bench.args import DTYPES, usage_error
 from moekit.bench.ceilings import Ceilings, measure_ceilings
-from moekit.bench.cli import DTYPES, RESULTS_ROOT
+from moekit.bench.cli import RESULTS_ROOT
 from moekit.bench.correctness import expected_output
 from moekit.bench.imbalance_report import (
     CSV_NAME,
     REPORT_NAME,
     ImbalanceRow,
+    output_files,
     read_rows,
     summary_table,
     write_outputs,
-    write_rows,
 )
-from moekit.bench.results import Provenance, collect_provenance
+from moekit.bench.results import Provenance, collect_provenance, rows_to_csv, write_files
 from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
@@ -299,85 +301,62 @@ def ep_rows(cfg: StudyConfig, base: dict, weights: Weights, work: Workload, load
     return rows
 
 
-def _csv_list(text: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
-    return items
-
-
-def _factors(text: str) -> list[float]:
-    try:
-        values = [float(s) for s in _csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"capacity factors must be > 0, got {text!r}")
-    return values
-
-
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
-        return v
-
-    return parse
+PROG = "moekit imbalance"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help=f"layer shape (default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine)")
-    p.add_argument("--tokens", type=_int_at_least(1), default=None,
+    p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
                    help=f"tokens T (default: {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)")
-    p.add_argument("--scenarios", type=_csv_list, default=list(SCENARIOS),
+    p.add_argument("--scenarios", type=arg_types.csv_list, default=list(SCENARIOS),
                    help=f"routing scenarios (default: {','.join(SCENARIOS)}); also hot-<n>, zipf-<s>")
-    p.add_argument("--trace", type=Path, default=None,
+    p.add_argument("--trace", type=arg_types.existing_path, default=None,
                    help="a saved routing (.pt or .npy of (T, K) ids) to replay as scenario 'file'")
-    p.add_argument("--backends", type=_csv_list, default=list(BACKENDS),
+    p.add_argument("--backends", type=arg_types.names(lambda: BACKENDS, "backend"), default=list(BACKENDS),
                    help=f"one-device backends (default: {','.join(BACKENDS)})")
-    p.add_argument("--ep", type=_int_at_least(0), default=None,
+    p.add_argument("--ep", type=arg_types.int_range(0), default=None,
                    help="simulated expert-parallel ranks N, 0 to skip (default: min(8, E/2))")
     p.add_argument("--placement", choices=sorted(PLACEMENTS), default="contiguous",
                    help="where each rank's experts come from before replication (default: contiguous)")
-    p.add_argument("--spare-slots", type=_int_at_least(0), default=None,
+    p.add_argument("--spare-slots", type=arg_types.int_range(0), default=None,
                    help="free expert slots per rank for copies of hot experts (default: E/N/8, at least 1)")
     p.add_argument("--ep-backend", default="auto",
                    help="backend of each simulated rank (default: triton on CUDA; grouped_mm or loop "
                         "on the CPU)")
-    p.add_argument("--capacity-factors", type=_factors, default=list(CAPACITY_FACTORS),
-                   help="capacity factors for the padded backend "
+    p.add_argument("--capacity-factors", type=arg_types.positive_float_list, default=list(CAPACITY_FACTORS),
+                   help="capacity factors for the padded backend, finite and > 0 "
                         f"(default: {','.join(map(str, CAPACITY_FACTORS))})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    p.add_argument("--memory-limit-gb", type=float, default=None,
+    p.add_argument("--memory-limit-gb", type=arg_types.positive_float, default=None,
                    help="the padded backend is not run when its buffers would exceed this (default: "
                         f"{MEMORY_HEADROOM * 100:.0f}%% of free memory)")
-    p.add_argument("--rep", type=_int_at_least(1), default=None,
+    p.add_argument("--rep", type=arg_types.int_range(1), default=None,
                    help=f"timed calls per case (default: time_fn's on a GPU, {CPU_OPTIONS.rep} on the CPU)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=None, help="warm-up calls per case")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--threads", type=_int_at_least(1), default=1,
+    p.add_argument("--warmup", type=arg_types.int_range(0), default=None, help="warm-up calls per case")
+    p.add_argument("--device", type=arg_types.device, default=None,
+                   help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--threads", type=arg_types.int_range(1, 1024), default=1,
                    help="CPU runs only: torch intra-op threads (default 1; shapes small enough for the CPU "
                         "gain nothing from more, and on a shared machine waiting threads cost ms per op)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and scenarios")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/imbalance-<UTC timestamp>)")
-    p.add_argument("--redraw", type=Path, default=None, metavar="DIR",
-                   help=f"only redraw the plots and {REPORT_NAME} from DIR/{CSV_NAME} (no device needed)")
+    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
+                   help="seed of the weights, tokens and scenarios")
+    p.add_argument("--out", type=arg_types.out_dir, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/imbalance-<UTC timestamp>); a folder that "
+                        f"already holds {CSV_NAME} or {REPORT_NAME} is refused unless --overwrite is given "
+                        "(with --redraw: where to write the plots and the report, default DIR)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results already in --out (files of the same names; others are kept)")
+    p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="DIR",
+                   help=f"only redraw the plots and {REPORT_NAME} from DIR/{CSV_NAME} (no device needed); "
+                        "the whole CSV is checked before anything is drawn")
 
 
 def config_from_args(args: argparse.Namespace, console: Console | None = None) -> StudyConfig:
     """Resolve the defaults that depend on the machine; ValueError on a bad combination."""
-    device = torch.device(args.device) if args.device else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is available")
+    device = args.device or arg_types.default_device()
     on_gpu = device.type == "cuda"
     preset = args.preset or (GPU_PRESET if on_gpu else CPU_PRESET)
     tokens = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
@@ -414,24 +393,37 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
                        memory_limit_bytes=limit, options=options)
 
 
+def _redraw(args: argparse.Namespace, console: Console) -> int:
+    src = args.redraw / CSV_NAME if args.redraw.is_dir() else args.redraw
+    try:
+        out_dir = args.out or src.parent
+        arg_types.check_out_dir(out_dir, "--out" if args.out else "the CSV's folder")
+        rows = read_rows(src)   # every row checked before anything is drawn
+    except ValueError as exc:
+        return usage_error(PROG, exc)
+    written = write_outputs(rows, out_dir)
+    console.print(f"Read {len(rows)} rows from {src}; wrote {', '.join(p.name for p in written)}",
+                  highlight=False)
+    return 0
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    if args.out is None:
+        arg_types.check_out_dir(RESULTS_ROOT, "the default output folder")
+        return
+    arg_types.check_out_dir(args.out)
+    arg_types.check_no_results(args.out, (CSV_NAME, REPORT_NAME), args.overwrite)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.redraw is not None:
-        src = args.redraw / CSV_NAME if args.redraw.is_dir() else args.redraw
-        try:
-            rows = read_rows(src)
-        except ValueError as exc:
-            console.print(f"[red]moekit imbalance: {exc}[/red]", highlight=False)
-            return 2
-        written = write_outputs(rows, args.out or src.parent)
-        console.print(f"Read {len(rows)} rows from {src}; wrote {', '.join(p.name for p in written)}",
-                      highlight=False)
-        return 0
+        return _redraw(args, console)
     try:
         cfg = config_from_args(args, console)
+        _check_out(args)
     except ValueError as exc:
-        console.print(f"[red]moekit imbalance: {exc}[/red]", highlight=False)
-        return 2
+        return usage_error(PROG, exc)
     threads = torch.get_num_threads()
     if cfg.device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -449,12 +441,14 @@ def _measure(cfg: StudyConfig, args: argparse.Namespace, console: Console) -> in
     console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
                   f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each")
     rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
-    write_rows(rows, out_dir / CSV_NAME)
-    written = write_outputs(rows, out_dir)
+    written = write_files({CSV_NAME: rows_to_csv(rows, ImbalanceRow), **output_files(rows)}, out_dir)
     console.print(summary_table(rows))
     for r in rows:
         if r.status in ("failed", "error"):
             console.print(f"[red]{r.scenario} {r.experiment} {r.backend} {r.placement} {r.status}: "
                           f"{r.reason}[/red]", highlight=False)
-    console.print(f"Wrote {out_dir / CSV_NAME} and {', '.join(p.name for p in written)}", highlight=False)
+    console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
+    if not any(r.status == "ok" for r in rows):
+        print(f"{PROG}: error: no case succeeded; the reasons are in {out_dir / CSV_NAME}", file=sys.stderr)
+        return 1
     return 0

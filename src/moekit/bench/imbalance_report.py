@@ -16,9 +16,11 @@ from matplotlib.figure import Figure
 from rich.table import Table
 
 from moekit.bench import results
-from moekit.bench.results import Provenance, atomic_write, atomic_write_text, columns
+from moekit.bench.plots import png_bytes
+from moekit.bench.results import Provenance, columns, write_files
 
 CSV_NAME, REPORT_NAME = "imbalance.csv", "imbalance.md"
+EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,25 @@ class ImbalanceRow(Provenance):
 COLUMNS: tuple[str, ...] = columns(ImbalanceRow)
 
 
+def check_row(row: ImbalanceRow) -> str:
+    """"" when a row can be reported (times and ratios the report divides by are > 0); else why not."""
+    problem = results.check_provenance(row) or results.check_shape_columns(row)
+    if problem:
+        return problem
+    if row.experiment not in EXPERIMENTS:
+        return f"column 'experiment' must be one of {EXPERIMENTS}, got {row.experiment!r}"
+    if row.experiment == "capacity":
+        problem = results.positive_problem(row, "capacity_factor")
+    if not problem and row.status == "ok":
+        timed = ("step_ms", "mean_ms", "slowest_over_mean") if row.experiment == "ep_step" else ("median_ms",)
+        problem = results.positive_problem(row, *timed)
+    return problem
+
+
 def read_rows(path: Path) -> list[ImbalanceRow]:
-    """Rows of an imbalance CSV. Raises ValueError naming the file (and line) on any problem."""
-    return results.read_csv(path, ImbalanceRow, what="a moekit imbalance CSV", statuses=None)
+    """Rows of an imbalance CSV, each checked (`check_row`). Raises ValueError naming the file (and
+    line) on any problem."""
+    return results.read_csv(path, ImbalanceRow, what="a moekit imbalance CSV", statuses=None, check=check_row)
 
 
 def write_rows(rows: Sequence[ImbalanceRow], path: Path) -> None:
@@ -113,11 +131,6 @@ def _subtitle(r: ImbalanceRow) -> str:
             f"T={r.tokens}, {r.dtype}, {r.mode}, {r.device_name}")
 
 
-def _save(fig, path: Path) -> Path:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
-    return path
-
-
 def _bars(ax, groups: list[str], series: dict[str, list[float]], notes: dict[str, list[str]]) -> None:
     """Grouped bars: one group per scenario, one bar per series; a note where a bar is missing."""
     width = 0.8 / max(1, len(series))
@@ -133,7 +146,7 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], notes: dict[str
     ax.legend(fontsize=7)
 
 
-def plot_one_gpu(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path:
+def plot_one_gpu(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes]:
     rs, scen = _pick(rows, experiment="one_gpu"), _scenarios(rows)
     backends = list(dict.fromkeys(r.backend for r in rs))
     by = {(r.scenario, r.backend): r for r in rs}
@@ -142,13 +155,14 @@ def plot_one_gpu(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path:
     fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
     _bars(ax, scen, series, notes)
-    ax.set_yscale("log")
+    if any(v > 0 for vs in series.values() for v in vs):   # NaN > 0 is False: untimed bars
+        ax.set_yscale("log")
     ax.set_ylabel("median time per call (ms)")
     ax.set_title(f"one device, whole layer, by routing scenario\n{_subtitle(rows[0])}", fontsize=9)
-    return _save(fig, out_dir / f"imbalance_one_gpu_{rows[0].preset}.png")
+    return f"imbalance_one_gpu_{rows[0].preset}.png", png_bytes(fig)
 
 
-def plot_ep(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
+def plot_ep(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
     rs, scen = _pick(rows, experiment="ep_step"), _scenarios(rows)
     if not rs:
         return None
@@ -171,10 +185,10 @@ def plot_ep(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
     ax.set_title(f"simulated EP: {r0.ep_ranks} ranks, {r0.backend}, before / after replicating hot experts "
                  f"({r0.spare_slots} spare slots per rank); labels: slowest / mean rank\n"
                  f"{_subtitle(r0)}", fontsize=9)
-    return _save(fig, out_dir / f"imbalance_ep_{r0.preset}.png")
+    return f"imbalance_ep_{r0.preset}.png", png_bytes(fig)
 
 
-def plot_capacity(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
+def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
     rs = _pick(rows, experiment="capacity")
     if not rs:
         return None
@@ -186,13 +200,14 @@ def plot_capacity(rows: Sequence[ImbalanceRow], out_dir: Path) -> Path | None:
         ax_time.plot([c for c, _ in pts], [r.median_ms for _, r in pts], marker="o", ms=3, label=s)
     ax_drop.set_ylabel("pairs dropped (%)")
     ax_time.set_ylabel("padded backend, median ms")
-    ax_time.set_yscale("log")
+    if any(r.median_ms > 0 for r in rs):
+        ax_time.set_yscale("log")
     for ax in (ax_drop, ax_time):
         ax.set_xlabel("capacity factor c (cap = ceil(c·T·K/E) pairs per expert)")
         ax.grid(True, alpha=0.3)
     ax_drop.legend(fontsize=7)
     fig.suptitle(f"capacity factor: pairs dropped vs time\n{_subtitle(rs[0])}", fontsize=9)
-    return _save(fig, out_dir / f"imbalance_capacity_{rs[0].preset}.png")
+    return f"imbalance_capacity_{rs[0].preset}.png", png_bytes(fig)
 
 
 def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
@@ -201,7 +216,7 @@ def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
     return value(r) if r.status == "ok" else r.status.replace("_", " ")
 
 
-def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[Path] = ()) -> str:
+def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> str:
     """The "Load imbalance" report section, from rows alone."""
     r0, scen = rows[0], _scenarios(rows)
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
@@ -295,20 +310,22 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[Path] = ()) -> s
                 (f" c={r.capacity_factor:g}" if not math.isnan(r.capacity_factor) else "")
             lines.append(f"- {r.scenario}, {where}, {r.backend}: **{r.status}**: {r.reason}")
     if plots:
-        lines += ["", "### Plots", ""] + [f"![{p.stem}]({p.name})\n" for p in plots]
+        lines += ["", "### Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})\n" for p in plots]
     lines += ["", f"Data: `{CSV_NAME}` (long format, provenance in every row). Redraw the plots and this "
               f"section with `moekit imbalance --redraw <this folder>`.", ""]
     return "\n".join(lines)
 
 
+def output_files(rows: Sequence[ImbalanceRow]) -> dict[str, str | bytes]:
+    """The plots and imbalance.md, rendered in memory: file name -> contents (the report last)."""
+    plots = dict(p for p in (plot_one_gpu(rows), plot_ep(rows), plot_capacity(rows)) if p is not None)
+    return {**plots, REPORT_NAME: render_report(rows, list(plots))}
+
+
 def write_outputs(rows: Sequence[ImbalanceRow], out_dir: Path) -> list[Path]:
-    """Plots and imbalance.md from the rows (the CSV is written separately); returns the files."""
-    out_dir = Path(out_dir)
-    plots = [p for p in (plot_one_gpu(rows, out_dir), plot_ep(rows, out_dir), plot_capacity(rows, out_dir))
-             if p is not None]
-    report = out_dir / REPORT_NAME
-    atomic_write_text(report, render_report(rows, plots))
-    return [*plots, report]
+    """Plots and imbalance.md from the rows (the CSV is written separately), written only once all
+    of them are rendered; returns the files."""
+    return write_files(output_files(rows), out_dir)
 
 
 def summary_table(rows: Sequence[ImbalanceRow]) -> Table:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-from moekit.bench.results import ResultRow, atomic_write
+from moekit.bench.results import ResultRow, write_files
 
 MODE_STYLE = {"eager": "-", "graph": "--"}
 
@@ -54,9 +55,11 @@ def _subtitle(rows: Sequence[ResultRow], preset: str) -> str:
             f"{r.matmul_tflops:.2f} TFLOP/s matmul")
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
-    return path
+def png_bytes(fig: Figure) -> bytes:
+    """The figure as PNG, in memory (files are written only once every output is rendered)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
 
 
 def _axes(rows: Sequence[ResultRow], preset: str, title: str, ylabel: str,
@@ -81,10 +84,12 @@ def _axes(rows: Sequence[ResultRow], preset: str, title: str, ylabel: str,
 
 
 def _legend(ax: Axes) -> None:
+    if not ax.get_legend_handles_labels()[0]:
+        return  # nothing timed: no legend (matplotlib would warn)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
 
 
-def plot_time(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+def plot_time(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
     fig, ax = _axes(rows, preset, "time per call (band: p20 to p80)", "median time (ms)", logy=True)
     styles = _styles(rows, preset)
     for key, rs in series(rows, preset).items():
@@ -96,10 +101,10 @@ def plot_time(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
     if floor:
         ax.plot([t for t, _ in floor], [f for _, f in floor], color="k", ls=":", lw=2, label="floor")
     _legend(ax)
-    return _save(fig, out_dir / f"time_{preset}.png")
+    return f"time_{preset}.png", png_bytes(fig)
 
 
-def plot_floor_pct(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+def plot_floor_pct(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
     fig, ax = _axes(rows, preset, "% of floor (floor / time; 100% = at the roof)", "% of floor", logy=False)
     styles = _styles(rows, preset)
     for key, rs in series(rows, preset).items():
@@ -107,10 +112,10 @@ def plot_floor_pct(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Pat
     ax.axhline(100, color="k", ls=":", lw=1.5)
     ax.set_ylim(bottom=0)
     _legend(ax)
-    return _save(fig, out_dir / f"floor_pct_{preset}.png")
+    return f"floor_pct_{preset}.png", png_bytes(fig)
 
 
-def plot_launches(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path:
+def plot_launches(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
     fig, ax = _axes(rows, preset, "kernel launches per call", "kernels per call", logy=True)
     styles = _styles(rows, preset)
     for key, rs in series(rows, preset).items():
@@ -118,18 +123,19 @@ def plot_launches(rows: Sequence[ResultRow], preset: str, out_dir: Path) -> Path
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], **styles[key])
     _legend(ax)
-    return _save(fig, out_dir / f"launches_{preset}.png")
+    return f"launches_{preset}.png", png_bytes(fig)
 
 
 def presets_of(rows: Sequence[ResultRow]) -> list[str]:
     return list(dict.fromkeys(r.preset for r in rows))
 
 
+def render_all(rows: Sequence[ResultRow]) -> dict[str, bytes]:
+    """Every plot for every preset in `rows`: file name -> PNG bytes (nothing written)."""
+    return dict(plot(rows, preset) for preset in presets_of(rows)
+                for plot in (plot_time, plot_floor_pct, plot_launches))
+
+
 def draw_all(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
-    """Every plot for every preset in `rows`; returns the files written."""
-    out_dir = Path(out_dir)
-    paths = []
-    for preset in presets_of(rows):
-        paths += [plot_time(rows, preset, out_dir), plot_floor_pct(rows, preset, out_dir),
-                  plot_launches(rows, preset, out_dir)]
-    return paths
+    """Every plot for every preset in `rows`, written into out_dir; returns the files written."""
+    return write_files(render_all(rows), out_dir)

@@ -14,7 +14,7 @@ import torch
 
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
-from moekit.bench.results import ResultRow, atomic_write_text
+from moekit.bench.results import ResultRow, write_files
 from moekit.bench.roofline import crossover_tokens
 from moekit.shapes import MoEShape
 
@@ -164,10 +164,13 @@ def render(rows: Sequence[ResultRow]) -> str:
     return "\n".join(lines)
 
 
+def report_files(rows: Sequence[ResultRow]) -> dict[str, str | bytes]:
+    """The plots and report.md, rendered in memory: file name -> contents (report.md last)."""
+    text = render(rows)
+    return {**plots.render_all(rows), REPORT_NAME: text}
+
+
 def write_report(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
-    """Draw the plots and write report.md into out_dir; returns the files written."""
-    out_dir = Path(out_dir)
-    paths = plots.draw_all(rows, out_dir)
-    report = out_dir / REPORT_NAME
-    atomic_write_text(report, render(rows))
-    return [*paths, report]
+    """Draw the plots and write report.md into out_dir, only once all of them are rendered; returns
+    the files written."""
+    return write_files(report_files(rows), out_dir)

@@ -21,7 +21,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -239,23 +239,96 @@ def write_csv(rows: Iterable[object], path: Path, row_type: type = ResultRow) ->
     atomic_write_text(path, rows_to_csv(rows, row_type))
 
 
-def write_json(rows: Iterable[ResultRow], path: Path) -> None:
+def json_text(rows: Iterable[ResultRow]) -> str:
+    """results.json: the schema version, the columns and one object per row."""
     def clean(v: object) -> object:
         # JSON has no NaN or Infinity: non-finite numbers (not timed, or an infinite error) -> null.
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     doc = {"schema_version": SCHEMA_VERSION, "columns": list(COLUMNS),
            "rows": [{k: clean(v) for k, v in asdict(r).items()} for r in rows]}
-    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def write_json(rows: Iterable[ResultRow], path: Path) -> None:
+    atomic_write_text(path, json_text(rows))
+
+
+def write_files(files: Mapping[str, str | bytes], out_dir: Path) -> list[Path]:
+    """Write already rendered files (name -> text or bytes) into out_dir, each atomically, in order.
+
+    Render everything first, then call this: a failure while rendering then leaves nothing behind,
+    instead of plots without the report that goes with them.
+    """
+    out_dir = Path(out_dir)
+    paths = []
+    for name, data in files.items():
+        path = out_dir / name
+        if isinstance(data, str):
+            atomic_write_text(path, data)
+        else:
+            atomic_write(path, lambda tmp, data=data: tmp.write_bytes(data))
+        paths.append(path)
+    return paths
+
+
+def _number(v: object) -> str:
+    return "an empty cell" if v is None or (isinstance(v, float) and math.isnan(v)) else repr(v)
+
+
+def positive_problem(row: object, *names: str, empty_ok: bool = False) -> str:
+    """"" when every named column of the row holds a finite number > 0 (or is empty, if empty_ok)."""
+    for name in names:
+        v = getattr(row, name)
+        if empty_ok and (v is None or (isinstance(v, float) and math.isnan(v))):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            return f"column {name!r} must be a finite number > 0, got {_number(v)}"
+    return ""
+
+
+def check_provenance(row: Provenance) -> str:
+    """"" when the provenance columns can be used: positive ceilings, a torch dtype name."""
+    if not isinstance(getattr(torch, row.dtype, None), torch.dtype):
+        return f"column 'dtype' must name a torch dtype, got {row.dtype!r}"
+    return positive_problem(row, "copy_gbps", "matmul_tflops")
+
+
+def check_shape_columns(row: object, tokens: str = "tokens") -> str:
+    """"" when num_experts, hidden_size, intermediate_size, top_k and the token count make a layer."""
+    problem = positive_problem(row, "num_experts", "hidden_size", "intermediate_size", "top_k", tokens)
+    if problem:
+        return problem
+    if row.top_k > row.num_experts:
+        return f"top_k {row.top_k} exceeds num_experts {row.num_experts}"
+    return ""
+
+
+def check_result_row(row: ResultRow) -> str:
+    """"" when a `moekit bench` row can be reported; else what is wrong with it."""
+    problem = check_provenance(row) or check_shape_columns(row)
+    if problem:
+        return problem
+    problem = positive_problem(row, "floor_ms", "experts_expected", empty_ok=True)
+    if not problem and row.status == "ok":
+        problem = positive_problem(row, "median_ms", "p20_ms", "p80_ms")
+    if not problem and row.n_rep is not None and row.n_rep < 1:
+        problem = f"column 'n_rep' must be >= 1, got {row.n_rep}"
+    if not problem and row.kernels is not None and row.kernels < 0:
+        problem = f"column 'kernels' must be >= 0, got {row.kernels}"
+    return problem
 
 
 def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit results CSV",
-             statuses: tuple[str, ...] | None = STATUSES) -> list:
+             statuses: tuple[str, ...] | None = STATUSES,
+             check: Callable[[object], str] | None = None) -> list:
     """Rows of a CSV of `row_type` rows. Raises ValueError naming the file (and line) on any problem.
 
     Args:
         what: the kind of file expected, for the messages ("an ep-bench CSV").
         statuses: the values the "status" column may hold (None: any).
+        check: row -> "" or what is wrong with it beyond the cell types (a zero ceiling, ...);
+            every row is checked, so a caller can validate the whole file before drawing anything.
     """
     path = Path(path)
     try:
@@ -282,9 +355,19 @@ def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit re
             values = {c: _parse(c, kind, record[i], where) for c, kind, i in index}
             if statuses is not None and values["status"] not in statuses:
                 raise ValueError(f"{where}: status must be one of {statuses}, got {values['status']!r}")
-            rows.append(row_type(**values))
+            row = row_type(**values)
+            problem = check(row) if check is not None else ""
+            if problem:
+                raise ValueError(f"{where}: {problem}")
+            rows.append(row)
     except csv.Error as exc:
         raise ValueError(f"{path}: malformed CSV ({exc})") from None
     if not rows:
         raise ValueError(f"{path}: no result rows")
     return rows
+
+
+def read_results(path: Path) -> list[ResultRow]:
+    """Rows of a `moekit bench` results CSV, each checked (`check_result_row`); ValueError naming the
+    file and line on any problem."""
+    return read_csv(path, ResultRow, check=check_result_row)

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from moekit.bench import args as arg_types
+from moekit.bench.args import DTYPES
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.correctness import Check, expected_output
 from moekit.bench.results import Provenance, collect_provenance
@@ -49,35 +51,38 @@ from moekit.shapes import PRESETS, MoEShape
 
 GPU_PRESET, CPU_PRESET = "qwen3-30b-a3b", "tiny"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 RESULTS_ROOT = Path("moekit-results")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help=f"layer shape (default: {GPU_PRESET} on GPUs, {CPU_PRESET} on the CPU)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
                    help=f"tokens per rank (default: {GPU_TOKENS} on GPUs, {CPU_TOKENS} on the CPU)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+    p.add_argument("--scenarios", type=arg_types.csv_list, default=",".join(SCENARIOS),
                    help="routing scenarios, comma-separated (moekit.routing.make_scenario names)")
-    p.add_argument("--trace", type=Path, default=None,
+    p.add_argument("--trace", type=arg_types.existing_path, default=None,
                    help="routing trace (.pt or .npy) for the scenario 'file' (moekit.routing.from_file)")
     p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS), help="experts backend")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype (default: bfloat16 on GPUs, float32 on the CPU)")
-    p.add_argument("--spare-slots", type=int, default=0,
+    p.add_argument("--spare-slots", type=arg_types.int_range(0), default=0,
                    help="also run with hot experts replicated into this many spare slots per rank")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: 3 CPU, 10 GPU)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 10 CPU, 50 GPU)")
-    p.add_argument("--simulate", type=int, default=None, metavar="N",
+    p.add_argument("--warmup", type=arg_types.int_range(0), default=None,
+                   help="untimed iterations (default: 3 CPU, 10 GPU)")
+    p.add_argument("--iters", type=arg_types.int_range(1), default=None,
+                   help="timed iterations (default: 10 CPU, 50 GPU)")
+    p.add_argument("--simulate", type=arg_types.int_range(1), default=None, metavar="N",
                    help="no process group: N virtual ranks in this process, on one device")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/ep-<UTC timestamp>)")
-    p.add_argument("--redraw", type=Path, default=None, metavar="CSV",
+    p.add_argument("--out", type=arg_types.out_dir, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/ep-<UTC timestamp>); rows are appended "
+                        f"to its {CSV_NAME}")
+    p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="CSV",
                    help="only redraw the plot and report of the latest run in this CSV")
-    p.add_argument("--timeout", type=int, default=600, help="seconds before a stuck collective fails")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, tokens and routing")
+    p.add_argument("--timeout", type=arg_types.int_range(1), default=600,
+                   help="seconds before a stuck collective fails")
+    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
+                   help="seed of the weights, tokens and routing")
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def _config(args: argparse.Namespace, device: torch.device) -> Config:
     preset = args.preset or (GPU_PRESET if on_gpu else CPU_PRESET)
     shape = PRESETS[preset]
     tokens = args.tokens if args.tokens is not None else (GPU_TOKENS if on_gpu else CPU_TOKENS)
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    scenarios = tuple(args.scenarios)
     for name in scenarios:  # fail on a bad name or trace before any group-wide work
         make_scenario(name, 1, shape.num_experts, shape.top_k, trace=args.trace)
     if tokens < 1 or args.spare_slots < 0 or not scenarios:

@@ -7,6 +7,8 @@ Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cas
 The entry whose token count is nearest to T (in log scale) is used. A shape with no table entry
 gets `default_config` and one warning per shape; the untuned path is always correct.
 Environment: MOEKIT_CONFIG_DIR adds a directory searched before the packaged tables.
+A table file that cannot be used (not UTF-8, not JSON, nested absurdly deep, a token count that is
+not a positive integer, a bad config) raises ValueError naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -79,7 +82,8 @@ def shape_key(shape: MoEShape, dtype: torch.dtype) -> str:
             f"K={shape.top_k},dtype={str(dtype).removeprefix('torch.')}")
 
 
-SHARED_MEMORY_BUDGET = 200 * 1024  # under Hopper's 227 KB per block, leaving room for the epilogue
+SHARED_MEMORY_LIMIT = 227 * 1024   # Hopper's shared memory per block: no tile may need more
+SHARED_MEMORY_BUDGET = 200 * 1024  # what default configs use, leaving room for the epilogue
 
 
 def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2) -> ExpertsConfig:
@@ -138,22 +142,49 @@ def load_table(slug: str) -> dict[str, dict[int, ExpertsConfig]]:
     return {}
 
 
+_TOKENS_KEY = re.compile(r"[1-9][0-9]*")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"duplicate key {k!r}")
+        seen[k] = v
+    return seen
+
+
 def parse_table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
+    """{shape_key: {tokens: ExpertsConfig}} of a table file; ValueError naming the file and the problem."""
+    where = f"tuning table {path}"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"tuning table {path}: cannot read JSON ({exc})") from None
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError(f"{where}: cannot read JSON (nested too deeply)") from None
+    except ValueError as exc:  # json.JSONDecodeError, or a duplicate key
+        raise ValueError(f"{where}: cannot read JSON ({exc})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"tuning table {path}: expected an object of shape keys")
+        raise ValueError(f"{where}: expected an object of shape keys, got {type(raw).__name__}")
     table: dict[str, dict[int, ExpertsConfig]] = {}
     for key, by_tokens in raw.items():
         if not isinstance(by_tokens, dict):
-            raise ValueError(f"tuning table {path}: entry {key!r} must map token counts to configs")
+            raise ValueError(f"{where}: entry {key!r} must map token counts to configs, "
+                             f"got {type(by_tokens).__name__}")
         entry = {}
         for tokens, cfg in by_tokens.items():
-            if not str(tokens).isdigit() or not isinstance(cfg, dict):
-                raise ValueError(f"tuning table {path}: bad entry {key!r}[{tokens!r}]")
-            entry[int(tokens)] = ExpertsConfig.from_dict(cfg, f"tuning table {path} [{key}][{tokens}]")
+            if not _TOKENS_KEY.fullmatch(tokens):
+                raise ValueError(f"{where}: bad entry {key!r}[{tokens!r}]: a token count must be a positive "
+                                 "integer written in decimal digits")
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{where}: bad entry {key!r}[{tokens!r}]: expected an object of tiles, "
+                                 f"got {type(cfg).__name__}")
+            entry[int(tokens)] = ExpertsConfig.from_dict(cfg, f"{where} [{key}][{tokens}]")
         table[key] = entry
     return table
 

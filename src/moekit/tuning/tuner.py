@@ -5,7 +5,8 @@ separately (each GEMM timed alone in a CUDA graph), then the whole path (align, 
 is timed with each block_m's winners and the fastest wins. Routing is uniform random with k
 distinct experts per token; each timed graph runs R different routings back to back, so small T
 reads more distinct experts than L2 holds and the weights come from HBM as in a real model.
-Output: a JSON table in the format `moekit.tuning` loads (merged into --out if it exists).
+Output: a JSON table in the format `moekit.tuning` loads (merged into --out if it exists; that file
+is checked before any tuning and rewritten atomically after each token count).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import statistics
-import tempfile
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,11 +24,24 @@ from pathlib import Path
 import torch
 
 from moekit.align import align_block_size
+from moekit.bench import args as arg_types
+from moekit.bench.args import usage_error
+from moekit.bench.results import atomic_write_text
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
 from moekit.shapes import PRESETS, MoEShape, get_shape
-from moekit.tuning import ExpertsConfig, default_config, device_slug, shape_key
+from moekit.tuning import (
+    SHARED_MEMORY_LIMIT,
+    ExpertsConfig,
+    default_config,
+    device_slug,
+    parse_table,
+    pipeline_bytes,
+    shape_key,
+)
 
-SMEM_LIMIT = 227 * 1024
+PROG = "moekit tune"
+DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+Timer = Callable[[Callable[[], object]], float]
 
 
 def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
@@ -70,12 +83,13 @@ def gemm_candidates(block_m: int, itemsize: int, swiglu: bool) -> list[dict[str,
         space = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
         space = itertools.product((64, 128, 256) if not swiglu else (64, 128), (64, 128), (4, 8), (3, 4))
+    which = 1 if swiglu else 2
+    base = ExpertsConfig(block_m=block_m)
     out = []
     for bn, bk, warps, stages in space:
-        b_tiles = 2 if swiglu else 1
-        smem = stages * (block_m * bk + b_tiles * bk * bn) * itemsize
-        if smem <= SMEM_LIMIT:
-            out.append(dict(block_n=bn, block_k=bk, warps=warps, stages=stages))
+        p = dict(block_n=bn, block_k=bk, warps=warps, stages=stages)
+        if pipeline_bytes(_with(base, which, p), itemsize, which) <= SHARED_MEMORY_LIMIT:
+            out.append(p)
     return out
 
 
@@ -97,8 +111,15 @@ def _path_all(xs, gate_up, down, ws, ids, cfg):
 
 
 def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations: int,
-                log: Callable[[str], None] = print) -> tuple[ExpertsConfig, list[dict]]:
-    dev = torch.device("cuda")
+                log: Callable[[str], None] = print, *, device: torch.device | str = "cuda",
+                timer: Timer = graph_time_ms) -> tuple[ExpertsConfig, list[dict]]:
+    """The fastest config for `num_tokens`, and one record per timing.
+
+    Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
+    block_k, warps, stages}; per block_m's whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}.
+    `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
+    """
+    dev = torch.device(device)
     e, h, i, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
     gen = torch.Generator(device="cpu").manual_seed(num_tokens)
     gate_up = (torch.randn(e, 2 * i, h, device=dev, dtype=dtype) / h**0.5)
@@ -111,7 +132,8 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     records: list[dict] = []
     best_total, best_cfg = float("inf"), None
     for bm in block_m_candidates(shape, num_tokens):
-        base = replace(default_config(shape, num_tokens), block_m=bm, group_m=1 if bm <= 32 else 8)
+        base = replace(default_config(shape, num_tokens, dtype.itemsize), block_m=bm,
+                       group_m=1 if bm <= 32 else 8)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
         for which in (1, 2):
@@ -126,62 +148,79 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
                 else:
                     fn = functools.partial(_gemm2_all, hs, down, ws, aligns, cfg)
                 try:
-                    ms = graph_time_ms(fn) / rotations
+                    ms = timer(fn) / rotations
                 except Exception as exc:  # a tile the compiler cannot fit: skip it, say why
                     log(f"  skip T={num_tokens} bm={bm} gemm{which} {p}: {type(exc).__name__}")
                     continue
                 timed.append((ms, p))
                 records.append(dict(tokens=num_tokens, block_m=bm, gemm=which, ms=ms, **p))
-            winners[which] = min(timed, key=lambda t: t[0])[1]
+            if timed:
+                winners[which] = min(timed, key=lambda t: t[0])[1]
+        if len(winners) < 2:
+            log(f"T={num_tokens:>6} bm={bm:>3}: no GEMM{1 if 1 not in winners else 2} tile ran; skipped")
+            continue
         cfg = _with(_with(base, 1, winners[1]), 2, winners[2])
-        total = graph_time_ms(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
+        total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
         records.append(dict(tokens=num_tokens, gemm=0, ms=total, **cfg.to_dict()))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         if total < best_total:
             best_total, best_cfg = total, cfg
-    assert best_cfg is not None
+    if best_cfg is None:
+        raise RuntimeError(f"no candidate config ran at T={num_tokens}")
     return best_cfg, records
 
 
-def write_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> None:
-    table = json.loads(path.read_text()) if path.is_file() else {}
+def merged_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> dict:
+    """The table in `path` (checked by `parse_table`; empty when absent) with `found` merged into
+    `key`; token counts in increasing order."""
+    old = parse_table(path) if path.is_file() else {}
+    table = {k: {str(t): c.to_dict() for t, c in entry.items()} for k, entry in old.items()}
     entry = table.setdefault(key, {})
-    entry.update({str(t): c.to_dict() for t, c in sorted(found.items())})
+    entry.update({str(t): c.to_dict() for t, c in found.items()})
     table[key] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    return table
+
+
+def write_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> None:
+    """Merge `found` into the table file, through a temporary file and a rename."""
+    atomic_write_text(path, json.dumps(merged_table(Path(path), key, found), indent=1) + "\n")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
-    p.add_argument("--tokens", default="1,4,16,64,256,1024,2048,4096,8192,16384",
-                   help="comma-separated token counts")
+    p.add_argument("--tokens", type=arg_types.int_list(1), default=list(DEFAULT_TOKENS),
+                   help=f"comma-separated token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--rotations", type=int, default=0,
-                   help="routings per timed graph (default: enough to read past L2 at small T)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON table to write or merge into (default: tuning/configs/<device>.json)")
-    p.add_argument("--records", type=Path, default=None, help="also write every timing as JSON lines")
+    p.add_argument("--rotations", type=arg_types.int_range(0), default=0,
+                   help="routings per timed graph (default 0: enough to read past L2 at small T)")
+    p.add_argument("--out", type=arg_types.out_file, default=None,
+                   help="JSON table to write or merge into (default: tuning/configs/<device>.json); an "
+                        "existing file must be a valid table")
+    p.add_argument("--records", type=arg_types.out_file, default=None,
+                   help="also write every timing as JSON lines")
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("moekit tune needs a CUDA GPU; the packaged defaults serve CPU runs.")
-        return 2
+        return usage_error(PROG, "needs a CUDA GPU; the packaged defaults serve CPU runs")
     shape = get_shape(args.preset)
     dtype = getattr(torch, args.dtype)
     out = args.out or Path(__file__).parent / "configs" / f"{device_slug()}.json"
+    try:
+        merged_table(out, shape_key(shape, dtype), {})   # a bad table is reported before any tuning
+    except ValueError as exc:
+        return usage_error(PROG, f"--out: {exc}")
     found, records = {}, []
-    for t in (int(v) for v in args.tokens.split(",")):
+    for t in args.tokens:
         rot = args.rotations or (8 if t <= 16 else 2 if t <= 256 else 1)
-        found[t], rec = tune_tokens(shape, t, dtype, rot)
+        try:
+            found[t], rec = tune_tokens(shape, t, dtype, rot)
+        except RuntimeError as exc:   # every tile failed: the tokens tuned so far are kept
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 1
         records += rec
         write_table(out, shape_key(shape, dtype), {t: found[t]})
     if args.records:
-        args.records.write_text("".join(json.dumps(r) + "\n" for r in records))
+        atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,295 @@
+"""Every `moekit` subcommand refuses a bad argument, folder or input file with one error line that
+names it, a non-zero exit and no traceback, before any work; nothing is left half-written; a study
+in which no case succeeded exits non-zero; --out never replaces earlier results unless asked to."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from moekit.bench import cli as bench_cli
+from moekit.bench import imbalance, imbalance_report, report
+from moekit.bench.ceilings import Ceilings
+from moekit.bench.imbalance_report import write_outputs, write_rows
+from moekit.bench.results import check_result_row, write_csv
+from moekit.cli import main
+from result_rows import imbalance_rows, make_row, sample_rows
+
+NO_CUDA_INDEX = "cuda:999"   # refused with or without CUDA on this machine
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def error_line(capsys, prog: str) -> str:
+    """The single error line the command printed to stderr (argparse may print its usage before it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any measurement fails the test: every check must come before the ceilings are measured."""
+    def measured(*args, **kwargs):
+        raise AssertionError("the command started measuring")
+
+    monkeypatch.setattr(bench_cli, "measure_ceilings", measured)
+    monkeypatch.setattr(imbalance, "measure_ceilings", measured)
+
+
+@pytest.fixture
+def not_a_folder(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    return path
+
+
+BAD_ARGUMENTS = [
+    ("bench", "--device", "nosuch"),
+    ("bench", "--device", "cuda:abc"),
+    ("bench", "--device", NO_CUDA_INDEX),
+    ("bench", "--device", "cpu:1"),
+    ("bench", "--warmup", "-1"),
+    ("bench", "--warmup", "x"),
+    ("bench", "--rep", "0"),
+    ("bench", "--rep", "nan"),
+    ("bench", "--tokens", ","),
+    ("bench", "--tokens", "1,0"),
+    ("bench", "--tokens", "1,inf"),
+    ("bench", "--preset", "nope"),
+    ("bench", "--preset", ""),
+    ("bench", "--backends", "loop,warp"),
+    ("bench", "--seed", "-1"),
+    ("bench", "--seed", "1.5"),
+    ("bench", "--seed", str(2**64)),
+    ("bench", "--out", "/dev/null/x"),
+    ("bench", "--out", "{file}"),
+    ("imbalance", "--device", "nosuch"),
+    ("imbalance", "--device", NO_CUDA_INDEX),
+    ("imbalance", "--capacity-factors", "inf"),
+    ("imbalance", "--capacity-factors", "1,nan"),
+    ("imbalance", "--capacity-factors", "0"),
+    ("imbalance", "--capacity-factors", "-1"),
+    ("imbalance", "--capacity-factors", ","),
+    ("imbalance", "--memory-limit-gb", "nan"),
+    ("imbalance", "--memory-limit-gb", "inf"),
+    ("imbalance", "--memory-limit-gb", "0"),
+    ("imbalance", "--memory-limit-gb", "-1"),
+    ("imbalance", "--tokens", "0"),
+    ("imbalance", "--ep", "-1"),
+    ("imbalance", "--spare-slots", "-1"),
+    ("imbalance", "--rep", "0"),
+    ("imbalance", "--warmup", "-1"),
+    ("imbalance", "--threads", "0"),
+    ("imbalance", "--seed", "-1"),
+    ("imbalance", "--scenarios", ","),
+    ("imbalance", "--backends", "fast"),
+    ("imbalance", "--trace", "/nonexistent/t.npy"),
+    ("imbalance", "--redraw", "/nonexistent"),
+    ("imbalance", "--out", "/dev/null/x"),
+    ("report", "/nonexistent/results.csv", None),
+    ("report", "--out", "/dev/null/x"),
+    ("ep-bench", "--tokens", "0"),
+    ("ep-bench", "--spare-slots", "-1"),
+    ("ep-bench", "--warmup", "-1"),
+    ("ep-bench", "--iters", "0"),
+    ("ep-bench", "--simulate", "0"),
+    ("ep-bench", "--timeout", "0"),
+    ("ep-bench", "--scenarios", ","),
+    ("ep-bench", "--seed", "-1"),
+    ("ep-bench", "--trace", "/nonexistent/t.npy"),
+    ("ep-bench", "--redraw", "/nonexistent/ep.csv"),
+    ("ep-bench", "--out", "/dev/null/x"),
+]
+
+
+@pytest.mark.parametrize("command,flag,value", BAD_ARGUMENTS,
+                         ids=[f"{c} {f} {v}" for c, f, v in BAD_ARGUMENTS])
+def test_bad_argument_is_one_error_line_at_parse_time(command, flag, value, capsys, no_work, tmp_path,
+                                                      not_a_folder):
+    """(`moekit tune`'s arguments: tests/test_tuning.py.)"""
+    argv = [command, flag, *([] if value is None else [value.format(file=not_a_folder)])]
+    if command == "report" and flag == "--out":
+        write_csv(sample_rows(), tmp_path / "results.csv")
+        argv.append(str(tmp_path))
+    assert run_cli(argv) == 2
+    line = error_line(capsys, f"moekit {command}")
+    assert (flag if value is not None else "path") in line
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.parametrize("value", ["nosuch", "cuda:abc", "cpu:1", "meta", "mps", ""])
+def test_device_must_be_cpu_or_cuda(value, capsys):
+    assert run_cli(["bench", "--device", value]) == 2
+    line = error_line(capsys, "moekit bench")
+    assert f"argument --device: expected cpu, cuda or cuda:N, got {value!r}" in line
+
+
+def test_the_error_and_the_exit_status_reach_the_shell():
+    done = subprocess.run([sys.executable, "-m", "moekit", "bench", "--device", "nosuch"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("moekit bench: error: argument --device:")
+
+
+# --out: checked before any work, never replacing earlier results without --overwrite.
+
+
+@pytest.mark.parametrize("command,existing", [("bench", "results.csv"), ("bench", "report.md"),
+                                              ("imbalance", "imbalance.csv")])
+def test_out_holding_results_is_refused_before_any_work(command, existing, tmp_path, capsys, no_work):
+    (tmp_path / existing).write_text("earlier results\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert run_cli([command, "--device", "cpu", "--out", str(tmp_path)]) == 2
+    line = error_line(capsys, f"moekit {command}")
+    assert str(tmp_path) in line and existing in line and "--overwrite" in line
+    assert (tmp_path / existing).read_text() == "earlier results\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([existing, "notes.txt"])
+
+
+def test_help_documents_the_overwrite_rule(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--overwrite" in text and "refused unless --overwrite" in text
+
+
+def fake_sweep(rows):
+    def sweep(plan, ceilings, prov, options, on_case=None):
+        return [replace(r, run_id=prov.run_id) for r in rows]
+
+    return sweep
+
+
+@pytest.fixture
+def fake_ceilings(monkeypatch):
+    monkeypatch.setattr(bench_cli, "measure_ceilings", lambda *a, **k: Ceilings(20.0, 0.2))
+    monkeypatch.setattr(imbalance, "measure_ceilings", lambda *a, **k: Ceilings(20.0, 0.2))
+
+
+def test_overwrite_replaces_earlier_results(tmp_path, monkeypatch, fake_ceilings):
+    (tmp_path / "results.csv").write_text("earlier results\n")
+    monkeypatch.setattr(bench_cli, "run_sweep", fake_sweep(sample_rows()))
+    assert run_cli(["bench", "--device", "cpu", "--tokens", "1,4,16", "--out", str(tmp_path),
+                    "--overwrite"]) == 0
+    assert "earlier" not in (tmp_path / "results.csv").read_text()
+    assert (tmp_path / "report.md").exists() and (tmp_path / "time_tiny.png").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# A study in which no case succeeded exits non-zero and says so.
+
+
+def test_bench_with_every_case_failing_exits_nonzero(tmp_path, capsys, fake_ceilings):
+    """The run of issue 16 (--warmup -1, now refused while parsing, here forced past the parser): every
+    case errors while timing. The rows are still written, with their reasons; the exit status is 1."""
+    parser = bench_cli.argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--tokens", "1", "--backends", "loop", "--device", "cpu",
+                              "--out", str(tmp_path / "run")])
+    args.warmup = -1
+    assert bench_cli.run(args) == 1
+    line = error_line(capsys, "moekit bench")
+    assert "no case succeeded" in line and "1 error" in line
+    assert "warmup must be >= 0" in (tmp_path / "run" / "results.csv").read_text()
+
+
+def test_bench_with_some_case_timed_exits_zero(tmp_path, monkeypatch, fake_ceilings):
+    monkeypatch.setattr(bench_cli, "run_sweep", fake_sweep(sample_rows()))   # one of 7 failed
+    assert run_cli(["bench", "--device", "cpu", "--tokens", "1,4,16", "--out", str(tmp_path)]) == 0
+
+
+def test_imbalance_with_every_case_failing_exits_nonzero(tmp_path, monkeypatch, capsys, fake_ceilings):
+    def study(cfg, ceilings, prov, progress=None):
+        return [replace(r, status="error", reason="boom", median_ms=math.nan, step_ms=math.nan)
+                for r in imbalance_rows()]
+
+    monkeypatch.setattr(imbalance, "study_rows", study)
+    assert run_cli(["imbalance", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert "no case succeeded" in error_line(capsys, "moekit imbalance")
+    assert (tmp_path / "imbalance.csv").exists()
+
+
+# Bad result CSVs: the whole file is checked before anything is drawn.
+
+
+BAD_RESULT_CELLS = [
+    ("copy_gbps", 0.0), ("copy_gbps", math.nan), ("copy_gbps", -1.0), ("copy_gbps", math.inf),
+    ("matmul_tflops", 0.0), ("matmul_tflops", math.nan),
+    ("num_experts", 0), ("hidden_size", 0), ("intermediate_size", -1), ("top_k", 0), ("top_k", 9),
+    ("tokens", 0), ("dtype", "float99"), ("experts_expected", 0.0), ("median_ms", 0.0),
+    ("median_ms", math.nan), ("p20_ms", math.inf), ("floor_ms", -1.0), ("n_rep", 0), ("kernels", -1),
+]
+
+
+@pytest.mark.parametrize("column,value", BAD_RESULT_CELLS, ids=[f"{c}={v}" for c, v in BAD_RESULT_CELLS])
+def test_report_refuses_a_bad_cell_before_drawing(column, value, tmp_path, capsys):
+    rows = sample_rows()
+    rows[3] = replace(rows[3], **{column: value})        # line 5 of the file (header, then rows 0..2)
+    csv_path = tmp_path / "results.csv"
+    write_csv(rows, csv_path)
+    assert run_cli(["report", str(tmp_path)]) == 2
+    line = error_line(capsys, "moekit report")
+    assert f"{csv_path}:5:" in line and column in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv"]   # no plot, no report
+
+
+def test_report_to_an_unwritable_folder_fails_before_reading(tmp_path, capsys, not_a_folder):
+    write_csv(sample_rows(), tmp_path / "results.csv")
+    assert run_cli(["report", str(tmp_path / "results.csv"), "--out", str(not_a_folder / "sub")]) == 2
+    assert "--out" in error_line(capsys, "moekit report")
+
+
+def test_report_writes_nothing_when_rendering_fails(tmp_path, monkeypatch):
+    def broken(rows):
+        raise RuntimeError("rendering failed")
+
+    monkeypatch.setattr(report, "render", broken)
+    with pytest.raises(RuntimeError):
+        report.write_report(sample_rows(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("column,value,experiment", [
+    ("step_ms", 0.0, "ep_step"), ("mean_ms", math.nan, "ep_step"), ("slowest_over_mean", math.inf, "ep_step"),
+    ("median_ms", 0.0, "one_gpu"), ("capacity_factor", math.inf, "capacity"), ("copy_gbps", 0.0, "ep"),
+    ("num_experts", 0, "one_gpu"), ("experiment", "warp", "one_gpu"),
+])
+def test_imbalance_redraw_refuses_a_bad_cell_before_drawing(column, value, experiment, tmp_path, capsys):
+    rows = imbalance_rows()
+    i = next(i for i, r in enumerate(rows) if r.experiment == experiment)
+    rows[i] = replace(rows[i], **{column: value})
+    write_rows(rows, tmp_path / "imbalance.csv")
+    out = tmp_path / "out"
+    assert run_cli(["imbalance", "--redraw", str(tmp_path), "--out", str(out)]) == 2
+    line = error_line(capsys, "moekit imbalance")
+    assert f"imbalance.csv:{i + 2}:" in line and column in line
+    assert not out.exists()
+
+
+def test_imbalance_outputs_written_only_once_all_are_rendered(tmp_path, monkeypatch):
+    def broken(rows, plots=()):
+        raise RuntimeError("rendering failed")
+
+    monkeypatch.setattr(imbalance_report, "render_report", broken)
+    with pytest.raises(RuntimeError):
+        write_outputs(imbalance_rows(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_row_check_accepts_the_rows_a_run_writes():
+    rows = [*sample_rows(), make_row(status="skipped", median_ms=math.nan, floor_ms=math.nan),
+            make_row(mode="graph", status="not_capturable", median_ms=0.0)]
+    assert [check_result_row(r) for r in rows] == [""] * len(rows)

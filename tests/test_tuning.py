@@ -1,0 +1,372 @@
+"""Tuning as data: the default heuristic, the log-scale lookup, the shared-memory fit, the packaged
+H200 table, bad table files, and the tuner's logic with its GPU timer stubbed (CPU, interpreter)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moekit.cli import build_parser, main
+from moekit.shapes import PRESETS
+from moekit.tuning import (
+    PACKAGED_DIR,
+    SHARED_MEMORY_BUDGET,
+    SHARED_MEMORY_LIMIT,
+    ExpertsConfig,
+    default_config,
+    fit_shared_memory,
+    get_config,
+    load_table,
+    parse_table,
+    shape_key,
+    tuner,
+)
+
+QWEN = PRESETS["qwen3-30b-a3b"]   # E=128, K=8: mean rows per expert = T / 16
+
+
+def smem_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
+    """Shared memory of one GEMM's pipelined tiles, written out by hand: per stage an A tile
+    (block_m x block_k) and the B tiles (block_k x block_n; GEMM1 streams gate and up: two)."""
+    if gemm == 1:
+        return cfg.stages1 * (cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
+    return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """A private MOEKIT_CONFIG_DIR; returns a function that writes cpu.json there."""
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    load_table.cache_clear()
+
+    def write(table: dict) -> None:
+        (tmp_path / "cpu.json").write_text(json.dumps(table))
+        load_table.cache_clear()
+
+    yield write
+    load_table.cache_clear()
+
+
+# The default heuristic and the lookup.
+
+
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (256, 16), (512, 32), (2048, 64), (8192, 128),
+                                             (262_144, 128)])
+def test_default_config_follows_the_token_count(tokens, block_m):
+    """Tile height follows the mean rows per expert T*K/E (16 at T=256 on Qwen3: 16 rows)."""
+    cfg = default_config(QWEN, tokens)
+    assert cfg.block_m == block_m
+    for gemm in (1, 2):
+        assert smem_bytes(cfg, 2, gemm) <= SHARED_MEMORY_BUDGET
+
+
+def test_default_config_of_an_empty_batch_is_the_smallest_tile():
+    assert default_config(QWEN, 0) == default_config(QWEN, 1)
+
+
+@pytest.mark.parametrize("tokens,expect", [
+    (1, "small"), (16, "small"),
+    (32, "small"),          # equally far from 1 and 1024 in log scale: the smaller count wins
+    (64, "large"),          # log: nearer 1024 (4x less far); linear would pick 1 (63 < 960)
+    (200, "large"),         # linear would pick 1 (199 < 824)
+    (0, "small"), (10**6, "large"),
+])
+def test_lookup_takes_the_nearest_token_count_in_log_scale(table_dir, tokens, expect):
+    shape = PRESETS["tiny"]
+    small, large = ExpertsConfig(block_m=16, block_n1=32), ExpertsConfig(block_m=128, block_k1=32)
+    table_dir({shape_key(shape, torch.float32): {"1": small.to_dict(), "1024": large.to_dict()}})
+    got = get_config(shape, tokens, torch.float32, "cpu")
+    assert got == {"small": small, "large": large}[expect]
+
+
+def test_lookup_without_an_entry_uses_the_default(table_dir):
+    shape = PRESETS["tiny"]
+    table_dir({shape_key(shape, torch.float32): {"4": ExpertsConfig(block_m=16).to_dict()}})
+    assert get_config(shape, 300, torch.float16, "cpu") == default_config(shape, 300, 2)
+
+
+# The shared-memory fit.
+
+
+def test_fit_shared_memory_hand_examples():
+    # GEMM1: 4 stages x (128x128 A + 2 x 128x128 B) x 2 bytes = 384 KiB; 3 stages 288 KiB; 2 stages
+    # 192 KiB <= 200 KiB: stop there, block_k untouched.
+    cfg = ExpertsConfig(block_m=128, block_n1=128, block_k1=128, stages1=4)
+    assert fit_shared_memory(cfg, 2) == ExpertsConfig(block_m=128, block_n1=128, block_k1=128, stages1=2)
+    # fp32, 256 x 256 tiles: 2 stages at block_k 128 = 768 KiB, 64 -> 384 KiB, 32 -> 192 KiB.
+    cfg = ExpertsConfig(block_m=256, block_n1=256, block_k1=128, stages1=4, block_n2=64, block_k2=64,
+                        stages2=3)
+    fit = fit_shared_memory(cfg, 4)
+    assert (fit.stages1, fit.block_k1) == (2, 32)
+    # GEMM2: 3 x (256x64 + 64x64) x 4 = 240 KiB -> 2 stages = 160 KiB.
+    assert (fit.stages2, fit.block_k2, fit.block_n2) == (2, 64, 64)
+    assert fit.block_m == 256 and fit.block_n1 == 256
+    # Already fits: unchanged; so is a tile that needs exactly the budget, 5 x (16x256 + 2 x 256x32) x 2.
+    small = ExpertsConfig(block_m=16, block_n1=32, block_k1=64, stages1=5)
+    assert fit_shared_memory(small, 2) == small
+    exact = ExpertsConfig(block_m=16, block_n1=32, block_k1=256, stages1=5)
+    assert smem_bytes(exact, 2, 1) == SHARED_MEMORY_BUDGET and fit_shared_memory(exact, 2) == exact
+    # Nothing fits: 2 stages x (256x16 + 2 x 16x2048) x 2 = 272 KiB at the smallest step; it stops
+    # there (stages 2, block_k 16) and leaves the rest to the caller.
+    huge = ExpertsConfig(block_m=256, block_n1=2048, block_k1=64, stages1=3)
+    assert (fit_shared_memory(huge, 2).stages1, fit_shared_memory(huge, 2).block_k1) == (2, 16)
+
+
+def shrink_steps(cfg: ExpertsConfig, gemm: int) -> list[tuple[int, int]]:
+    """(stages, block_k) in the shrink order: stages down to 2 first, then block_k halved to 16."""
+    stages, block_k = getattr(cfg, f"stages{gemm}"), getattr(cfg, f"block_k{gemm}")
+    steps = [(stages, block_k)]
+    while stages > 2:
+        stages -= 1
+        steps.append((stages, block_k))
+    while block_k > 16:
+        block_k //= 2
+        steps.append((stages, block_k))
+    return steps
+
+
+GRID = [ExpertsConfig(block_m=bm, block_n1=bn, block_k1=bk, stages1=st, block_n2=2 * bn, block_k2=bk,
+                      stages2=st)
+        for bm in (16, 64, 256) for bn in (32, 128, 256) for bk in (32, 128, 512) for st in (2, 3, 6)]
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_fit_shared_memory_is_the_first_shrink_step_that_fits(itemsize):
+    for cfg in GRID:
+        fit = fit_shared_memory(cfg, itemsize)
+        for gemm in (1, 2):
+            steps = shrink_steps(cfg, gemm)
+            fits = [s for s in steps if smem_bytes(ExpertsConfig(**{
+                **cfg.to_dict(), f"stages{gemm}": s[0], f"block_k{gemm}": s[1]}), itemsize, gemm)
+                <= SHARED_MEMORY_BUDGET]
+            expected = fits[0] if fits else steps[-1]   # nothing fits: the smallest step
+            assert (getattr(fit, f"stages{gemm}"), getattr(fit, f"block_k{gemm}")) == expected, (cfg, gemm)
+        others = {k: v for k, v in cfg.to_dict().items() if not k.startswith(("stages", "block_k"))}
+        assert {k: v for k, v in fit.to_dict().items() if k in others} == others
+
+
+# The packaged table.
+
+
+def test_packaged_h200_table_parses_and_fits_shared_memory():
+    path = PACKAGED_DIR / "nvidia_h200.json"
+    table = parse_table(path)
+    key = shape_key(QWEN, torch.bfloat16)
+    assert key in table and len(table[key]) >= 5
+    assert table == load_table("nvidia_h200")
+    for k, entry in table.items():
+        itemsize = getattr(torch, k.rsplit("dtype=", 1)[1]).itemsize
+        for tokens, cfg in entry.items():
+            assert tokens >= 1
+            for gemm in (1, 2):
+                assert smem_bytes(cfg, itemsize, gemm) <= SHARED_MEMORY_LIMIT, (k, tokens, gemm)
+    raw = json.loads(path.read_text())
+    assert [int(t) for t in raw[key]] == sorted(table[key])          # written in increasing order
+
+
+# Bad table files: ValueError naming the file and the problem.
+
+
+BAD_TABLES = [
+    ("token-zero", '{"E=8,H=64,I=48,K=2,dtype=float32": {"0": {}}}', "token count must be a positive"),
+    ("token-word", '{"k": {"x": {}}}', "token count must be a positive integer"),
+    ("token-negative", '{"k": {"-4": {}}}', "token count must be a positive integer"),
+    ("token-arabic-digits", '{"k": {"\u0661\u0662": {}}}', "token count must be a positive integer"),
+    ("token-superscript", '{"k": {"\u00b2": {}}}', "token count must be a positive integer"),
+    ("not-utf8", b'{"k": {"1": {"block_m": 16, "\xff": 1}}}', "not UTF-8"),
+    ("deep-lists", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("deep-objects", '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
+    ("duplicate-token", '{"k": {"1": {}, "1": {"block_m": 32}}}', "duplicate key '1'"),
+    ("config-not-object", '{"k": {"1": [16]}}', "expected an object of tiles"),
+    ("top-level-list", "[1]", "expected an object of shape keys"),
+]
+
+
+@pytest.mark.parametrize("name,content,message", BAD_TABLES, ids=[b[0] for b in BAD_TABLES])
+def test_bad_table_file_is_a_value_error_naming_the_file(tmp_path, name, content, message):
+    path = tmp_path / f"{name}.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        parse_table(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+# The tuner's logic (the GPU timer stubbed).
+
+
+def test_block_m_candidates_grow_with_rows_per_expert():
+    got = [tuner.block_m_candidates(QWEN, t) for t in (1, 64, 256, 1024, 4096, 16384)]
+    assert got == [[16], [16], [16, 32], [16, 32, 64], [32, 64, 128], [64, 128]]
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_gemm_candidates_fit_shared_memory(block_m, itemsize):
+    for swiglu, gemm in ((True, 1), (False, 2)):
+        cands = tuner.gemm_candidates(block_m, itemsize, swiglu)
+        assert cands and len({tuple(p.items()) for p in cands}) == len(cands)
+        for p in cands:
+            cfg = tuner._with(ExpertsConfig(block_m=block_m), gemm, p)
+            assert smem_bytes(cfg, itemsize, gemm) <= SHARED_MEMORY_LIMIT, (swiglu, p)
+
+
+def test_gemm_candidates_drop_only_tiles_over_the_limit():
+    # 4 x (128x128 + 2 x 128x128) x 2 = 384 KiB: over; 3 x (128x64 + 2 x 64x128) x 2 = 144 KiB: kept.
+    cands = tuner.gemm_candidates(128, 2, swiglu=True)
+    assert dict(block_n=128, block_k=128, warps=8, stages=4) not in cands
+    assert dict(block_n=128, block_k=64, warps=8, stages=3) in cands
+    # 16-row tiles with the widest block_k: 5 x (16x256 + 2 x 256x128) x 2 = 680 KiB: over.
+    small = tuner.gemm_candidates(16, 2, swiglu=True)
+    assert dict(block_n=128, block_k=256, warps=4, stages=5) not in small
+    assert dict(block_n=128, block_k=256, warps=4, stages=3) not in small   # 408 KiB
+    assert dict(block_n=32, block_k=256, warps=4, stages=5) in small         # 200 KiB
+
+
+FAST1 = dict(block_n=32, block_k=64, warps=4, stages=3)
+FAST2 = dict(block_n=64, block_k=128, warps=4, stages=4)
+
+
+def fake_timer(calls: list):
+    """ms of a candidate without running it: FAST1 / FAST2 win their GEMM; one tile "fails to compile"."""
+    def timer(fn) -> float:
+        assert isinstance(fn, functools.partial)
+        cfg = fn.args[-1]
+        calls.append((fn.func.__name__, cfg))
+        if fn.func is tuner._path_all:
+            return 0.5 if cfg.block_m == 16 else 0.3
+        gemm = 1 if fn.func is tuner._gemm1_all else 2
+        p = dict(block_n=getattr(cfg, f"block_n{gemm}"), block_k=getattr(cfg, f"block_k{gemm}"),
+                 warps=getattr(cfg, f"warps{gemm}"), stages=getattr(cfg, f"stages{gemm}"))
+        if p == dict(block_n=16, block_k=64, warps=4, stages=3):
+            raise RuntimeError("out of resources")
+        return 0.1 if p == (FAST1 if gemm == 1 else FAST2) else 1.0 + p["block_n"] / 1000
+
+    return timer
+
+
+def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
+    shape = PRESETS["tiny"]
+    calls, logged = [], []
+    best, records = tuner.tune_tokens(shape, 4, torch.float32, rotations=2, log=logged.append,
+                                      device="cpu", timer=fake_timer(calls))
+    assert best.block_m == 16 and best.group_m == 1
+    assert (best.block_n1, best.block_k1, best.warps1, best.stages1) == tuple(FAST1.values())
+    assert (best.block_n2, best.block_k2, best.warps2, best.stages2) == tuple(FAST2.values())
+    n1, n2 = len(tuner.gemm_candidates(16, 4, True)), len(tuner.gemm_candidates(16, 4, False))
+    assert len(calls) == n1 + n2 + 1
+    gemm_records = [r for r in records if r["gemm"] in (1, 2)]
+    assert len(gemm_records) == n1 + n2 - 2                 # the failing tile, once per GEMM, skipped
+    assert sum("skip" in m for m in logged) == 2
+    for r in gemm_records:
+        assert set(r) == {"tokens", "block_m", "gemm", "ms", "block_n", "block_k", "warps", "stages"}
+        assert r["tokens"] == 4 and r["block_m"] == 16
+    fast = [r for r in gemm_records if r["ms"] == 0.1 / 2]    # ms per routing: divided by rotations
+    assert [(r["gemm"], r["block_n"]) for r in fast] == [(1, 32), (2, 64)]
+    (path,) = [r for r in records if r["gemm"] == 0]
+    assert path["ms"] == 0.25 and ExpertsConfig(**{k: v for k, v in path.items()
+                                                   if k not in ("tokens", "gemm", "ms")}) == best
+    json.dumps(records)                                         # the --records lines are JSON
+
+
+def test_tune_tokens_keeps_the_block_m_of_the_fastest_path():
+    # tiny at T=48: 12 rows per expert, block_m 16 and 32 are tried; the stub times 32's path faster.
+    assert tuner.block_m_candidates(PRESETS["tiny"], 48) == [16, 32]
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=fake_timer([]))
+    assert best.block_m == 32 and best.block_n1 == FAST1["block_n"]
+    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0) == [(16, 0.5), (32, 0.3)]
+
+
+def test_tune_tokens_says_so_when_no_tile_runs():
+    def failing(fn):
+        raise RuntimeError("out of resources")
+
+    with pytest.raises(RuntimeError, match="no candidate config ran at T=4"):
+        tuner.tune_tokens(PRESETS["tiny"], 4, torch.float32, rotations=1, log=lambda m: None,
+                          device="cpu", timer=failing)
+
+
+KEY = shape_key(PRESETS["tiny"], torch.bfloat16)
+
+
+def test_write_table_merges_in_token_order_and_keeps_other_shapes(tmp_path):
+    path = tmp_path / "t.json"
+    other = shape_key(QWEN, torch.bfloat16)
+    a, b, c = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32), ExpertsConfig(block_m=64)
+    tuner.write_table(path, other, {4: a})
+    tuner.write_table(path, KEY, {256: b})
+    tuner.write_table(path, KEY, {16: a, 256: c, 4: b})       # replaces 256, adds 4 and 16 before it
+    raw = json.loads(path.read_text())
+    assert list(raw[KEY]) == ["4", "16", "256"] and raw[KEY]["256"] == c.to_dict()   # numeric order
+    assert parse_table(path) == {other: {4: a}, KEY: {4: b, 16: a, 256: c}}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask      # a plain file's mode, not mkstemp's 0600
+
+
+def test_write_table_refuses_a_bad_table_and_leaves_it_alone(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"k": {"0": {}}}')
+    with pytest.raises(ValueError, match="token count") as info:
+        tuner.write_table(path, KEY, {16: ExpertsConfig()})
+    assert str(path) in str(info.value)
+    assert path.read_text() == '{"k": {"0": {}}}'
+
+
+def test_write_table_never_leaves_a_partial_file(tmp_path):
+    class Unwritable(ExpertsConfig):
+        def to_dict(self):
+            return {**super().to_dict(), "block_m": object()}  # json cannot write it
+
+    path = tmp_path / "t.json"
+    tuner.write_table(path, KEY, {1: ExpertsConfig()})
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        tuner.write_table(path, KEY, {2: Unwritable()})
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+
+
+# The command line.
+
+
+TUNE_BAD_ARGUMENTS = [("--tokens", "0"), ("--tokens", "1,x"), ("--tokens", ","), ("--rotations", "-1"),
+                      ("--out", "/dev/null/x.json"), ("--out", "{dir}"), ("--records", "/dev/null/r.jsonl")]
+
+
+@pytest.mark.parametrize("flag,value", TUNE_BAD_ARGUMENTS, ids=[f"{f} {v}" for f, v in TUNE_BAD_ARGUMENTS])
+def test_tune_refuses_a_bad_argument_while_parsing(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", flag, value.format(dir=tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"moekit tune: error: argument {flag}:")
+
+
+def test_tune_defaults_parse():
+    args = build_parser().parse_args(["tune"])
+    assert args.tokens == list(tuner.DEFAULT_TOKENS) and args.rotations == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_tune_without_cuda_is_one_error_line(tmp_path, capsys):
+    assert main(["tune", "--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moekit tune: error: ") and "CUDA" in err and len(err.strip().splitlines()) == 1
+
+
+def test_python_dash_m_moekit_help():
+    done = subprocess.run([sys.executable, "-m", "moekit", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    for command in ("bench", "report", "imbalance", "ep-bench", "tune"):
+        assert command in done.stdout
