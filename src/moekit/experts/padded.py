@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moekit._memory import fits
 from moekit.align import sort_pairs
 
 
@@ -35,12 +36,10 @@ def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsiz
 def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
     if device.type != "cuda":
         return
-    free, _ = torch.cuda.mem_get_info(device)
-    if num_bytes > free:
-        raise PaddedWorkspaceTooLarge(
-            f"padded backend needs {num_bytes / 1e9:.2f} GB for its (E, cap, *) buffers but only "
-            f"{free / 1e9:.2f} GB is free on {device}; use a capacity_factor or another backend"
-        )
+    reason = fits(num_bytes, device)
+    if reason:
+        raise PaddedWorkspaceTooLarge(f"padded backend's (E, cap, *) buffers: {reason}; use a "
+                                      "capacity_factor or another backend")
 
 
 def experts_padded(

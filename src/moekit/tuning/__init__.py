@@ -83,12 +83,34 @@ def shape_key(shape: MoEShape, dtype: torch.dtype) -> str:
 
 
 SHARED_MEMORY_LIMIT = 227 * 1024   # Hopper's shared memory per block: no tile may need more
-SHARED_MEMORY_BUDGET = 200 * 1024  # what default configs use, leaving room for the epilogue
+EPILOGUE_RESERVE = 27 * 1024       # what default configs leave free for the epilogue's scratch
+SHARED_MEMORY_BUDGET = SHARED_MEMORY_LIMIT - EPILOGUE_RESERVE
 
 
-def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2) -> ExpertsConfig:
+def shared_memory_limit(device: torch.device | str | None = None) -> int:
+    """Shared memory one block may use on `device` (the opt-in maximum); Hopper's off the GPU,
+    where the kernels run interpreted."""
+    if device is not None and torch.device(device).type == "cuda":
+        return _cuda_shared_memory(torch.device(device).index)
+    return SHARED_MEMORY_LIMIT
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_shared_memory(index: int | None) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", SHARED_MEMORY_LIMIT))
+
+
+def shared_memory_budget(device: torch.device | str | None = None) -> int:
+    """What default configs may use on `device`: its limit less the epilogue's reserve."""
+    return shared_memory_limit(device) - EPILOGUE_RESERVE
+
+
+def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2,
+                   device: torch.device | str | None = None) -> ExpertsConfig:
     """A sane config for any shape: tile height follows the mean rows per expert; the pipelined
-    tiles are shrunk (stages first, then block_k) until they fit in shared memory for the dtype."""
+    tiles are shrunk (stages first, then block_k) until they fit in the device's shared memory
+    budget for the dtype."""
     rows = max(1, num_tokens) * shape.top_k / shape.num_experts
     if rows <= 16:
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
@@ -98,7 +120,7 @@ def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2) -> Exper
         cfg = ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
     else:
         cfg = ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
-    return fit_shared_memory(cfg, itemsize)
+    return fit_shared_memory(cfg, itemsize, shared_memory_budget(device))
 
 
 def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
@@ -108,10 +130,10 @@ def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
     return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
 
 
-def fit_shared_memory(cfg: ExpertsConfig, itemsize: int) -> ExpertsConfig:
+def fit_shared_memory(cfg: ExpertsConfig, itemsize: int, budget: int = SHARED_MEMORY_BUDGET) -> ExpertsConfig:
     for gemm in (1, 2):
         stages, block_k = f"stages{gemm}", f"block_k{gemm}"
-        while pipeline_bytes(cfg, itemsize, gemm) > SHARED_MEMORY_BUDGET:
+        while pipeline_bytes(cfg, itemsize, gemm) > budget:
             if getattr(cfg, stages) > 2:
                 cfg = replace(cfg, **{stages: getattr(cfg, stages) - 1})
             elif getattr(cfg, block_k) > 16:
@@ -202,7 +224,7 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
         if slug != "cpu" and (slug, key) not in _warned:
             _warned.add((slug, key))
             warnings.warn(f"moekit: no tuned config for {key} on {slug}; using defaults", stacklevel=3)
-        return default_config(shape, num_tokens, dtype.itemsize)
+        return default_config(shape, num_tokens, dtype.itemsize, device)
     t = max(1, num_tokens)
     best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
     return entry[best]
