@@ -109,12 +109,16 @@ def test_triton_router_with_grad_raises():
     assert w.grad_fn is not None
 
 
-def test_custom_ops_refuse_grad():
+def test_ops_entries_follow_the_same_gradient_rules():
     x, gate_up, down, w, ids = case()
-    with pytest.raises(RuntimeError, match="moekit::experts has no backward"):
-        ops.experts(x, gate_up, down, w.requires_grad_(True), ids, backend="loop")
-    with pytest.raises(RuntimeError, match="moekit::topk_softmax has no backward"):
-        ops.topk_softmax(torch.randn(4, 8, requires_grad=True), 2)
+    with pytest.raises(RuntimeError, match="backend='triton' has no backward"):
+        ops.experts(x, gate_up, down, w.requires_grad_(True), ids, backend="triton")
+    w_leaf = w.detach().clone().requires_grad_(True)
+    out = ops.experts(x, gate_up, down, w_leaf, ids, backend="loop")
+    out.pow(2).sum().backward()
+    assert rel_err(w_leaf.grad, _fp32_grads(x, gate_up, down, w, ids)[3]) <= 1e-5
+    with pytest.raises(RuntimeError, match="router backend='triton' has no backward"):
+        ops.topk_softmax(torch.randn(4, 8, requires_grad=True), 2, backend="triton")
 
 
 # 2. out=: no internal overlap; a disjoint slice of an input's storage is legal.

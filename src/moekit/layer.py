@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit import ops
 from moekit._validation import check_dtype
 from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
@@ -76,14 +75,6 @@ class MoELayer(nn.Module):
             raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "
                             f"cast x (x.to({dtype})) or the layer (layer.to(dtype))")
         flat = x.reshape(-1, self.shape.hidden_size)
-        if torch.compiler.is_compiling():
-            # Dynamo cannot trace the host-side id check or the launchers' Python with a symbolic T:
-            # the custom ops are opaque nodes with fake implementations. Only `config` is accepted.
-            weights, ids = ops.route(flat, self.router_weight, self.shape.top_k,
-                                     renormalize=self.shape.norm_topk_prob, backend=self.router_backend)
-            out = ops.experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
-                              backend=self.backend, **experts_opts)
-            return out.view(x.shape)
         weights, ids = self.route(flat)
         out = moe_experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
                           backend=self.backend, **experts_opts)
@@ -92,20 +83,6 @@ class MoELayer(nn.Module):
     def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedMoE:
         """Record the whole layer (router included) in CUDA graphs for any T <= max_tokens."""
         return CapturedMoE(self, max_tokens, buckets)
-
-    @classmethod
-    def from_transformers(cls, block: nn.Module, *, backend: str = "auto",
-                          router_backend: str = "auto") -> MoELayer:
-        """A layer sharing the router and expert Parameters of a Transformers sparse MoE block."""
-        from moekit.integrations.transformers import from_transformers
-
-        return from_transformers(block, backend=backend, router_backend=router_backend, layer_cls=cls)
-
-    def to_transformers(self, config=None, *, experts_implementation: str | None = "moekit") -> nn.Module:
-        """A Transformers sparse MoE block sharing this layer's Parameters (default: Qwen3-MoE)."""
-        from moekit.integrations.transformers import to_transformers
-
-        return to_transformers(self, config, experts_implementation=experts_implementation)
 
 
 def default_buckets(max_tokens: int) -> list[int]:

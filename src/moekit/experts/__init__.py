@@ -1,10 +1,16 @@
-"""The expert path, four ways. `moe_experts` validates, then dispatches to one backend file.
+"""The expert path: one entry (`moe_experts`), a registry of backends, one custom op.
 
     loop        experts/loop.py        Transformers' eager loop (reference behaviour, slow)
     padded      experts/padded.py      (E, cap, H) buffers + torch.bmm; optional capacity factor
     grouped_mm  experts/grouped_mm.py  sort + gather + torch grouped_mm
     triton      experts/triton.py      moekit's fused grouped GEMMs (gather on load, SwiGLU and
                                        routing weight fused, scatter on store)
+
+`moe_experts` checks its arguments once (shapes, dtypes, devices, options against the backend's
+capabilities, `out=`, and the ids where that costs no host sync), then runs the backend's entry in
+`registry`. Inside torch.compile it calls the `moekit::experts` custom op instead, whose body is
+the same dispatch: one opaque node whose fake implementation derives the output size from the
+inputs alone, so one graph serves every token count.
 """
 
 from __future__ import annotations
@@ -20,23 +26,46 @@ from moekit._validation import (
     check_out,
     needs_grad,
 )
-from moekit.experts.grouped_mm import experts_grouped_mm
+from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
+from moekit.experts.registry import Backend, ExpertsOptions, backend_names, get_backend, register_backend
 from moekit.experts.triton import experts_triton
 from moekit.tuning import ExpertsConfig
 
-BACKENDS = ("loop", "padded", "grouped_mm", "triton")
+__all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
+           "has_backward", "moe_experts", "register_backend", "resolve_backend"]
 
-__all__ = ["BACKENDS", "PaddedWorkspaceTooLarge", "has_backward", "moe_experts", "resolve_backend"]
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
+
+
+register_backend(Backend(
+    "loop", lambda x, gu, d, w, ids, opts, out: _into(out, experts_loop(x, gu, d, w, ids)),
+    "a Python loop over the experts hit, as Transformers' eager code (one sync per expert)"))
+register_backend(Backend(
+    "padded",
+    lambda x, gu, d, w, ids, opts, out: _into(out, experts_padded(
+        x, gu, d, w, ids, capacity_factor=opts.capacity_factor, stats=opts.stats)),
+    "every expert padded to the busiest count (or a capacity), two torch.bmm",
+    options=frozenset({"capacity_factor", "stats"})))
+register_backend(Backend(
+    "grouped_mm", lambda x, gu, d, w, ids, opts, out: _into(out, experts_grouped_mm(x, gu, d, w, ids)),
+    "sort, gather, torch grouped_mm x2, weighted sum", backward_devices=frozenset({"cuda"}),
+    check_layout=check_grouped_mm_layout))
+register_backend(Backend(
+    "triton",
+    lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out),
+    "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
+    capturable=True, backward_devices=frozenset(), options=frozenset({"config"})))
+
+BACKENDS = backend_names()
 
 
 def has_backward(backend: str, device: torch.device) -> bool:
-    """Whether autograd can differentiate the backend on this device. The triton kernels have no
-    backward yet; torch's grouped_mm has one on CUDA only."""
-    if backend == "triton":
-        return False
-    return backend != "grouped_mm" or device.type == "cuda"
+    """Whether autograd can differentiate the backend on this device."""
+    return get_backend(backend).has_backward(device)
 
 
 _warned_grad_fallback: set[str] = set()
@@ -51,9 +80,7 @@ def resolve_backend(backend: str, device: torch.device, hidden: int = 16, inter:
     """
     aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
     if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-        if grad and not has_backward(backend, device):
+        if not get_backend(backend).has_backward(device) and grad:     # get_backend: ValueError if unknown
             raise RuntimeError(
                 f"backend={backend!r} has no backward on {device.type}, but this call needs gradients "
                 "(an input requires grad and grad mode is on); run it under torch.no_grad() or "
@@ -96,9 +123,8 @@ def moe_experts(
         backend: "auto" or one of `BACKENDS`. A call that needs gradients runs only on a backend
             with a backward (`has_backward`); "auto" picks one (warning once), an explicit
             backend without one raises RuntimeError. Never a silently detached output.
-        config: tile config for the triton backend (default: the tuned table for the device).
-        capacity_factor: padded backend only: cap each expert at ceil(c * T * K / E) pairs.
-        stats: padded backend only: filled with "capacity" and "dropped" (device scalar).
+        config, capacity_factor, stats: the backend's options (`ExpertsOptions`); an option the
+            backend does not take raises ValueError.
         ignore_invalid_ids: pairs with ids outside [0, E) contribute exactly 0 (expert
             parallelism marks non-local experts so), and K may exceed E. When False, such ids
             raise ValueError where that costs no host sync: on CPU, or when validate=True.
@@ -113,17 +139,16 @@ def moe_experts(
                                      top_k_at_most_experts=not ignore_invalid_ids)
     dev = hidden_states.device
     grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
-    backend = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
-                              hidden_states.element_size(), grad=grad)
-    capacity_factor = check_capacity_factor(capacity_factor)
+    name = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
+                           hidden_states.element_size(), grad=grad)
+    impl = get_backend(name)
+    options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats)
+    impl.check_options(options)
+    compiling = torch.compiler.is_compiling()
     if validate is None:
-        validate = dev.type == "cpu"
+        validate = dev.type == "cpu" and not compiling
     if validate and not ignore_invalid_ids:
         check_expert_ids_in_range(topk_ids, num_experts)
-    if (capacity_factor is not None or stats is not None) and backend != "padded":
-        raise ValueError("capacity_factor and stats apply to backend='padded' only")
-    if config is not None and backend != "triton":
-        raise ValueError("config applies to backend='triton' only")
     if out is not None:
         if grad:
             raise RuntimeError("out= cannot be used when the call needs gradients (autograd does not "
@@ -131,18 +156,44 @@ def moe_experts(
         check_out(out, hidden_states, {"hidden_states": hidden_states, "gate_up_proj": gate_up_proj,
                                        "down_proj": down_proj, "topk_weights": topk_weights,
                                        "topk_ids": topk_ids})
-
+    if impl.check_layout is not None:
+        impl.check_layout(hidden_states, gate_up_proj, down_proj)
     if hidden_states.shape[0] == 0:
         return out if out is not None else torch.empty_like(hidden_states)
-    args = (hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
-    if backend == "triton":
-        return experts_triton(*args, config=config, out=out)
-    if backend == "loop":
-        result = experts_loop(*args)
-    elif backend == "padded":
-        result = experts_padded(*args, capacity_factor=capacity_factor, stats=stats)
-    else:
-        result = experts_grouped_mm(*args)
-    if out is not None:
-        return out.copy_(result)
-    return result
+    if compiling and not grad and options.capacity_factor is None and options.stats is None:
+        cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
+        result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                          name, cfg)
+        return _into(out, result)
+    return impl.run(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, options, out)
+
+
+CONFIG_FIELDS = tuple(ExpertsConfig.__dataclass_fields__)
+
+
+@torch.library.custom_op(
+    "moekit::experts", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, Tensor topk_weights, "
+           "Tensor topk_ids, str backend, int[]? config) -> Tensor",
+)
+def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str,
+                config: list[int] | None) -> torch.Tensor:
+    """The registry's dispatch as one opaque node. Ids outside [0, E) contribute 0 and are never
+    read back (no host sync); K may exceed E."""
+    check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                       top_k_at_most_experts=False)
+    x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
+    cfg = ExpertsConfig(**dict(zip(CONFIG_FIELDS, config, strict=True))) if config is not None else None
+    result = get_backend(backend).run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                      ExpertsOptions(config=cfg), None)
+    return result.contiguous()
+
+
+@_experts_op.register_fake
+def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config):
+    check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                       top_k_at_most_experts=False)
+    return hidden_states.new_empty(hidden_states.shape)

@@ -39,6 +39,7 @@ from torch import nn
 from moekit import ops
 from moekit._validation import FLOAT_DTYPES, needs_grad
 from moekit.experts import BACKENDS
+from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
 __all__ = ["experts_forward", "from_transformers", "register", "to_transformers", "unsupported_reason"]
@@ -231,7 +232,6 @@ def from_transformers(block: nn.Module, *, backend: str = "auto", router_backend
         router's fp32 weights are not rounded to the model dtype (Transformers rounds them), and
         Mixtral's training-time jitter is not modelled.
     """
-    from moekit.layer import MoELayer
 
     _transformers()
     top_k, norm = _block_spec(block)

@@ -71,17 +71,24 @@ def topk_softmax(
         (topk_weights float32 (T, K), topk_ids int32 (T, K)).
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
-    num_tokens, num_experts = logits.shape
-    check_top_k(top_k, num_experts)
+    check_top_k(top_k, logits.shape[1])
     backend = resolve_router_backend(backend, logits)
-    if backend == "torch":
-        if num_valid_tokens is not None:
-            raise ValueError("num_valid_tokens is supported by backend='triton' only")
-        return topk_softmax_ref(logits, top_k, renormalize)
-
-    check_triton_device("logits", logits)
     if num_valid_tokens is not None:
+        if backend != "triton":
+            raise ValueError("num_valid_tokens is supported by backend='triton' only")
         check_tensor("num_valid_tokens", num_valid_tokens, dtypes=(torch.int32,), device=logits.device)
+    elif torch.compiler.is_compiling() and not needs_grad(logits):
+        return torch.ops.moekit.topk_softmax(logits, top_k, renormalize, backend)
+    return _run(logits, top_k, renormalize, backend, num_valid_tokens)
+
+
+def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
+         num_valid_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked router: the torch twin, or the Triton kernel."""
+    if backend == "torch":
+        return topk_softmax_ref(logits, top_k, renormalize)
+    check_triton_device("logits", logits)
+    num_tokens, num_experts = logits.shape
     weights = _workspace.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = _workspace.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
@@ -97,6 +104,26 @@ def topk_softmax(
         num_warps=4 if e_pad <= 256 else 8,
     )
     return weights, ids
+
+
+@torch.library.custom_op(
+    "moekit::topk_softmax", mutates_args=(),
+    schema="(Tensor logits, int top_k, bool renormalize, str backend) -> (Tensor, Tensor)",
+)
+def _topk_softmax_op(logits: torch.Tensor, top_k: int, renormalize: bool,
+                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_run` as one opaque node for torch.compile (the launcher sizes its grid from T)."""
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_top_k(top_k, logits.shape[1])
+    return _run(logits, top_k, renormalize, backend)
+
+
+@_topk_softmax_op.register_fake
+def _topk_softmax_fake(logits, top_k, renormalize, backend):
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_top_k(top_k, logits.shape[1])
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
 
 
 def route(

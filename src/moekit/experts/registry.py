@@ -1,0 +1,99 @@
+"""The backend registry: every way to run the expert path, with what it can do.
+
+A backend is one function with one signature, `run(x, gate_up_proj, down_proj, topk_weights,
+topk_ids, options, out) -> (T, H)`, and the capabilities callers need before choosing it:
+whether it can run inside a CUDA graph, on which devices autograd can differentiate it, which
+`ExpertsOptions` it takes, and a layout check it needs. `moekit.moe_experts` validates once, then
+dispatches here; the `moekit::experts` custom op runs the same entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from moekit._validation import FLOAT_DTYPES
+from moekit.tuning import ExpertsConfig
+
+
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """Per-backend options of the expert path; each backend declares which it takes.
+
+    Attributes:
+        config: triton tile config (default: the tuned table for the device and T).
+        capacity_factor: padded: cap each expert at ceil(c * S / E) pairs (Switch Transformer);
+            pairs past the cap are dropped and counted.
+        stats: padded: a dict filled with "capacity" (int) and "dropped" (device scalar).
+    """
+
+    config: ExpertsConfig | None = None
+    capacity_factor: float | None = None
+    stats: dict | None = None
+
+    def given(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+RunFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the expert path and its capabilities.
+
+    Attributes:
+        name: the `backend=` string.
+        run: run(x, gate_up_proj, down_proj, topk_weights, topk_ids, options, out) -> (T, H).
+            `out` is None or a checked (T, H) buffer the result must be written into.
+        description: one line for docs and reports.
+        capturable: no host sync on its default options, so it runs inside a CUDA graph.
+        backward_devices: device types on which autograd differentiates it.
+        options: the `ExpertsOptions` fields it takes.
+        check_layout: raises for strides or sizes it cannot take (before any launch), or None.
+        dtypes: the float dtypes it computes in.
+    """
+
+    name: str
+    run: RunFn
+    description: str
+    capturable: bool = False
+    backward_devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    options: frozenset[str] = frozenset()
+    check_layout: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+
+    def has_backward(self, device: torch.device) -> bool:
+        return device.type in self.backward_devices
+
+    def check_options(self, options: ExpertsOptions) -> None:
+        extra = [name for name in options.given() if name not in self.options]
+        if extra:
+            owners = sorted(b.name for b in _REGISTRY.values() if set(extra) <= b.options)
+            where = f"backend={owners[0]!r} only" if len(owners) == 1 else f"backends {owners}"
+            raise ValueError(f"{' and '.join(extra)} appl{'y' if len(extra) > 1 else 'ies'} to {where}, "
+                             f"not backend={self.name!r}")
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add (or replace) a backend under backend.name; returns it."""
+    if not backend.name or backend.name == "auto":
+        raise ValueError(f"a backend needs a name other than 'auto', got {backend.name!r}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend must be 'auto' or one of {tuple(_REGISTRY)}, got {name!r}") from None
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)

@@ -1,0 +1,118 @@
+"""Grouped GEMM family: GEMM1 (gate_up + SwiGLU), GEMM2 (down + routing weight), the slot sum.
+
+Each launcher (checks done by the caller, buffers allocated here, grid from fixed upper bounds) sits
+beside its pure-PyTorch twin (`*_torch`), which computes the same rows in fp32 and is what the
+kernel tests compare against. The @triton.jit code is in `moekit.kernels.grouped_gemm`; backward
+and quantized variants go beside these (a launcher, a twin, kernels in `kernels/`).
+
+Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate, L padded rows
+(`Alignment.sorted_ids` length). Rows of h at or past `num_padded`, and rows of y of pairs that
+were never placed (ids outside [0, E)), are not written: the twins leave them 0, and callers
+never read them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from moekit import _workspace
+from moekit.align import Alignment
+from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
+from moekit.tuning import ExpertsConfig
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are computed in full fp32 (not tf32): the fp32 path is a correctness path.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
+                 cfg: ExpertsConfig) -> torch.Tensor:
+    """h (L, I): silu(x_tok @ gate_e^T) * (x_tok @ up_e^T) at each sorted row; padding rows 0."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    h = _workspace.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    n_tiles = triton.cdiv(inter, cfg.block_n1)
+    moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
+        x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.num_padded,
+        align.num_pairs, inter, hidden, n_tiles,
+        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=cfg.warps1, num_stages=cfg.stages1,
+    )
+    return h
+
+
+def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                   align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
+    """y (S, H): (h_row @ down_e^T) * routing weight, stored at each pair's own row."""
+    num_experts, hidden, inter = down_proj.shape
+    y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
+    n_tiles = triton.cdiv(hidden, cfg.block_n2)
+    moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
+        h, down_proj, y, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
+        align.num_pairs, hidden, inter, n_tiles,
+        h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0,
+        DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.warps2, num_stages=cfg.stages2,
+    )
+    return y
+
+
+def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor) -> torch.Tensor:
+    """out[t] = fp32 sum of y[t*K + j] over the slots with an id in [0, E)."""
+    num_tokens, hidden = out.shape
+    top_k = topk_ids.shape[1]
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    block_t = max(1, min(16, 4096 // block_h))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _placed_rows(align: Alignment) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted rows holding a pair, their pair ids, their experts), int64."""
+    num_padded = int(align.num_padded)
+    rows = torch.arange(num_padded, device=align.sorted_ids.device)
+    pair = align.sorted_ids[:num_padded].long()
+    expert = align.expert_ids.long().repeat_interleave(align.block_m)[:num_padded]
+    keep = pair < align.num_pairs
+    return rows[keep], pair[keep], expert[keep]
+
+
+def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment,
+                       top_k: int) -> torch.Tensor:
+    """Twin of `gemm1_swiglu` in fp32: h (L, I), padding rows 0."""
+    inter = gate_up_proj.shape[1] // 2
+    h = torch.zeros(align.sorted_ids.numel(), inter, dtype=torch.float32, device=x.device)
+    rows, pair, expert = _placed_rows(align)
+    for e in expert.unique().tolist():
+        sel = expert == e
+        gate, up = (x[pair[sel] // top_k].float() @ gate_up_proj[e].float().T).chunk(2, dim=-1)
+        h[rows[sel]] = F.silu(gate) * up
+    return h
+
+
+def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                         align: Alignment) -> torch.Tensor:
+    """Twin of `gemm2_weighted` in fp32: y (S, H), rows of unplaced pairs 0."""
+    y = torch.zeros(align.num_pairs, down_proj.shape[1], dtype=torch.float32, device=h.device)
+    rows, pair, expert = _placed_rows(align)
+    w = topk_weights.reshape(-1).float()
+    for e in expert.unique().tolist():
+        sel = expert == e
+        y[pair[sel]] = (h[rows[sel]].float() @ down_proj[e].float().T) * w[pair[sel], None]
+    return y
+
+
+def moe_sum_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Twin of `moe_sum` in fp32: out[t] = sum of y[t*K + j] over slots j with an id in [0, E)."""
+    num_tokens, top_k = topk_ids.shape
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    per_slot = y.float().view(num_tokens, top_k, -1) * valid[..., None]
+    return per_slot.sum(1)
