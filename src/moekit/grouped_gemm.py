@@ -114,5 +114,5 @@ def moe_sum_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> 
     """Twin of `moe_sum` in fp32: out[t] = sum of y[t*K + j] over slots j with an id in [0, E)."""
     num_tokens, top_k = topk_ids.shape
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    per_slot = y.float().view(num_tokens, top_k, -1) * valid[..., None]
-    return per_slot.sum(1)
+    per_slot = y.float().view(num_tokens, top_k, -1)
+    return torch.where(valid[..., None], per_slot, 0.0).sum(1)   # rows of unplaced pairs never read

@@ -1,0 +1,104 @@
+"""The tree's two layers: the runtime core never imports the lab, matplotlib or rich, and no two
+top-level modules of moekit import each other (directly or through others)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "moekit"
+LAB = {"bench", "cli", "__main__"}          # the lab and its command line
+
+
+def test_runtime_imports_with_the_lab_blocked():
+    code = (
+        "import sys\n"
+        "BLOCKED = ('moekit.bench', 'moekit.cli', 'matplotlib', 'rich')\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if any(name == b or name.startswith(b + '.') for b in BLOCKED):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import moekit, moekit.layer, moekit.ops, moekit.parallel, moekit.placement, moekit.grouped_gemm\n"
+        "import moekit.integrations.transformers\n"
+        "import torch\n"
+        "layer = moekit.MoELayer('tiny')\n"
+        "with torch.no_grad():\n"
+        "    y = layer(torch.randn(3, 64))\n"
+        "assert y.shape == (3, 64)\n"
+        "loaded = [m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in BLOCKED)]\n"
+        "assert not loaded, loaded\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("ok")
+
+
+def _top(module: str) -> str | None:
+    """moekit.X.Y -> X; None for anything outside moekit or the package root itself."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "moekit" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level moekit modules imported anywhere in the file (function-level imports too)."""
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    package = ".".join(rel.parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from moekit import ops` imports the module moekit.ops
+            names = [f"{mod}.{a.name}" for a in node.names] if mod == "moekit" else [mod]
+        else:
+            continue
+        found |= {t for t in map(_top, names) if t is not None}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC)
+        if rel.parts == ("__init__.py",):
+            continue                              # the package root re-exports the public API
+        top = rel.parts[0].removesuffix(".py")
+        graph.setdefault(top, set()).update(_imports(path) - {top})
+    return graph
+
+
+def test_core_never_imports_the_lab():
+    offenders = {m: sorted(deps & LAB) for m, deps in _graph().items() if m not in LAB and deps & LAB}
+    assert not offenders, f"runtime modules importing the lab: {offenders}"
+
+
+def test_no_import_cycle_between_top_level_modules():
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
