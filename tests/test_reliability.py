@@ -270,3 +270,16 @@ def test_poisoning_fills_new_buffers():
     with poisoning():
         assert torch.isnan(_workspace.empty(3, dtype=torch.float16, device="cpu")).all()
         assert (_workspace.empty(3, dtype=torch.int32, device="cpu") == torch.iinfo(torch.int32).min).all()
+
+
+# RELIABILITY 22: a workspace that cannot fit is refused before any allocation.
+
+def test_padded_workspace_that_cannot_fit_is_refused(monkeypatch):
+    import moekit._memory
+
+    x, gate_up, down, w, _ = case(num_tokens=64)
+    ids = torch.zeros(64, 2, dtype=torch.int32)
+    ids[:, 1] = 1                                                      # collapse: cap = 64 rows per expert
+    monkeypatch.setattr(moekit._memory, "free_bytes", lambda device: 10_000)
+    with pytest.raises(moekit.PaddedWorkspaceTooLarge, match="over the .* GB allowed"):
+        moe_experts(x, gate_up, down, w, ids, backend="padded")

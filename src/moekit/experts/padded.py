@@ -34,8 +34,8 @@ def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsiz
 
 
 def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
-    if device.type != "cuda":
-        return
+    """Raise before allocating when the buffers would not fit (`moekit._memory.fits`; on the
+    CPU too: an (E, cap, *) workspace under extreme skew can exhaust the machine)."""
     reason = fits(num_bytes, device)
     if reason:
         raise PaddedWorkspaceTooLarge(f"padded backend's (E, cap, *) buffers: {reason}; use a "
