@@ -129,7 +129,8 @@ def test_layer_capture_follows_in_place_weight_changes():
         layer.router_weight.mul_(-1.0)            # routing changes in place
         layer.down_proj.mul_(0.5)
     got = run(x)
-    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, layer.shape.top_k)
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, layer.shape.top_k,
+                    layer.shape.norm_topk_prob)
     assert rel_err(got, ref) < 2e-2
 
 

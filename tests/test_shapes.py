@@ -18,6 +18,7 @@ def test_presets_and_lookup():
     for name in ("qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "deepseek-v2-lite", "tiny"):
         assert get_shape(name) is PRESETS[name]
     assert PRESETS["deepseek-v2-lite"].norm_topk_prob is False
+    assert PRESETS["olmoe-1b-7b"].norm_topk_prob is False       # OLMoE's config: norm_topk_prob false
     with pytest.raises(ValueError, match="unknown preset"):
         get_shape("nope")
 

@@ -67,7 +67,8 @@ class MoEShape:
 PRESETS: dict[str, MoEShape] = {
     # Qwen3-30B-A3B config.json: 128 experts, 8 per token, hidden 2048, moe_intermediate 768.
     "qwen3-30b-a3b": MoEShape(128, 2048, 768, 8),
-    "olmoe-1b-7b": MoEShape(64, 2048, 1024, 8),
+    # OLMoE-1B-7B config.json: norm_topk_prob false (the top-8 softmax weights are not renormalised).
+    "olmoe-1b-7b": MoEShape(64, 2048, 1024, 8, norm_topk_prob=False),
     "mixtral-8x7b": MoEShape(8, 4096, 14336, 2),
     "deepseek-v2-lite": MoEShape(64, 2048, 1408, 6, norm_topk_prob=False),
     # Small enough for the CPU and the Triton interpreter, with odd sizes on purpose.
