@@ -30,7 +30,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {ceil.copy_gbps:.0f} GB/s, "
           f"matmul {ceil.matmul_tflops:.0f} TFLOP/s")
     torch.manual_seed(0)
-    layer = moekit.MoELayer(shape, dtype=dtype, device=dev)
+    layer = moekit.MoELayer(shape, dtype=dtype, device=dev).requires_grad_(False)   # inference
     cols = ("T", "backend", "eager ms", "graph ms", "floor ms", "%floor", "TFLOP/s")
     print(" ".join(f"{c:>9}" for c in cols))
     for t in (int(v) for v in args.tokens.split(",")):

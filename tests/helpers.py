@@ -119,7 +119,8 @@ def align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[st
 
     Pair p = t * K + k. Expert by expert (ascending), its pairs in ascending order, then the
     sentinel S up to a multiple of block_m; after the last expert the sentinel up to the buffer
-    length L = S + min(E, S) * (block_m - 1). expert_ids: the expert of each block in use, -1 after.
+    length L = S + min(E, S) * (block_m - 1). expert_ids: the expert of each block in use, -1 after;
+    block_codes: how paired tiles cover each block (`Alignment.block_codes`).
     """
     flat = topk_ids.reshape(-1).tolist()
     num_pairs = len(flat)
@@ -130,18 +131,23 @@ def align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[st
             by_expert[e].append(p)
     sorted_ids: list[int] = []
     expert_ids: list[int] = []
+    block_codes: list[int] = []   # paired tiles: 2 starts a two-block tile, 1 a lone block, 0 skip
     for e, pairs in enumerate(by_expert):
         blocks = -(-len(pairs) // block_m)
         sorted_ids += pairs + [num_pairs] * (blocks * block_m - len(pairs))
         expert_ids += [e] * blocks
+        block_codes += [0 if j % 2 else (2 if j + 1 < blocks else 1) for j in range(blocks)]
     num_padded = len(sorted_ids)
     sorted_ids += [num_pairs] * (length - num_padded)
-    expert_ids += [-1] * (-(-length // block_m) - len(expert_ids))
+    max_blocks = -(-length // block_m)
+    expert_ids += [-1] * (max_blocks - len(expert_ids))
+    block_codes += [0] * (max_blocks - len(block_codes))
     return {
         "sorted_ids": torch.tensor(sorted_ids, dtype=torch.int32),
         "expert_ids": torch.tensor(expert_ids, dtype=torch.int32),
         "num_padded": torch.tensor(num_padded, dtype=torch.int32),
         "tokens_per_expert": torch.tensor([len(p) for p in by_expert], dtype=torch.int32),
+        "block_codes": torch.tensor(block_codes, dtype=torch.int32),
     }
 
 

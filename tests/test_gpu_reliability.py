@@ -8,6 +8,7 @@ kernel forgets to write shows up as NaN.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -16,9 +17,10 @@ import pytest
 import torch
 
 from helpers import rel_err, same_dtype_bound
-from moekit import PRESETS, MoELayer, align_block_size, moe_experts
+from moekit import PRESETS, MoELayer, MoEShape, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.reference import moe_experts_ref
+from moekit.tuning import default_config
 
 pytestmark = pytest.mark.gpu
 QWEN = PRESETS["qwen3-30b-a3b"]
@@ -101,7 +103,13 @@ def test_fuzz_triton_against_fp32_reference():
     with torch.no_grad(), poisoning():
         for i in range(cases):
             args, invalid = _fuzz_case(rng, gen)
-            out = moe_experts(*args, backend="triton", ignore_invalid_ids=invalid)
+            config = None
+            if rng.random() < 0.3:                       # paired tiles (2 * block_m rows) on a third
+                e, two_i, h = args[1].shape
+                shape = MoEShape(e, h, two_i // 2, min(args[4].shape[1], e))
+                base = default_config(shape, args[0].shape[0], args[0].element_size(), "cuda")
+                config = dataclasses.replace(base, pair_blocks=2)
+            out = moe_experts(*args, backend="triton", ignore_invalid_ids=invalid, config=config)
             x = args[0]
             assert out.shape == x.shape and out.dtype == x.dtype
             if x.shape[0]:

@@ -7,6 +7,8 @@ rows past num_padded, pairs never placed) are left out of the comparison.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from moekit.reference import moe_experts_ref
 
 CFG = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
                     block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
+PAIRED = dataclasses.replace(CFG, pair_blocks=2)     # tiles of 32 rows over 16-row blocks
 
 CASES = [  # (T, E, H, I, K)
     (7, 8, 64, 48, 2),
@@ -45,18 +48,19 @@ def make(num_tokens, num_experts, hidden, inter, top_k, invalid=False):
     return x, gate_up, down, w, ids
 
 
+@pytest.mark.parametrize("cfg", [CFG, PAIRED], ids=["blocks", "paired"])
 @pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
-def test_kernels_match_their_twins(case, invalid):
+def test_kernels_match_their_twins(case, invalid, cfg):
     x, gate_up, down, w, ids = make(*case, invalid=invalid)
     num_experts, top_k = case[1], case[4]
-    align = align_block_size(ids, num_experts, CFG.block_m, backend="torch")
+    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
     live = int(align.num_padded)
     placed = torch.zeros(ids.numel(), dtype=torch.bool)
     placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
     with poisoning():
-        h = gemm1_swiglu(x, gate_up, align, top_k, CFG)
-        y = gemm2_weighted(h, down, w, align, CFG)
+        h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
+        y = gemm2_weighted(h, down, w, align, cfg)
         out = moe_sum(y, ids, num_experts, torch.full_like(x, float("nan")))
     h_ref = gemm1_swiglu_torch(x, gate_up, align, top_k)
     assert rel_err(h[:live], h_ref[:live]) <= 1e-5
@@ -68,11 +72,12 @@ def test_kernels_match_their_twins(case, invalid):
     assert rel_err(chained, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
 
 
-def test_padding_rows_of_h_are_zero():
+@pytest.mark.parametrize("cfg", [CFG, PAIRED], ids=["blocks", "paired"])
+def test_padding_rows_of_h_are_zero(cfg):
     x, gate_up, down, w, ids = make(5, 4, 32, 16, 2)
-    align = align_block_size(ids, 4, CFG.block_m, backend="torch")
+    align = align_block_size(ids, 4, cfg.block_m, backend="torch")
     with poisoning():
-        h = gemm1_swiglu(x, gate_up, align, 2, CFG)
+        h = gemm1_swiglu(x, gate_up, align, 2, cfg)
     live = int(align.num_padded)
     padding = align.sorted_ids[:live] == ids.numel()
     assert padding.any() and torch.equal(h[:live][padding], torch.zeros_like(h[:live][padding]))

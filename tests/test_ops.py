@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import distinct_topk_ids, layer_ref, rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, ops
+from moekit.experts import CONFIG_FIELDS
 from moekit.reference import moe_experts_ref
 
 # Small tiles keep the Triton interpreter quick and still give several blocks per expert.
@@ -78,8 +79,7 @@ def test_experts_op_matches_reference_and_skips_sentinels(backend, case):
 def test_experts_opcheck(backend):
     x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
     ids = with_sentinels(ids, 4)
-    cfg = [getattr(SMALL, f) for f in ("block_m", "block_n1", "block_k1", "warps1", "stages1", "block_n2",
-                                        "block_k2", "warps2", "stages2", "group_m")]
+    cfg = [getattr(SMALL, f) for f in CONFIG_FIELDS]
     args = (x, gate_up, down, w, ids, backend, cfg if backend == "triton" else None)
     torch.library.opcheck(torch.ops.moekit.experts.default, args)
     # Non-contiguous activations (a column slice): the output is contiguous all the same.

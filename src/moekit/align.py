@@ -37,6 +37,12 @@ class Alignment:
         tokens_per_expert: int32 (E,), pairs routed to each expert (ids outside [0, E) excluded).
         block_m: rows per block.
         num_pairs: S.
+        block_codes: int32 (cdiv(L, block_m),): how a grouped GEMM that takes up to two blocks
+            of one expert per tile ("paired" tiles, `ExpertsConfig.pair_blocks == 2`) covers
+            block b: 2 = b starts a tile of 2 * block_m rows (b + 1 is the same expert's), 1 = b
+            is a tile of block_m rows alone (its expert's last, unpaired block), 0 = b is the
+            second half of the tile before it, or past num_padded. Within an expert, tiles
+            start at its even blocks, so only an expert's last tile can be a short one.
     """
 
     sorted_ids: torch.Tensor
@@ -45,6 +51,7 @@ class Alignment:
     tokens_per_expert: torch.Tensor
     block_m: int
     num_pairs: int
+    block_codes: torch.Tensor
 
     @property
     def max_blocks(self) -> int:
@@ -122,10 +129,15 @@ def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: in
     buf.scatter_(0, dest, order.to(torch.int32))
     num_padded = pad_end[-1]
     rows = torch.arange(triton.cdiv(length, block_m), device=dev) * block_m
-    expert_ids = torch.searchsorted(pad_end, rows, right=True)
-    expert_ids = torch.where(rows < num_padded, expert_ids, -1).to(torch.int32)
+    owner = torch.searchsorted(pad_end, rows, right=True)
+    live = rows < num_padded
+    expert_ids = torch.where(live, owner, -1).to(torch.int32)
+    owner = owner.clamp(max=num_experts - 1)
+    rank = (rows - pad_start[owner]) // block_m                    # the block's index in its expert
+    codes = torch.where(rows + block_m < pad_end[owner], 2, 1)
+    codes = torch.where(live & (rank % 2 == 0), codes, 0).to(torch.int32)
     return Alignment(buf[:length], expert_ids, num_padded.to(torch.int32), counts.to(torch.int32),
-                     block_m, num_pairs)
+                     block_m, num_pairs, codes)
 
 
 def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -144,9 +156,10 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     max_blocks = triton.cdiv(length, block_m)
     sorted_ids = _workspace.empty(length, device=dev, dtype=torch.int32)
     expert_ids = _workspace.empty(max_blocks, device=dev, dtype=torch.int32)
+    block_codes = _workspace.empty(max_blocks, device=dev, dtype=torch.int32)
     num_padded = _workspace.empty(device=dev, dtype=torch.int32)
     tokens_per_expert = _workspace.empty(num_experts, device=dev, dtype=torch.int32)
-    out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs)
+    out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs, block_codes)
     if num_pairs == 0:
         num_padded.zero_()
         tokens_per_expert.zero_()
@@ -160,7 +173,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps)
     if num_chunks == 1:
         align_scatter_kernel[(1,)](
-            ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids,
+            ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
             num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True, **scatter,
         )
         return out
@@ -179,7 +192,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
         BLOCK_M=block_m, C_BLOCK=c_block, E_PAD=e_pad, num_warps=8 if c_block * e_pad > 8192 else 4,
     )
     align_scatter_kernel[(num_chunks,)](
-        ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids,
+        ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
         num_pairs, num_experts, length, max_blocks, triton.cdiv(max_blocks, num_chunks),
         FUSED=False, **scatter,
     )

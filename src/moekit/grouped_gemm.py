@@ -36,11 +36,11 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
     h = _workspace.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
     moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
-        x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.num_padded,
+        x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
         align.num_pairs, inter, hidden, n_tiles,
         x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
-        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0,
+        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return h
@@ -53,11 +53,11 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
     moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
-        h, down_proj, y, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
-        align.num_pairs, hidden, inter, n_tiles,
+        h, down_proj, y, topk_weights, align.sorted_ids, align.expert_ids, align.block_codes,
+        align.num_padded, align.num_pairs, hidden, inter, n_tiles,
         h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-        GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0,
+        GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     return y

@@ -186,7 +186,11 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
-    cfg = ExpertsConfig(**dict(zip(CONFIG_FIELDS, config, strict=True))) if config is not None else None
+    if config is not None and len(config) > len(CONFIG_FIELDS):
+        raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
+                         f"got {len(config)}")
+    # Fields in ExpertsConfig order; trailing ones left out take their defaults.
+    cfg = ExpertsConfig(**dict(zip(CONFIG_FIELDS, config))) if config is not None else None
     result = get_backend(backend).run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                       ExpertsOptions(config=cfg), None)
     return result.contiguous()

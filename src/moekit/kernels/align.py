@@ -42,17 +42,25 @@ def _fill(ptr, value, start, count, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_expert_ids(expert_ids_ptr, pad_end, num_padded, E, b0, count, max_blocks,
+def _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, b0, count, max_blocks,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
-    """expert_ids[b] for b in [b0, b0 + count): experts whose padded end is <= the block's first row."""
+    """expert_ids[b] and block_codes[b] for b in [b0, b0 + count): the owner is the number of
+    experts whose padded end is <= the block's first row; see `Alignment.block_codes`."""
     cols = tl.arange(0, E_PAD)
     for i in range(0, count, BLOCK_B):
         blk = b0 + i + tl.arange(0, BLOCK_B)                            # [BLOCK_B]
         row0 = blk * BLOCK_M
-        done = (pad_end[None, :] <= row0[:, None]) & (cols[None, :] < E)  # [BLOCK_B, E_PAD]
-        owner = tl.sum(done.to(tl.int32), axis=1)
-        owner = tl.where(row0 < num_padded, owner, -1)
-        tl.store(expert_ids_ptr + blk, owner, mask=(blk < b0 + count) & (blk < max_blocks))
+        real = cols[None, :] < E
+        done = (pad_end[None, :] <= row0[:, None]) & real               # [BLOCK_B, E_PAD]
+        live = row0 < num_padded
+        owner = tl.where(live, tl.sum(done.to(tl.int32), axis=1), -1)
+        start = tl.max(tl.where(done, pad_end[None, :], 0), axis=1)     # the owner's first row
+        end = tl.min(tl.where(done | ~real, 2147483647, pad_end[None, :]), axis=1)
+        code = tl.where(row0 + BLOCK_M < end, 2, 1)
+        code = tl.where(live & (((row0 - start) // BLOCK_M) % 2 == 0), code, 0)
+        in_range = (blk < b0 + count) & (blk < max_blocks)
+        tl.store(expert_ids_ptr + blk, owner, mask=in_range)
+        tl.store(block_codes_ptr + blk, code, mask=in_range)
 
 
 @triton.jit
@@ -96,7 +104,7 @@ def align_scan_kernel(counts_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_
 @triton.jit
 def align_scatter_kernel(
     ids_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr, sorted_ids_ptr,
-    expert_ids_ptr, S, E, length, max_blocks, blocks_per_program,
+    expert_ids_ptr, block_codes_ptr, S, E, length, max_blocks, blocks_per_program,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
     FUSED: tl.constexpr,
 ):
@@ -124,5 +132,5 @@ def align_scatter_kernel(
         pad_end = tl.load(pad_end_ptr + re)
         num_padded = tl.load(num_padded_ptr)
     tl.store(sorted_ids_ptr + base + pos, pair, mask=placed)
-    _write_expert_ids(expert_ids_ptr, pad_end, num_padded, E, c * blocks_per_program, blocks_per_program,
-                      max_blocks, BLOCK_M, E_PAD, BLOCK_B)
+    _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, c * blocks_per_program,
+                      blocks_per_program, max_blocks, BLOCK_M, E_PAD, BLOCK_B)

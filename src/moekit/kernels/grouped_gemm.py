@@ -11,7 +11,9 @@ L = padded rows (`Alignment.sorted_ids` length), BM/BN/BK tile sizes.
 
 Keeping h in sorted order makes GEMM2's loads contiguous. Each program owns one BM-row block (one
 expert, from expert_ids) and one BN-column tile; programs past num_padded return at once, so the
-grid can be sized from the fixed upper bound and the launch captured in a CUDA graph.
+grid can be sized from the fixed upper bound and the launch captured in a CUDA graph. With PAIRED,
+experts are padded to BM rows but computed in tiles of 2 * BM where two of an expert's blocks
+follow each other (`Alignment.block_codes`): big tiles for the bulk, padding bounded by BM.
 """
 
 import triton
@@ -34,91 +36,129 @@ def _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
+def _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+                stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e."""
+    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
+    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
+    valid = pair < S
+    tok = (pair // TOP_K).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
+    n_in = rn < N
+    rk = tl.arange(0, BLOCK_K)                                         # [BK]
+
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk                   # [M, BK]
+    g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn                                                       # [BK, BN]
+
+    acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
+        else:
+            k_in = rk + k0 < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+
+    h = acc_g * tl.sigmoid(acc_g) * acc_u                              # silu(gate) * up, fp32
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
 def moe_gemm1_swiglu_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
 ):
-    # N = I (columns of each half), K = H.
+    # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
+    # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # sorted rows [BM]
-        pair = tl.load(sorted_ids_ptr + rows)                          # pair ids; S = padding
-        valid = pair < S
-        tok = (pair // TOP_K).to(tl.int64)
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
-        n_in = rn < N
-        rk = tl.arange(0, BLOCK_K)                                     # [BK]
+        row0 = pid_m * BLOCK_M
+        # A lone block, unless PAIRED: then 2 starts a two-block tile, 0 is covered by the one before.
+        code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
+        if code == 2:
+            _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, stride_xt,
+                        stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                        TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        elif code == 1:
+            _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, stride_xt,
+                        stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                        TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk               # [BM, BK]
-        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-        u_ptrs = g_ptrs + N * stride_wn                                                   # [BK, BN]
 
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
-            else:
-                k_in = rk + k0 < K
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_xk
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
+@triton.jit
+def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+                stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows."""
+    rows = row0 + tl.arange(0, M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    valid = pair < S
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = rn < N
+    rk = tl.arange(0, BLOCK_K)
 
-        h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
-        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rk[None, :] * stride_hk
+    b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+
+    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
+        else:
+            k_in = rk + k0 < K
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+
+    wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
 
 
 @triton.jit
 def moe_gemm2_kernel(
-    h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    S, N, K, num_n_tiles,
+    h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr,
+    num_padded_ptr, S, N, K, num_n_tiles,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids_ptr + rows)
-        valid = pair < S
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_in = rn < N
-        rk = tl.arange(0, BLOCK_K)
-
-        a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rk[None, :] * stride_hk
-        b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
-            else:
-                k_in = rk + k0 < K
-                a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_hk
-            b_ptrs += BLOCK_K * stride_wk
-
-        wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * wt[:, None]
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
+        row0 = pid_m * BLOCK_M
+        code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
+        if code == 2:
+            _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+                        stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+                        2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        elif code == 1:
+            _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+                        stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
 
 @triton.jit

@@ -39,6 +39,8 @@ class ExpertsConfig:
             of each half, so a program holds 2 * block_n1 accumulator columns.
         block_n2, block_k2, warps2, stages2: GEMM2 (down + routing weight).
         group_m: row blocks that share a weight tile in L2 (both GEMMs).
+        pair_blocks: 1, or 2 to compute two consecutive blocks of one expert as one tile of
+            2 * block_m rows (experts stay padded to block_m: big tiles, less padding).
     """
 
     block_m: int = 64
@@ -51,6 +53,7 @@ class ExpertsConfig:
     warps2: int = 4
     stages2: int = 3
     group_m: int = 8
+    pair_blocks: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,6 +64,8 @@ class ExpertsConfig:
             v = getattr(self, name)
             if v & (v - 1):
                 raise ValueError(f"ExpertsConfig.{name} must be a power of two, got {v}")
+        if self.pair_blocks not in (1, 2):
+            raise ValueError(f"ExpertsConfig.pair_blocks must be 1 or 2, got {self.pair_blocks}")
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -125,9 +130,10 @@ def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2,
 
 def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
     """Shared memory of one GEMM's pipelined operand tiles (GEMM1 streams gate and up tiles)."""
+    rows = cfg.block_m * cfg.pair_blocks          # the tallest tile a program computes
     if gemm == 1:
-        return cfg.stages1 * (cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
-    return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
+        return cfg.stages1 * (rows * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
+    return cfg.stages2 * (rows * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
 
 
 def fit_shared_memory(cfg: ExpertsConfig, itemsize: int, budget: int = SHARED_MEMORY_BUDGET) -> ExpertsConfig:
