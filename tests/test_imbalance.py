@@ -16,10 +16,10 @@ from moekit.bench.imbalance import (
     padded_refusal,
     read_rows,
 )
+from moekit.bench.scenarios import expert_loads, make_scenario, save_trace
 from moekit.cli import main
 from moekit.experts.padded import capacity
 from moekit.reference import moe_experts_ref
-from moekit.routing import expert_loads, make_scenario, save_trace
 from moekit.shapes import PRESETS
 
 # Hand example: E=4, K=2, T=6, S=12 pairs; expert 3 gets none. Pair order is t*K + k.

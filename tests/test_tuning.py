@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from moekit.bench import tune as tuner
 from moekit.cli import build_parser, main
 from moekit.shapes import PRESETS
 from moekit.tuning import (
@@ -25,7 +26,6 @@ from moekit.tuning import (
     load_table,
     parse_table,
     shape_key,
-    tuner,
 )
 
 QWEN = PRESETS["qwen3-30b-a3b"]   # E=128, K=8: mean rows per expert = T / 16

@@ -13,8 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("moekit.bench.cli", "time every backend against the roofline floor"),
     "report": ("moekit.bench.report_cli", "redraw plots and the report from a results CSV"),
     "imbalance": ("moekit.bench.imbalance", "skewed routing: one GPU, simulated EP, capacity, replication"),
-    "ep-bench": ("moekit.parallel.bench", "expert parallelism over torch.distributed (use torchrun)"),
-    "tune": ("moekit.tuning.tuner", "search tile configs for a shape on this GPU, write a JSON table"),
+    "ep-bench": ("moekit.bench.ep_bench", "expert parallelism over torch.distributed (use torchrun)"),
+    "tune": ("moekit.bench.tune", "search tile configs for a shape on this GPU, write a JSON table"),
 }
 
 

@@ -1,7 +1,7 @@
 """`moekit imbalance`: skewed routing on one GPU, in a simulated expert-parallel group, with a
 capacity factor, and with hot experts replicated (the article's Step 5, extended).
 
-For each routing scenario (`moekit.routing.scenarios`) at T tokens, every case goes through the
+For each routing scenario (`moekit.bench.scenarios`) at T tokens, every case goes through the
 benchmark's own `run_case` (correctness gate, then `time_fn`, launch profile and roofline floor):
 
     one_gpu    every backend on the whole layer. The padded backend is skipped, before anything is
@@ -48,18 +48,11 @@ from moekit.bench.imbalance_report import (
 from moekit.bench.results import Provenance, collect_provenance, rows_to_csv, write_files
 from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
+from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.bench.simulate import StepTime, rank_problem
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.experts.padded import capacity, workspace_bytes
-from moekit.placement import (
-    PLACEMENTS,
-    StepTime,
-    assign,
-    rank_loads,
-    rank_problem,
-    rank_weights,
-    replicate_hot_experts,
-)
-from moekit.routing.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.placement import PLACEMENTS, assign, rank_loads, rank_weights, replicate_hot_experts
 from moekit.shapes import PRESETS, MoEShape
 
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
@@ -77,7 +70,7 @@ class StudyConfig:
 
     Attributes:
         preset, tokens, dtype, device: the layer and batch.
-        scenarios: names for `moekit.routing.make_scenario`; "file" replays `trace`.
+        scenarios: names for `moekit.bench.scenarios.make_scenario`; "file" replays `trace`.
         backends: one-GPU backends.
         ep_ranks: N simulated ranks (0: no EP and no replication part).
         placement: the starting placement, a key of `moekit.placement.PLACEMENTS`.

@@ -6,7 +6,7 @@ into one file and still be read on their own. Plots and the report are drawn fro
 
 The CSV code is generic over a frozen row dataclass: its fields, in order, are the columns, and each
 field's annotation (str, float, int or int | None) says how a cell is written and read back. The
-`moekit ep-bench` rows (`moekit.parallel.results`) and the `moekit imbalance` rows
+`moekit ep-bench` rows (`moekit.bench.ep_report`) and the `moekit imbalance` rows
 (`moekit.bench.imbalance_report`) use the same functions with their own row types.
 """
 

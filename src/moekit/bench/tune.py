@@ -30,6 +30,7 @@ from moekit.bench.results import atomic_write_text
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
 from moekit.shapes import PRESETS, MoEShape, get_shape
 from moekit.tuning import (
+    PACKAGED_DIR,
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
     default_config,
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(PROG, "needs a CUDA GPU; the packaged defaults serve CPU runs")
     shape = get_shape(args.preset)
     dtype = getattr(torch, args.dtype)
-    out = args.out or Path(__file__).parent / "configs" / f"{device_slug()}.json"
+    out = args.out or PACKAGED_DIR / f"{device_slug()}.json"
     try:
         merged_table(out, shape_key(shape, dtype), {})   # a bad table is reported before any tuning
     except ValueError as exc:

@@ -4,7 +4,7 @@
     moekit ep-bench --simulate N      one process, N virtual ranks (loopback exchange, one device)
     moekit ep-bench --redraw CSV      the plot and report again, from a results CSV
 
-For every routing scenario (`moekit.routing.scenarios`, drawn for all N·T tokens, then rank r takes
+For every routing scenario (`moekit.bench.scenarios`, drawn for all N·T tokens, then rank r takes
 rows [r·T, (r+1)·T)) and placement (contiguous; with --spare-slots S also hot experts replicated into
 S spare slots per rank, planned from the scenario's loads), each rank first checks its output
 against the fp32 reference (`moekit.bench.correctness`; a failure on any rank withholds the
@@ -37,16 +37,16 @@ from moekit.bench import args as arg_types
 from moekit.bench.args import DTYPES
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.correctness import Check, expected_output
+from moekit.bench.ep_report import CSV_NAME, PHASES, STEP, EPRow, append_csv, read_csv, write_report
 from moekit.bench.results import Provenance, collect_provenance
 from moekit.bench.runner import make_weights
+from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.bench.simulate import SimulatedTimes, shard_experts, simulate_ep
 from moekit.bench.timing import TimingStats
 from moekit.experts import BACKENDS, resolve_backend
 from moekit.parallel import disable_nvls
 from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
-from moekit.parallel.results import CSV_NAME, PHASES, STEP, EPRow, append_csv, read_csv, write_report
-from moekit.parallel.simulate import SimulatedTimes, shard_experts, simulate_ep
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
-from moekit.routing.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.shapes import PRESETS, MoEShape
 
 GPU_PRESET, CPU_PRESET = "qwen3-30b-a3b", "tiny"
@@ -60,9 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
                    help=f"tokens per rank (default: {GPU_TOKENS} on GPUs, {CPU_TOKENS} on the CPU)")
     p.add_argument("--scenarios", type=arg_types.csv_list, default=",".join(SCENARIOS),
-                   help="routing scenarios, comma-separated (moekit.routing.make_scenario names)")
+                   help="routing scenarios, comma-separated (moekit.bench.scenarios.make_scenario names)")
     p.add_argument("--trace", type=arg_types.existing_path, default=None,
-                   help="routing trace (.pt or .npy) for the scenario 'file' (moekit.routing.from_file)")
+                   help="routing trace (.pt or .npy) for the scenario 'file' (moekit.bench.scenarios.from_file)")
     p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS), help="experts backend")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype (default: bfloat16 on GPUs, float32 on the CPU)")
