@@ -1,8 +1,9 @@
-"""`moekit imbalance` results: the row schema, its CSV, the plots and the imbalance.md report.
+"""`moekit imbalance` results: the row schema, the plots and the report, for the scaffold.
 
-The study (`moekit.bench.imbalance`) writes `ImbalanceRow`s to imbalance.csv with the generic CSV
-code of `moekit.bench.results`; everything here draws from rows read back from that CSV, so
-`moekit imbalance --redraw DIR` rebuilds the plots and the report without a device.
+The study (`moekit.bench.imbalance`) writes `ImbalanceRow`s to results.csv through the scaffold's
+row writer (`moekit.bench.study`); everything here draws from rows read back from that CSV, so
+`moekit report DIR` rebuilds the plots and the report without a device. Folders of earlier runs
+(imbalance.csv, imbalance.md) redraw under their own names.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from rich.table import Table
 
 from moekit.bench import results
 from moekit.bench.plots import png_bytes
-from moekit.bench.results import Provenance, columns, write_files
+from moekit.bench.results import Provenance
+from moekit.bench.study import FILES, Files, Study
 
-CSV_NAME, REPORT_NAME = "imbalance.csv", "imbalance.md"
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
 
@@ -76,9 +77,6 @@ class ImbalanceRow(Provenance):
     dropped_frac: float = math.nan
 
 
-COLUMNS: tuple[str, ...] = columns(ImbalanceRow)
-
-
 def check_row(row: ImbalanceRow) -> str:
     """"" when a row can be reported (times and ratios the report divides by are > 0); else why not."""
     problem = results.check_provenance(row) or results.check_shape_columns(row)
@@ -92,17 +90,6 @@ def check_row(row: ImbalanceRow) -> str:
         timed = ("step_ms", "mean_ms", "slowest_over_mean") if row.experiment == "ep_step" else ("median_ms",)
         problem = results.positive_problem(row, *timed)
     return problem
-
-
-def read_rows(path: Path) -> list[ImbalanceRow]:
-    """Rows of an imbalance CSV, each checked (`check_row`). Raises ValueError naming the file (and
-    line) on any problem."""
-    return results.read_csv(path, ImbalanceRow, what="a moekit imbalance CSV", statuses=None, check=check_row)
-
-
-def write_rows(rows: Sequence[ImbalanceRow], path: Path) -> None:
-    """imbalance.csv: long format, provenance in every row; written atomically."""
-    results.write_csv(rows, path, ImbalanceRow)
 
 
 def _fmt(v: float | int | None) -> str:
@@ -127,7 +114,7 @@ def _pick(rows: Sequence[ImbalanceRow], **match) -> list[ImbalanceRow]:
 
 
 def _subtitle(r: ImbalanceRow) -> str:
-    return (f"{r.preset} (E={r.num_experts}, H={r.hidden_size}, I={r.intermediate_size}, K={r.top_k}), "
+    return (f"{results.shape_label(r)}, "
             f"T={r.tokens}, {r.dtype}, {r.mode}, {r.device_name}")
 
 
@@ -216,7 +203,7 @@ def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
     return value(r) if r.status == "ok" else r.status.replace("_", " ")
 
 
-def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> str:
+def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files: Files = FILES) -> str:
     """The "Load imbalance" report section, from rows alone."""
     r0, scen = rows[0], _scenarios(rows)
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
@@ -311,21 +298,15 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
             lines.append(f"- {r.scenario}, {where}, {r.backend}: **{r.status}**: {r.reason}")
     if plots:
         lines += ["", "### Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})\n" for p in plots]
-    lines += ["", f"Data: `{CSV_NAME}` (long format, provenance in every row). Redraw the plots and this "
-              f"section with `moekit imbalance --redraw <this folder>`.", ""]
+    lines += ["", f"Data: `{files.csv}` (long format, provenance in every row). Redraw the plots and this "
+              f"section with `moekit report <this folder>`.", ""]
     return "\n".join(lines)
 
 
-def output_files(rows: Sequence[ImbalanceRow]) -> dict[str, str | bytes]:
-    """The plots and imbalance.md, rendered in memory: file name -> contents (the report last)."""
+def output_files(rows: Sequence[ImbalanceRow], files: Files = FILES) -> dict[str, str | bytes]:
+    """The plots and the report, rendered in memory: file name -> contents (the report last)."""
     plots = dict(p for p in (plot_one_gpu(rows), plot_ep(rows), plot_capacity(rows)) if p is not None)
-    return {**plots, REPORT_NAME: render_report(rows, list(plots))}
-
-
-def write_outputs(rows: Sequence[ImbalanceRow], out_dir: Path) -> list[Path]:
-    """Plots and imbalance.md from the rows (the CSV is written separately), written only once all
-    of them are rendered; returns the files."""
-    return write_files(output_files(rows), out_dir)
+    return {**plots, files.report: render_report(rows, list(plots), files)}
 
 
 def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
@@ -343,3 +324,7 @@ def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
                   for p in _placements(rows)]
         table.add_row(s, f"{skew[s]:.2f}", *cells)
     return table
+
+
+STUDY = Study("imbalance", ImbalanceRow, output_files, check=check_row,
+              legacy=(Files("imbalance.csv", "imbalance.md"),))

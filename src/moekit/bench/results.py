@@ -294,6 +294,12 @@ def check_provenance(row: Provenance) -> str:
     return positive_problem(row, "copy_gbps", "matmul_tflops")
 
 
+def shape_label(row: object) -> str:
+    """"<preset> (E=.., H=.., I=.., K=..)": the layer a row measured, as plots and reports name it."""
+    return (f"{row.preset} (E={row.num_experts}, H={row.hidden_size}, I={row.intermediate_size}, "
+            f"K={row.top_k})")
+
+
 def check_shape_columns(row: object, tokens: str = "tokens") -> str:
     """"" when num_experts, hidden_size, intermediate_size, top_k and the token count make a layer."""
     problem = positive_problem(row, "num_experts", "hidden_size", "intermediate_size", "top_k", tokens)
@@ -365,9 +371,3 @@ def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit re
     if not rows:
         raise ValueError(f"{path}: no result rows")
     return rows
-
-
-def read_results(path: Path) -> list[ResultRow]:
-    """Rows of a `moekit bench` results CSV, each checked (`check_result_row`); ValueError naming the
-    file and line on any problem."""
-    return read_csv(path, ResultRow, check=check_result_row)

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from moekit.bench.timing import sync
 from moekit.parallel.dispatch import (
     DispatchedTokens,
     check_routing,
@@ -58,17 +59,13 @@ class _Clock:
         if times is not None:
             times.ms = {p: [] for p in PHASES}
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def __call__(self, phase: str, fn: Callable[[], Result]) -> Result:
         if self.times is None:
             return fn()
-        self._sync()
+        sync(self.device)
         t0 = time.perf_counter()
         out = fn()
-        self._sync()
+        sync(self.device)
         self.times.ms[phase].append((time.perf_counter() - t0) * 1e3)
         return out
 
