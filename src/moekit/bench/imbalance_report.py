@@ -18,16 +18,16 @@ from rich.table import Table
 
 from moekit.bench import results
 from moekit.bench.plots import png_bytes
-from moekit.bench.results import Provenance
+from moekit.bench.results import LayerRow
 from moekit.bench.study import FILES, Files, Study
 
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
 
 @dataclass(frozen=True)
-class ImbalanceRow(Provenance):
-    """One measurement of the study: the run's `Provenance` (as in `moekit bench`), then the case.
-    NaN / None where a column does not apply to the experiment.
+class ImbalanceRow(LayerRow):
+    """One measurement of the study: the run's `Provenance` and layer columns (as in `moekit
+    bench`), then the case. NaN / None where a column does not apply to the experiment.
 
     experiment: "one_gpu" | "ep" (one simulated rank) | "ep_step" (a placement's step) | "capacity".
     placement: the starting placement ("contiguous", "strided"), or "replicated" (ep rows).
@@ -35,12 +35,6 @@ class ImbalanceRow(Provenance):
     status, reason: as in `moekit bench` (ok, failed, error, skipped, ...).
     """
 
-    preset: str
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    top_k: int
-    tokens: int
     seed: int
     scenario: str
     busiest_over_mean: float

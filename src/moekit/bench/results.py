@@ -52,10 +52,9 @@ class Provenance:
 
 
 @dataclass(frozen=True)
-class ResultRow(Provenance):
-    """One measurement: its run's `Provenance` columns, then the case and its statistics. Times in
-    ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed (status
-    other than "ok") or the quantity does not exist (busy time on the CPU)."""
+class LayerRow(Provenance):
+    """A run's `Provenance`, then the layer (preset and its shape) and the token count measured:
+    the leading columns of `moekit bench`, `imbalance` and `tune` rows."""
 
     preset: str
     num_experts: int
@@ -63,6 +62,14 @@ class ResultRow(Provenance):
     intermediate_size: int
     top_k: int
     tokens: int
+
+
+@dataclass(frozen=True)
+class ResultRow(LayerRow):
+    """One measurement: its run's `Provenance` and layer columns, then the case and its statistics.
+    Times in ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed
+    (status other than "ok") or the quantity does not exist (busy time on the CPU)."""
+
     backend: str
     mode: str
     status: str

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from moekit.bench.plots import plain_log_y, png_bytes, token_axis
 from moekit.bench.results import (
+    LayerRow,
     Provenance,
     check_provenance,
     check_shape_columns,
@@ -31,8 +32,8 @@ PER_GEMM = ("block_n", "block_k", "warps", "stages")
 
 
 @dataclass(frozen=True)
-class TuneRow(Provenance):
-    """One timing of `moekit tune`: its run's `Provenance` columns, then the case.
+class TuneRow(LayerRow):
+    """One timing of `moekit tune`: its run's `Provenance` and layer columns, then the case.
 
     gemm: 1 = GEMM1 (gate_up + SwiGLU) alone, 2 = GEMM2 (down + routing weight) alone, 0 = the whole
     path (align, both GEMMs, sum). ms: one routing's time (a graph replay of `rotations` different
@@ -41,12 +42,6 @@ class TuneRow(Provenance):
     GEMM's four (and block_m), the other GEMM's are empty.
     """
 
-    preset: str
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    top_k: int
-    tokens: int
     rotations: int
     gemm: int
     ms: float
