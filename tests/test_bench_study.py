@@ -133,3 +133,11 @@ def test_the_runtime_imports_no_lab_plotting_or_console_code():
                            "moekit.tuning")
     assert not {m for m in mods if m.startswith("moekit.bench")}
     assert "matplotlib" not in mods and "rich" not in mods
+
+
+def test_a_csv_of_no_study_is_read_as_a_bench_csv_and_named_in_the_error(tmp_path, capsys):
+    (tmp_path / "results.csv").write_text("not,a,results,file\n1,2,3,4\n")
+    assert study.find_results(tmp_path)[0].name == "bench"
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a moekit bench results CSV; missing columns" in err and str(tmp_path / "results.csv") in err

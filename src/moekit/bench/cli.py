@@ -29,7 +29,7 @@ from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
-from moekit.bench.study import CSV_NAME, RESULT_FILES, exit_status, measure_provenance, status_counts
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts
 from moekit.bench.sweep import Plan, run_sweep
 from moekit.experts import BACKENDS
 from moekit.shapes import PRESETS
@@ -43,7 +43,7 @@ QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
-RESULT_NAMES = (*RESULT_FILES, JSON_NAME)
+RESULT_NAMES = (*STUDY.result_names, JSON_NAME)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

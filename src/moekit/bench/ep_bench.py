@@ -44,7 +44,7 @@ from moekit.bench.results import Provenance
 from moekit.bench.runner import make_weights
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import SimulatedTimes, shard_experts, simulate_ep
-from moekit.bench.study import CSV_NAME, RESULT_FILES, exit_status, find_results, measure_provenance, redraw
+from moekit.bench.study import CSV_NAME, exit_status, find_results, measure_provenance, redraw
 from moekit.bench.timing import TimingStats, sync
 from moekit.experts import BACKENDS, resolve_backend
 from moekit.parallel import disable_nvls
@@ -56,7 +56,6 @@ PROG = "moekit ep-bench"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
 GPU_WARMUP, CPU_WARMUP = 10, 3
 GPU_REP, CPU_REP = 50, 10
-RESULT_NAMES = (*RESULT_FILES, *(n for f in STUDY.legacy for n in (f.csv, f.report)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          rep_aliases=("--iters",))
     p.add_argument("--simulate", type=arg_types.int_range(1), default=None, metavar="N",
                    help="no process group: N virtual ranks in this process, on one device")
-    arg_types.add_out(p, "ep-<UTC timestamp>", RESULT_NAMES,
+    arg_types.add_out(p, "ep-<UTC timestamp>", STUDY.result_names,
                       f" (or --append: add the rows to its {CSV_NAME})")
     p.add_argument("--append", action="store_true",
                    help=f"add this run's rows to --out's {CSV_NAME} (an ep-bench CSV); the plot and report "
@@ -132,7 +131,7 @@ def _config(args: argparse.Namespace, device: torch.device) -> Config:
     warmup = arg_types.pick(args.warmup, device, GPU_WARMUP, CPU_WARMUP)
     iters = arg_types.pick(args.rep, device, GPU_REP, CPU_REP)
     if warmup < 0 or iters < 1:
-        raise ValueError("--warmup must be >= 0 and --iters >= 1")
+        raise ValueError("--warmup must be >= 0 and --rep >= 1")
     return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
                   iters, args.seed, device)
 
@@ -343,7 +342,7 @@ def _check_out(args: argparse.Namespace) -> None:
         if (args.out / CSV_NAME).exists():
             STUDY.read(args.out / CSV_NAME)
         return
-    arg_types.check_out(args.out, RESULT_NAMES, args.overwrite)
+    arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
 
 
 def _write(rows: list[EPRow], args: argparse.Namespace, out_dir: Path, console: Console) -> int:
@@ -362,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.redraw is not None:
             study, src = find_results(args.redraw, STUDY)
+            arg_types.check_out_dir(args.out or src.parent, "--out" if args.out else "the CSV's folder")
             written = redraw(study, src, args.out)[1]
             console.print(f"Wrote {', '.join(str(p) for p in written)}", highlight=False)
             return 0

@@ -7,10 +7,10 @@ benchmark's own `run_case` (correctness gate, then `time_fn`, launch profile and
     one_gpu    every backend on the whole layer. The padded backend is skipped, before anything is
                allocated, when its (E, busiest count, *) buffers would not fit (`moekit._memory.fits`)
     ep         N simulated ranks (`moekit.placement`, `moekit.bench.simulate`): each rank's pairs
-               alone on this device, one
-               rank after the other; an "ep_step" row per placement holds the step time (slowest
-               rank) and slowest / mean. Twice: the starting placement (contiguous by default),
-               then with copies of hot experts in R spare slots per rank (DeepSeek's EPLB idea)
+               alone on this device, one rank after the other; an "ep_step" row per placement holds
+               the step time (slowest rank) and slowest / mean. Twice: the starting placement
+               (contiguous by default), then with copies of hot experts in R spare slots per rank
+               (DeepSeek's EPLB idea)
     capacity   padded backend with capacity factor c: pairs dropped (counted on the host and by the
                backend, which must agree) and its time: the Switch Transformer's trade-off
 
@@ -43,7 +43,7 @@ from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import StepTime, rank_problem
-from moekit.bench.study import CSV_NAME, RESULT_FILES, exit_status, measure_provenance
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.experts.padded import capacity, workspace_bytes
 from moekit.placement import PLACEMENTS, assign, rank_loads, rank_weights, replicate_hot_experts
@@ -52,8 +52,6 @@ from moekit.shapes import PRESETS, MoEShape
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
 GPU_TOKENS, CPU_TOKENS = 4096, 64
 CPU_OPTIONS = Options(warmup=1, rep=5)   # the Triton interpreter takes ~0.25 s a call at T=64
-# Results of this study in a folder, older names included: --out refuses a folder holding any.
-RESULT_NAMES = (*RESULT_FILES, *(n for f in STUDY.legacy for n in (f.csv, f.report)))
 
 
 @dataclass(frozen=True)
@@ -300,7 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU runs only: torch intra-op threads (default 1; shapes small enough for the CPU "
                         "gain nothing from more, and on a shared machine waiting threads cost ms per op)")
     arg_types.add_seed(p, "the weights, tokens and scenarios")
-    arg_types.add_out(p, "imbalance-<UTC timestamp>", RESULT_NAMES)
+    arg_types.add_out(p, "imbalance-<UTC timestamp>", STUDY.result_names)
     p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="DIR",
                    help=argparse.SUPPRESS)  # the older spelling of `moekit report DIR`
 
@@ -350,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         return run_redraw(PROG, args.redraw, args.out, STUDY)
     try:
         cfg = config_from_args(args, console)
-        arg_types.check_out(args.out, RESULT_NAMES, args.overwrite)
+        arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
     threads = torch.get_num_threads()

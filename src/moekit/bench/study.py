@@ -80,6 +80,11 @@ class Study:
     statuses: tuple[str, ...] | None = STATUSES
     legacy: tuple[Files, ...] = ()
 
+    @property
+    def result_names(self) -> tuple[str, ...]:
+        """The files that mark a folder as holding this study's results (older names included)."""
+        return (*RESULT_FILES, *(n for f in self.legacy for n in (f.csv, f.report)))
+
     def read(self, path: Path) -> list:
         """Every row of a CSV of this study, checked; ValueError naming the file (and line)."""
         return read_csv(path, self.row_type, what=f"a moekit {self.name} results CSV",
@@ -111,10 +116,15 @@ def _header(path: Path) -> set[str]:
 
 
 def detect(csv_path: Path) -> Study:
-    """The study whose columns the CSV holds (the closest one when none matches: reading it then
-    names the missing columns)."""
+    """The study whose columns the CSV holds: the largest share of them (`moekit bench` when none
+    is found; reading the file as that study's then names the missing columns)."""
     header = _header(csv_path)
-    return min(studies(), key=lambda s: len(set(columns(s.row_type)) - header))
+
+    def share(s: Study) -> float:
+        cols = columns(s.row_type)
+        return len(header.intersection(cols)) / len(cols)
+
+    return max(studies(), key=share)
 
 
 def find_results(path: Path, study: Study | None = None) -> tuple[Study, Path]:

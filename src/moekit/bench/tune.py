@@ -34,7 +34,7 @@ from moekit.align import align_block_size
 from moekit.bench import args as arg_types
 from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
-from moekit.bench.study import RESULT_FILES, measure_provenance
+from moekit.bench.study import measure_provenance
 from moekit.bench.timing import capture_graph, sync
 from moekit.bench.tune_report import STUDY, tune_rows
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
@@ -149,7 +149,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     records: list[dict] = []
     best_total, best_cfg = float("inf"), None
     for bm in block_m_candidates(shape, num_tokens):
-        base = replace(default_config(shape, num_tokens, dtype.itemsize), block_m=bm,
+        base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
                        group_m=1 if bm <= 32 else 8)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
@@ -213,8 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=arg_types.int_range(1), default=GRAPH_REPS,
                    help=f"timed graph replays per candidate (default {GRAPH_REPS})")
     arg_types.add_device(p, "cuda or cuda:N (default: cuda); tuning needs a GPU")
-    arg_types.add_seed(p, "the weights, tokens and routings")
-    arg_types.add_out(p, "tune-<UTC timestamp>", RESULT_FILES,
+    arg_types.add_seed(p, "the tokens and routings")
+    arg_types.add_out(p, "tune-<UTC timestamp>", STUDY.result_names,
                       " (an older `--out TABLE.json` means --table TABLE.json)")
     p.add_argument("--table", type=arg_types.out_file, default=None,
                    help="JSON table to write or merge the winners into (default: the packaged "
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return usage_error(PROG, f"--table: {exc}")
     try:
-        arg_types.check_out(out, RESULT_FILES, args.overwrite)
+        arg_types.check_out(out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
     _, prov = measure_provenance(device, dtype, console)
@@ -265,8 +265,7 @@ def run(args: argparse.Namespace) -> int:
         write_table(table, shape_key(shape, dtype), {t: best})
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
-    if rows:
+    if rows:   # the token counts tuned before a failure are kept, in the table and in the results
         written = STUDY.write(rows, out_dir)
-        console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
-    console.print(f"wrote {table}", highlight=False)
+        console.print(f"Wrote {table}; {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
     return status
