@@ -19,7 +19,7 @@ from rich.table import Table
 from moekit.bench import results
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow
-from moekit.bench.study import FILES, Files, Study
+from moekit.bench.study import FILES, Files, Study, fmt_number
 
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
@@ -84,14 +84,6 @@ def check_row(row: ImbalanceRow) -> str:
         timed = ("step_ms", "mean_ms", "slowest_over_mean") if row.experiment == "ep_step" else ("median_ms",)
         problem = results.positive_problem(row, *timed)
     return problem
-
-
-def _fmt(v: float | int | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def _scenarios(rows: Sequence[ImbalanceRow]) -> list[str]:
@@ -224,9 +216,9 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         first = next((one[s, b] for b in backends if (s, b) in one), None)
         if first is None:
             continue
-        cells = [_cell(one.get((s, b)), lambda r: f"{_fmt(r.median_ms)} ({r.pct_floor:.0f}%)")
+        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%)")
                  for b in backends]
-        lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {_fmt(first.floor_ms)} | "
+        lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {fmt_number(first.floor_ms)} | "
                      + " | ".join(cells) + " |")
 
     steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
@@ -250,7 +242,7 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
                 rel = (f"{r.step_ms / base.step_ms:.2f}×" if base is not None and base.status == "ok"
                        and r.status == "ok" else "–")
                 lines.append(f"| {s} | {label} | {r.replicas} | {r.pairs_busiest_over_mean:.2f} | "
-                             f"{_cell(r, lambda r: _fmt(r.step_ms))} | "
+                             f"{_cell(r, lambda r: fmt_number(r.step_ms))} | "
                              f"{_cell(r, lambda r: f'{r.slowest_over_mean:.2f}')} | {rel} |")
         ranks = _pick(rows, experiment="ep")
         n = max((r.rank for r in ranks if r.rank is not None), default=-1) + 1
@@ -260,7 +252,7 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         by_rank = {(r.scenario, r.placement, r.rank): r for r in ranks}
         for s in scen:
             for label in labels:
-                cells = [_cell(by_rank.get((s, label, i)), lambda r: f"{_fmt(r.median_ms)} ({r.pairs})")
+                cells = [_cell(by_rank.get((s, label, i)), lambda r: f"{fmt_number(r.median_ms)} ({r.pairs})")
                          for i in range(n)]
                 if any(cells):
                     lines.append(f"| {s} | {label} | " + " | ".join(cells) + " |")
@@ -277,9 +269,9 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         for s in scen:
             uncapped = one.get((s, "padded"))
             cells = [_cell(caps.get((s, c)), lambda r: f"{100 * r.dropped_frac:.1f}% dropped, "
-                           f"{_fmt(r.median_ms)} ms") for c in factors]
+                           f"{fmt_number(r.median_ms)} ms") for c in factors]
             if any(cells):
-                lines.append(f"| {s} | {_cell(uncapped, lambda r: _fmt(r.median_ms) + ' ms')} | "
+                lines.append(f"| {s} | {_cell(uncapped, lambda r: fmt_number(r.median_ms) + ' ms')} | "
                              + " | ".join(cells) + " |")
 
     untimed = [r for r in rows if r.status != "ok"]
@@ -313,8 +305,8 @@ def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
     for col in ("scenario", "busiest/mean", *backends, *(f"EP {p}" for p in _placements(rows))):
         table.add_column(col, justify="left" if col == "scenario" else "right")
     for s in _scenarios(rows):
-        cells = [_cell(one.get((s, b)), lambda r: _fmt(r.median_ms)) for b in backends]
-        cells += [_cell(steps.get((s, p)), lambda r: f"{_fmt(r.step_ms)} ({r.slowest_over_mean:.2f})")
+        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)) for b in backends]
+        cells += [_cell(steps.get((s, p)), lambda r: f"{fmt_number(r.step_ms)} ({r.slowest_over_mean:.2f})")
                   for p in _placements(rows)]
         table.add_row(s, f"{skew[s]:.2f}", *cells)
     return table

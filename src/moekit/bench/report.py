@@ -17,7 +17,7 @@ from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
-from moekit.bench.study import FILES, Files, Study
+from moekit.bench.study import FILES, Files, Study, fmt_number
 from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
@@ -37,18 +37,6 @@ def dtype_of(name: str) -> torch.dtype:
 def crossover_of(r: ResultRow) -> float:
     """Tokens where this row's preset turns compute-bound on this row's device (roofline.crossover_tokens)."""
     return crossover_tokens(shape_of(r), dtype_of(r.dtype), Ceilings(r.copy_gbps, r.matmul_tflops))
-
-
-def _fmt(v: float | int | None, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if v == 0:
-        return "0"
-    if abs(v) >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}g}"
 
 
 def _columns(rows: Sequence[ResultRow]) -> list[tuple[str, str]]:
@@ -77,7 +65,7 @@ def fmt_pct(v: float) -> str:
 def _time_cell(r: ResultRow) -> str:
     if r.status != "ok":
         return r.status.replace("_", " ")
-    return f"{_fmt(r.median_ms)} ({fmt_pct(r.pct_floor)})"
+    return f"{fmt_number(r.median_ms)} ({fmt_pct(r.pct_floor)})"
 
 
 def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
@@ -100,13 +88,13 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
         "### Median time per call, ms (% of floor)",
         "",
     ]
-    floor = {t: _fmt(f) for t, f in plots.floor_by_tokens(rs, preset)}
+    floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms")
     out += ["", "### Kernel launches per call", ""]
-    out += _pivot(rs, lambda r: _fmt(r.kernels) if r.status == "ok" else "")
+    out += _pivot(rs, lambda r: fmt_number(r.kernels) if r.status == "ok" else "")
     if any(not math.isnan(r.idle_pct) for r in rs):
         out += ["", "### Device idle, % of wall time (1 − busy / time)", ""]
-        out += _pivot(rs, lambda r: _fmt(r.idle_pct, 2) if r.status == "ok" else "")
+        out += _pivot(rs, lambda r: fmt_number(r.idle_pct, 2) if r.status == "ok" else "")
     out += ["", "### Distinct experts hit", "",
             "Expected under random routing: E·(1 − ((E−K)/E)^T). *Timed batch* is the batch every "
             "backend ran (its experts set the floor); *mean* averages many random batches routed by "

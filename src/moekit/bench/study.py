@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import math
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -153,6 +154,20 @@ def measure_provenance(device: torch.device, dtype: torch.dtype, console, *, rep
                   f"ridge {ceilings.ridge_flops_per_byte:.1f} FLOP/byte")
     return ceilings, collect_provenance(device, dtype, ceilings.copy_gbps, ceilings.matmul_tflops,
                                         transformers_version=transformers_version)
+
+
+def fmt_number(v: float | int | None, digits: int = 3) -> str:
+    """A table cell: "–" for a missing value, integers with thousands separators, numbers from 100
+    up without decimals, smaller ones to `digits` significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
 
 
 def status_counts(rows: Sequence) -> dict[str, int]:
