@@ -128,16 +128,33 @@ def test_version(capsys):
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"moekit {moekit.__version__}"
 
 
+BLOCK_LAB = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("matplotlib", "rich") or name.startswith("moekit.bench"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
 def test_the_runtime_imports_no_lab_plotting_or_console_code():
-    mods = _imported_after("import moekit, moekit.layer, moekit.parallel, moekit.placement, moekit.routing, "
-                           "moekit.tuning")
-    assert not {m for m in mods if m.startswith("moekit.bench")}
-    assert "matplotlib" not in mods and "rich" not in mods
+    mods = _imported_after(BLOCK_LAB + "import moekit, moekit.layer, moekit.parallel, moekit.placement, "
+                           "moekit.routing, moekit.tuning, moekit.ops, moekit.integrations.transformers")
+    assert "moekit.parallel" in mods and not {m for m in mods if m.startswith("moekit.bench")}
 
 
-def test_a_csv_of_no_study_is_read_as_a_bench_csv_and_named_in_the_error(tmp_path, capsys):
-    (tmp_path / "results.csv").write_text("not,a,results,file\n1,2,3,4\n")
-    assert study.find_results(tmp_path)[0].name == "bench"
-    assert main(["report", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "not a moekit bench results CSV; missing columns" in err and str(tmp_path / "results.csv") in err
+def test_shared_flags_parse_alike_and_old_spellings_still_work():
+    from moekit.cli import build_parser
+
+    parser = build_parser()
+    for command in ("bench", "imbalance"):
+        for flag, want in (("--graph", True), ("--no-graph", False)):
+            assert parser.parse_args([command, flag]).graph is want
+        assert parser.parse_args([command]).graph is None          # the study's own default
+    for command in ("bench", "imbalance", "ep-bench", "tune"):
+        args = parser.parse_args([command, "--preset", "tiny", "--seed", "3", "--out", "x"])
+        assert (args.preset in ("tiny", ["tiny"])) and args.seed == 3 and str(args.out) == "x"
+    old = parser.parse_args(["ep-bench", "--iters", "3", "--backend", "loop"])
+    assert old.rep == 3 and old.backends == "loop"
+    assert parser.parse_args(["imbalance", "--backends", "loop,triton"]).backends == ["loop", "triton"]
