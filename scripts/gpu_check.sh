@@ -39,7 +39,7 @@ for step in $steps; do
                 tests/test_gpu_core.py::test_router_and_align_triton_equal_torch_on_gpu \
                 tests/test_gpu_reliability.py::test_fuzz_triton_against_fp32_reference \
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
-        tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --out "$OUT/nvidia_h200.json" --records "$OUT/tune_records.jsonl" \
+        tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;
         bench)   timeout ${BENCH_TIMEOUT:-450} python3 -m moekit bench --peers ${BENCH_ARGS:-} \

@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 
 from moekit.bench import cli as bench_cli
-from moekit.bench import imbalance, imbalance_report, report
+from moekit.bench import imbalance, imbalance_report, report, study
 from moekit.bench.ceilings import Ceilings
-from moekit.bench.imbalance_report import write_outputs, write_rows
+from moekit.bench.imbalance_report import ImbalanceRow
 from moekit.bench.results import check_result_row, write_csv
 from moekit.cli import main
 from result_rows import imbalance_rows, make_row, sample_rows
@@ -44,8 +44,7 @@ def no_work(monkeypatch):
     def measured(*args, **kwargs):
         raise AssertionError("the command started measuring")
 
-    monkeypatch.setattr(bench_cli, "measure_ceilings", measured)
-    monkeypatch.setattr(imbalance, "measure_ceilings", measured)
+    monkeypatch.setattr(study, "measure_ceilings", measured)
 
 
 @pytest.fixture
@@ -111,6 +110,10 @@ BAD_ARGUMENTS = [
     ("ep-bench", "--trace", "/nonexistent/t.npy"),
     ("ep-bench", "--redraw", "/nonexistent/ep.csv"),
     ("ep-bench", "--out", "/dev/null/x"),
+    ("ep-bench", "--backends", "loop,triton"),
+    ("ep-bench", "--backend", "warp"),
+    ("ep-bench", "--rep", "0"),
+    ("ep-bench", "--iters", "0"),
 ]
 
 
@@ -148,12 +151,19 @@ def test_the_error_and_the_exit_status_reach_the_shell():
 
 
 @pytest.mark.parametrize("command,existing", [("bench", "results.csv"), ("bench", "report.md"),
-                                              ("imbalance", "imbalance.csv")])
+                                              ("bench", "results.json"), ("imbalance", "results.csv"),
+                                              ("imbalance", "imbalance.csv"), ("ep-bench", "report.md"),
+                                              ("ep-bench", "ep_results.csv")])
 def test_out_holding_results_is_refused_before_any_work(command, existing, tmp_path, capsys, no_work):
     (tmp_path / existing).write_text("earlier results\n")
     (tmp_path / "notes.txt").write_text("mine\n")
-    assert run_cli([command, "--device", "cpu", "--out", str(tmp_path)]) == 2
-    line = error_line(capsys, f"moekit {command}")
+    device = ["--simulate", "2"] if command == "ep-bench" else ["--device", "cpu"]
+    assert run_cli([command, *device, "--out", str(tmp_path)]) == 2
+    if command == "ep-bench":   # its errors go to stdout (the distributed tests read them there)
+        err = capsys.readouterr().out
+        line = next(ln for ln in err.splitlines() if ln.startswith("moekit ep-bench: "))
+    else:
+        line = error_line(capsys, f"moekit {command}")
     assert str(tmp_path) in line and existing in line and "--overwrite" in line
     assert (tmp_path / existing).read_text() == "earlier results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([existing, "notes.txt"])
@@ -175,8 +185,7 @@ def fake_sweep(rows):
 
 @pytest.fixture
 def fake_ceilings(monkeypatch):
-    monkeypatch.setattr(bench_cli, "measure_ceilings", lambda *a, **k: Ceilings(20.0, 0.2))
-    monkeypatch.setattr(imbalance, "measure_ceilings", lambda *a, **k: Ceilings(20.0, 0.2))
+    monkeypatch.setattr(study, "measure_ceilings", lambda *a, **k: Ceilings(20.0, 0.2))
 
 
 def test_overwrite_replaces_earlier_results(tmp_path, monkeypatch, fake_ceilings):
@@ -218,8 +227,8 @@ def test_imbalance_with_every_case_failing_exits_nonzero(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(imbalance, "study_rows", study)
     assert run_cli(["imbalance", "--device", "cpu", "--out", str(tmp_path)]) == 1
-    assert "no case succeeded" in error_line(capsys, "moekit imbalance")
-    assert (tmp_path / "imbalance.csv").exists()
+    assert "no case succeeded (" in error_line(capsys, "moekit imbalance")
+    assert (tmp_path / "results.csv").exists() and (tmp_path / "report.md").exists()
 
 
 # Bad result CSVs: the whole file is checked before anything is drawn.
@@ -253,13 +262,14 @@ def test_report_to_an_unwritable_folder_fails_before_reading(tmp_path, capsys, n
 
 
 def test_report_writes_nothing_when_rendering_fails(tmp_path, monkeypatch):
-    def broken(rows):
+    def broken(rows, files):
         raise RuntimeError("rendering failed")
 
+    write_csv(sample_rows(), tmp_path / "results.csv")
     monkeypatch.setattr(report, "render", broken)
     with pytest.raises(RuntimeError):
-        report.write_report(sample_rows(), tmp_path)
-    assert list(tmp_path.iterdir()) == []
+        main(["report", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv"]
 
 
 @pytest.mark.parametrize("column,value,experiment", [
@@ -271,21 +281,24 @@ def test_imbalance_redraw_refuses_a_bad_cell_before_drawing(column, value, exper
     rows = imbalance_rows()
     i = next(i for i, r in enumerate(rows) if r.experiment == experiment)
     rows[i] = replace(rows[i], **{column: value})
-    write_rows(rows, tmp_path / "imbalance.csv")
+    write_csv(rows, tmp_path / "imbalance.csv", ImbalanceRow)   # a folder of an earlier run
     out = tmp_path / "out"
     assert run_cli(["imbalance", "--redraw", str(tmp_path), "--out", str(out)]) == 2
     line = error_line(capsys, "moekit imbalance")
     assert f"imbalance.csv:{i + 2}:" in line and column in line
     assert not out.exists()
+    assert run_cli(["report", str(tmp_path), "--out", str(out)]) == 2
+    assert f"imbalance.csv:{i + 2}:" in error_line(capsys, "moekit report")
+    assert not out.exists()
 
 
 def test_imbalance_outputs_written_only_once_all_are_rendered(tmp_path, monkeypatch):
-    def broken(rows, plots=()):
+    def broken(*args):
         raise RuntimeError("rendering failed")
 
     monkeypatch.setattr(imbalance_report, "render_report", broken)
     with pytest.raises(RuntimeError):
-        write_outputs(imbalance_rows(), tmp_path)
+        imbalance_report.STUDY.write(imbalance_rows(), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 

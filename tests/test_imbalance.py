@@ -8,18 +8,13 @@ import pytest
 import torch
 
 from moekit import moe_experts
-from moekit.bench.imbalance import (
-    CSV_NAME,
-    REPORT_NAME,
-    dropped_pairs,
-    kept_mask,
-    padded_refusal,
-    read_rows,
-)
+from moekit.bench.imbalance import dropped_pairs, kept_mask, padded_refusal
+from moekit.bench.imbalance_report import STUDY
+from moekit.bench.scenarios import expert_loads, make_scenario, save_trace
+from moekit.bench.study import CSV_NAME, REPORT_NAME
 from moekit.cli import main
 from moekit.experts.padded import capacity
 from moekit.reference import moe_experts_ref
-from moekit.routing import expert_loads, make_scenario, save_trace
 from moekit.shapes import PRESETS
 
 # Hand example: E=4, K=2, T=6, S=12 pairs; expert 3 gets none. Pair order is t*K + k.
@@ -84,7 +79,7 @@ def study(tmp_path_factory):
 def test_cli_runs_on_cpu_and_writes_everything(study):
     code, out = study
     assert code == 0
-    rows = read_rows(out / CSV_NAME)
+    rows = STUDY.read(out / CSV_NAME)
     assert {r.scenario for r in rows} == {"balanced", "collapse", "file"}
     assert all(r.status == "ok" for r in rows), [(r.scenario, r.experiment, r.reason) for r in rows
                                                  if r.status != "ok"]
@@ -101,7 +96,7 @@ def test_cli_runs_on_cpu_and_writes_everything(study):
 
 def test_cli_skew_ep_and_capacity_rows(study):
     _, out = study
-    rows = read_rows(out / CSV_NAME)
+    rows = STUDY.read(out / CSV_NAME)
     by = {r.scenario: r for r in rows if r.experiment == "one_gpu"}
     assert by["balanced"].busiest_over_mean == 1.0
     assert by["collapse"].busiest_over_mean == 4.0                      # E / K
@@ -139,7 +134,7 @@ def test_cli_reports_a_padded_refusal_instead_of_crashing(tmp_path):
                  "--backends", "padded,grouped_mm", "--ep", "0", "--capacity-factors", "1.0",
                  "--memory-limit-gb", "1e-6", "--rep", "1", "--warmup", "0", "--out", str(tmp_path)])
     assert code == 0
-    rows = read_rows(tmp_path / CSV_NAME)
+    rows = STUDY.read(tmp_path / CSV_NAME)
     status = {(r.experiment, r.backend): r for r in rows}
     assert status["one_gpu", "grouped_mm"].status == "ok"
     for key in (("one_gpu", "padded"), ("capacity", "padded")):
@@ -176,7 +171,7 @@ def test_cli_on_gpu_real_shape(extra, tmp_path):
                  "balanced,zipf-1.0,collapse", "--capacity-factors", "1,2", "--rep", "3", "--warmup", "1",
                  "--out", str(tmp_path), *extra])
     assert code == 0
-    rows = read_rows(tmp_path / CSV_NAME)
+    rows = STUDY.read(tmp_path / CSV_NAME)
     bad = [(r.scenario, r.experiment, r.backend, r.status, r.reason) for r in rows if r.status != "ok"]
     # The padded backend without a capacity factor syncs on the busiest count: not capturable.
     assert all(b[2] == "padded" and b[1] == "one_gpu" and b[3] == "not_capturable" for b in bad), bad

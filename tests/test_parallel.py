@@ -29,6 +29,10 @@ import torch.multiprocessing as mp
 
 import moekit
 from helpers import rel_err, same_dtype_bound, topk_softmax_fp32
+from moekit.bench import ep_bench
+from moekit.bench.ep_report import CSV_NAME, REPORT_NAME, STEP, read_csv
+from moekit.bench.scenarios import expert_loads, make_scenario
+from moekit.bench.simulate import shard_experts, simulate_ep
 from moekit.parallel import (
     NVLS_OFF,
     ExpertParallelMoE,
@@ -37,14 +41,9 @@ from moekit.parallel import (
     dispatch,
     ep_moe_experts,
     run_local_experts,
-    shard_experts,
-    simulate_ep,
 )
-from moekit.parallel import bench as ep_bench
-from moekit.parallel.results import CSV_NAME, REPORT_NAME, STEP, read_csv
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.reference import moe_experts_ref
-from moekit.routing import expert_loads, make_scenario
 
 disable_nvls()  # NVLink multicast off for every test here, and for every process they start
 

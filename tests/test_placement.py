@@ -8,20 +8,19 @@ import pytest
 import torch
 
 from moekit import moe_experts
+from moekit.bench.scenarios import SCENARIOS, expert_loads, make_scenario
+from moekit.bench.simulate import StepTime, rank_problem
 from moekit.placement import (
     PLACEMENTS,
     Placement,
-    StepTime,
     assign,
     contiguous_placement,
     rank_loads,
-    rank_problem,
     rank_weights,
     replicate_hot_experts,
     strided_placement,
 )
 from moekit.reference import moe_experts_ref
-from moekit.routing import SCENARIOS, expert_loads, make_scenario
 
 
 def test_contiguous_placement_blocks():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moekit.routing import (
+from moekit.bench.scenarios import (
     SCENARIOS,
     balanced,
     busiest_over_mean,

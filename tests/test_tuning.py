@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from moekit.bench import tune as tuner
 from moekit.cli import build_parser, main
 from moekit.shapes import PRESETS
 from moekit.tuning import (
@@ -25,7 +26,6 @@ from moekit.tuning import (
     load_table,
     parse_table,
     shape_key,
-    tuner,
 )
 
 QWEN = PRESETS["qwen3-30b-a3b"]   # E=128, K=8: mean rows per expert = T / 16
@@ -340,7 +340,9 @@ def test_write_table_never_leaves_a_partial_file(tmp_path):
 
 
 TUNE_BAD_ARGUMENTS = [("--tokens", "0"), ("--tokens", "1,x"), ("--tokens", ","), ("--rotations", "-1"),
-                      ("--out", "/dev/null/x.json"), ("--out", "{dir}"), ("--records", "/dev/null/r.jsonl")]
+                      ("--out", "/dev/null/x.json"), ("--out", "/dev/null/dir"), ("--table", "{dir}"),
+                      ("--table", "/dev/null/x.json"), ("--records", "/dev/null/r.jsonl"), ("--rep", "0"),
+                      ("--seed", "-1"), ("--preset", "nope"), ("--dtype", "float32")]
 
 
 @pytest.mark.parametrize("flag,value", TUNE_BAD_ARGUMENTS, ids=[f"{f} {v}" for f, v in TUNE_BAD_ARGUMENTS])
@@ -353,8 +355,9 @@ def test_tune_refuses_a_bad_argument_while_parsing(flag, value, tmp_path, capsys
 
 
 def test_tune_defaults_parse():
-    args = build_parser().parse_args(["tune"])
+    args = build_parser(["tune"]).parse_args(["tune"])
     assert args.tokens == list(tuner.DEFAULT_TOKENS) and args.rotations == 0
+    assert args.rep == tuner.GRAPH_REPS and args.out is None and args.table is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -370,3 +373,45 @@ def test_python_dash_m_moekit_help():
     assert done.returncode == 0, done.stderr
     for command in ("bench", "report", "imbalance", "ep-bench", "tune"):
         assert command in done.stdout
+
+
+def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, capsys):
+    """The study end to end with the GPU stubbed: every timing a row, the winners in the table, the
+    report and plot drawn from the rows (and redrawn by `moekit report`)."""
+    from moekit.bench import study
+    from moekit.bench.results import Provenance
+    from moekit.bench.tune_report import STUDY
+
+    prov = Provenance("20260101T000000Z", "2026-01-01T00:00:00+00:00", "abc", "cuda", "Stub GPU", "2", "3",
+                      "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
+    real = tuner.tune_tokens
+
+    def on_cpu(shape, tokens, dtype, rotations, log, *, device, timer, seed):
+        assert device.type == "cuda" and seed == 7
+        return real(shape, tokens, torch.float32, rotations, log, device="cpu", timer=fake_timer([]),
+                    seed=seed)
+
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "measure_provenance", lambda *a, **k: (None, prov))
+    monkeypatch.setattr(tuner, "tune_tokens", on_cpu)
+    out, table = tmp_path / "run", tmp_path / "t.json"
+    assert main(["tune", "--preset", "tiny", "--tokens", "4,48", "--dtype", "float16", "--seed", "7",
+                 "--out", str(out), "--table", str(table)]) == 0
+    rows = STUDY.read(out / "results.csv")
+    chosen = {r.tokens: r for r in rows if r.chosen}
+    assert sorted(chosen) == [4, 48] and chosen[48].block_m == 32 and chosen[4].block_m == 16
+    key = shape_key(PRESETS["tiny"], torch.float16)
+    assert {t: c.block_m for t, c in parse_table(table)[key].items()} == {4: 16, 48: 32}
+    report = (out / "report.md").read_text()
+    assert "# moekit tune: tiny on Stub GPU" in report and (out / "tune_tiny.png").stat().st_size > 0
+    assert study.find_results(out)[0].name == "tune"
+    assert main(["report", str(out), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "report.md").read_text() == report
+    # The older spelling `--out TABLE.json` still names the table; --out refuses earlier results.
+    monkeypatch.chdir(tmp_path)   # the results of this run go to the default folder under it
+    assert main(["tune", "--preset", "tiny", "--tokens", "4", "--seed", "7", "--out", "old.json"]) == 0
+    assert key.replace("float16", "bfloat16") in parse_table(tmp_path / "old.json")
+    assert (tmp_path / "moekit-results" / f"tune-{prov.run_id}" / "results.csv").exists()
+    assert main(["tune", "--preset", "tiny", "--tokens", "4", "--seed", "7", "--out", str(out),
+                 "--table", str(table)]) == 2
+    assert "--overwrite" in capsys.readouterr().err

@@ -1,6 +1,8 @@
-"""`moekit` command line: one subcommand per study, each in the module that owns it.
+"""`moekit` command line: one subcommand per study, each in the lab module that owns it.
 
-Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Only the module of
+the subcommand being run is imported (`moekit --help` and `moekit --version` import none of them:
+no study, plotting or console code).
 """
 
 from __future__ import annotations
@@ -8,34 +10,42 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Collection
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("moekit.bench.cli", "time every backend against the roofline floor"),
-    "report": ("moekit.bench.report_cli", "redraw plots and the report from a results CSV"),
+    "report": ("moekit.bench.report_cli", "redraw any study's plots and report from its results CSV"),
     "imbalance": ("moekit.bench.imbalance", "skewed routing: one GPU, simulated EP, capacity, replication"),
-    "ep-bench": ("moekit.parallel.bench", "expert parallelism over torch.distributed (use torchrun)"),
-    "tune": ("moekit.tuning.tuner", "search tile configs for a shape on this GPU, write a JSON table"),
+    "ep-bench": ("moekit.bench.ep_bench", "expert parallelism over torch.distributed (use torchrun)"),
+    "tune": ("moekit.bench.tune", "search tile configs for a shape on this GPU, write a JSON table"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    from moekit import __version__
+
+    return __version__
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; the arguments of `commands` only (None: of every subcommand)."""
     parser = argparse.ArgumentParser(prog="moekit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"moekit {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if commands is None or name in commands:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top level takes no option with a value, so the first bare word is the subcommand.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser([command] if command in SUBCOMMANDS else []).parse_args(argv)
     return int(args._run(args) or 0)
 
 

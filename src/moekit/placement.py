@@ -23,8 +23,8 @@ Data (T tokens, K top_k, E global experts, N ranks, L = slots_per_rank):
 Placements: `contiguous_placement` (rank r holds experts [r*E/N, (r+1)*E/N), plus free slots),
 `strided_placement` (rank r holds r, r+N, ...) and `replicate_hot_experts` (fills free slots with
 copies of the hottest experts). `rank_loads` predicts pairs per rank from pairs per expert; `assign`
-maps topk_ids to ranks on the device (no host sync, CUDA-graph safe); `rank_problem` cuts out one
-rank's work for the simulated EP study.
+maps topk_ids to ranks on the device (no host sync, CUDA-graph safe); `rank_weights` copies out one
+rank's experts.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def replicate_hot_experts(expert_loads: torch.Tensor | Sequence[int], placement:
     a copy also costs its rank one more expert's weights to read, which pair counts do not see.
 
     Args:
-        expert_loads: (E,) pairs per expert, e.g. `moekit.routing.expert_loads(topk_ids, E)`.
+        expert_loads: (E,) pairs per expert, e.g. `torch.bincount` of the valid topk_ids.
         placement: the starting placement (e.g. `contiguous_placement(E, N, spare_slots=R)`); its
             experts stay where they are.
 
@@ -280,79 +280,8 @@ def assign(topk_ids: torch.Tensor, placement: Placement, *, source_rank: int = 0
     return Assignment(rank.view(topk_ids.shape), local.view(topk_ids.shape), placement.num_ranks)
 
 
-@dataclass(frozen=True)
-class RankProblem:
-    """One rank's share of a layer, compacted: what that rank's experts would receive.
-
-    Attributes:
-        token_idx: int64 (T_r,), the global tokens with at least one pair on this rank.
-        hidden_states: (T_r, H) those tokens.
-        topk_weights: (T_r, K_r) their weights on this rank's pairs, 0 in unused slots.
-        topk_ids: int32 (T_r, K_r) local expert index, -1 in unused slots. K_r = the most local
-            pairs any token has (<= K), so no token carries columns that are all -1.
-        gate_up_proj: (E_r, 2I, H) and down_proj: (E_r, H, I): the rank's experts' weights, copied.
-        num_pairs: pairs on this rank.
-    """
-
-    token_idx: torch.Tensor
-    hidden_states: torch.Tensor
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
-    num_pairs: int
-
-
 def rank_weights(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, placement: Placement,
                  r: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank r's expert weights (E_r, 2I, H) and (E_r, H, I), in its local order (copies)."""
     idx = torch.tensor(placement.slots[r], dtype=torch.int64, device=gate_up_proj.device)
     return gate_up_proj.index_select(0, idx), down_proj.index_select(0, idx)
-
-
-def rank_problem(hidden_states: torch.Tensor, topk_weights: torch.Tensor, assignment: Assignment,
-                 r: int, weights: tuple[torch.Tensor, torch.Tensor]) -> RankProblem:
-    """Cut out rank r's work: its tokens, local ids and weights (reads counts: a host sync).
-
-    `weights` is `rank_weights(...)` for rank r. Running `moe_experts(p.hidden_states,
-    p.gate_up_proj, p.down_proj, p.topk_weights, p.topk_ids, ignore_invalid_ids=True)` and adding
-    each rank's rows at `p.token_idx` gives the full layer's output.
-    """
-    mine = assignment.rank == r                                           # (T, K)
-    per_token = mine.sum(1)
-    token_idx = torch.nonzero(per_token > 0).squeeze(1)
-    # At least one column: moe_experts needs K >= 1 even for a rank that got no tokens.
-    k_r = max(1, int(per_token.max()) if per_token.numel() else 0)
-    sub = mine[token_idx]
-    # Move this rank's slots to the front of each row (stable), keep the first K_r columns.
-    order = torch.sort((~sub).to(torch.int8), dim=1, stable=True).indices[:, :k_r]
-    keep = torch.gather(sub, 1, order)
-    ids = torch.gather(assignment.local_ids[token_idx], 1, order)
-    w = torch.gather(topk_weights[token_idx], 1, order)
-    ids = torch.where(keep, ids, -1).to(torch.int32)
-    w = torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device))
-    return RankProblem(token_idx, hidden_states[token_idx], w, ids, weights[0], weights[1],
-                       int(sub.sum()))
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """A simulated EP step: each rank's time, run alone; the step waits for the slowest rank."""
-
-    per_rank_ms: tuple[float, ...]
-
-    @property
-    def step_ms(self) -> float:
-        return max(self.per_rank_ms)
-
-    @property
-    def mean_ms(self) -> float:
-        return sum(self.per_rank_ms) / len(self.per_rank_ms)
-
-    @property
-    def slowest_over_mean(self) -> float:
-        return self.step_ms / self.mean_ms if self.mean_ms > 0 else 1.0
-
-    @property
-    def slowest_rank(self) -> int:
-        return self.per_rank_ms.index(self.step_ms)

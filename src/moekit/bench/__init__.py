@@ -1,17 +1,27 @@
-"""The benchmark lab: time every backend against the roofline floor (`moekit bench`).
+"""The lab: every `moekit` study, on one scaffold. It imports the runtime; the runtime never imports it.
 
-    timing.py       time_fn / TimingStats: per-call times, cache flushed, CUDA graphs
-    ceilings.py     measured copy bandwidth and matmul rate of the device (the roofs)
-    roofline.py     bytes, FLOPs and the floor of one call; the compute-bound crossover
-    correctness.py  the gate every backend passes before it is timed
-    launches.py     kernels per call and device busy time (torch.profiler)
-    peers.py        Transformers' experts implementations, sharing moekit's weights
-    runner.py       the contract: (shape, tokens, backend, mode) -> Measurement
-    sweep.py        presets x tokens x backends x modes -> long-format ResultRows
-    results.py      the CSV schema, provenance, atomic CSV / JSON files
-    plots.py        PNGs from rows;  report.py  report.md from rows
-    cli.py          `moekit bench`;  report_cli.py  `moekit report DIR`
-    args.py         argument types and up-front checks shared by every subcommand; exit statuses
+The scaffold (every study: arguments -> measure -> rows -> results.csv -> report.md + plots)
+    args.py             shared flags, argument types, machine-dependent defaults; exit statuses
+    study.py            Study, the one write step and report step, `moekit report` detection
+    results.py          Provenance, the long-format row writer / reader, atomic files
+    timing.py           time_fn / TimingStats, capture_graph (the one CUDA-graph capture), sync
+    report_cli.py       `moekit report DIR`: redraw any study's folder
+
+Measuring
+    ceilings.py         measured copy bandwidth and matmul rate of the device (the roofs)
+    roofline.py         bytes, FLOPs and the floor of one call; the compute-bound crossover
+    correctness.py      the gate every backend passes before it is timed
+    launches.py         kernels per call and device busy time (torch.profiler)
+    peers.py            Transformers' experts implementations, sharing moekit's weights
+    runner.py           the contract: (shape, tokens, backend, mode) -> Measurement
+    scenarios.py        routing scenarios: balanced, random router, zipf, hot, collapse, traces
+    simulate.py         expert parallelism on one device: simulate_ep, rank_problem, StepTime
+
+The studies (the subcommand, then its rows and report step)
+    cli.py, sweep.py    `moekit bench`          report.py, plots.py   ResultRow's report and plots
+    imbalance.py        `moekit imbalance`      imbalance_report.py   ImbalanceRow, report, plots
+    ep_bench.py         `moekit ep-bench`       ep_report.py          EPRow, report, plot
+    tune.py             `moekit tune`           tune_report.py        TuneRow, report, plot
 
 Only the light modules are imported here; plotting pulls in matplotlib when it is used.
 """

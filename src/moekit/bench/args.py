@@ -1,4 +1,18 @@
-"""Argument types and up-front checks shared by every `moekit` subcommand.
+"""Flags, argument types, defaults and up-front checks shared by every `moekit` subcommand.
+
+A flag means the same thing in every study that has it, and is added by the one function here:
+
+    --preset      layer shape preset (`add_preset`; `moekit bench` takes a comma-separated list)
+    --backends    experts backends, comma-separated (`add_backends`)
+    --graph       time CUDA-graph replays; --no-graph: eager calls only (`add_graph`)
+    --dtype       weights and activations dtype (`add_dtype`)
+    --device      cpu, cuda or cuda:N (`add_device`)
+    --seed        seed of the weights, tokens and routing (`add_seed`)
+    --rep         timed calls (or iterations) per case; --warmup: untimed ones first (`add_timing`)
+    --out         the run's folder: results.csv, report.md, plots; --overwrite (`add_out`)
+
+Defaults that depend on the machine (`GPU_PRESET` on a GPU, `CPU_PRESET` on a CPU-only machine,
+bfloat16 or float32) are resolved by `resolve_device`, `pick` and `resolve_dtype`.
 
 Each `type=` function rejects a bad value while argparse parses, so the user gets argparse's one
 line (`moekit bench: error: argument --rep: expected an integer >= 1, got '0'`), exit status 2 and
@@ -21,6 +35,11 @@ from pathlib import Path
 
 import torch
 
+from moekit.shapes import PRESETS
+
+GPU_PRESET = "qwen3-30b-a3b"     # every study's layer on a GPU
+CPU_PRESET = "tiny"              # on a CPU-only machine (Triton interpreted)
+RESULTS_ROOT = Path("moekit-results")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 SEED_MAX = 2**63 - 2  # torch generators take up to 2**64 - 1; studies derive seed + 1
@@ -194,3 +213,99 @@ def check_no_results(path: Path, result_names: Collection[str], overwrite: bool)
     if found:
         raise UsageError(f"--out {path}: already holds results ({', '.join(found)}); choose another "
                          "folder, or pass --overwrite to replace them")
+
+
+def one_name(known: Callable[[], Collection[str]], what: str) -> Callable[[str], str]:
+    """Exactly one name from known() (called at parse time)."""
+    parse_names = names(known, what)
+
+    def parse(text: str) -> str:
+        items = parse_names(text)
+        if len(items) != 1:
+            raise argparse.ArgumentTypeError(f"expected one {what}, got {text!r}")
+        return items[0]
+
+    return parse
+
+
+preset = one_name(lambda: sorted(PRESETS), "preset")
+
+
+def resolve_device(device: torch.device | None) -> torch.device:
+    """--device, or the default: cuda when available."""
+    return device or default_device()
+
+
+def pick(value, device: torch.device, gpu, cpu):
+    """`value` when the user gave one (not None), else the GPU or the CPU default for `device`."""
+    if value is not None:
+        return value
+    return gpu if device.type == "cuda" else cpu
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype, or the default: bfloat16 on a GPU, float32 on the CPU."""
+    return DTYPES[name] if name else pick(None, device, torch.bfloat16, torch.float32)
+
+
+def add_preset(p: argparse.ArgumentParser, *, multiple: bool = False, default: str | None = None) -> None:
+    """--preset: a layer shape preset (a comma-separated list when `multiple`)."""
+    when = f"default: {default}" if default else \
+        f"default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine"
+    p.add_argument("--preset", type=names(lambda: sorted(PRESETS), "preset") if multiple else preset,
+                   default=default, help=f"layer shape preset{'(s), comma-separated,' if multiple else ''} "
+                                         f"from {', '.join(sorted(PRESETS))} ({when})")
+
+
+def add_backends(p: argparse.ArgumentParser, known: Callable[[], Collection[str]], default: list[str] | None,
+                 help: str) -> None:
+    """--backends: experts backends, comma-separated, each checked against known()."""
+    p.add_argument("--backends", type=names(known, "backend"), default=default, help=help)
+
+
+def add_graph(p: argparse.ArgumentParser, help: str) -> None:
+    """--graph / --no-graph: time CUDA-graph replays; None when neither is given (the study decides)."""
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None, help=help)
+
+
+def add_dtype(p: argparse.ArgumentParser, choices: Collection[str] = tuple(sorted(DTYPES)),
+              default: str | None = None) -> None:
+    when = f"default: {default}" if default else "default: bfloat16 on a GPU, float32 on the CPU"
+    p.add_argument("--dtype", choices=choices, default=default,
+                   help=f"weights and activations dtype ({when})")
+
+
+def add_device(p: argparse.ArgumentParser,
+               help: str = "cuda, cuda:N or cpu (default: cuda when available)") -> None:
+    p.add_argument("--device", type=device, default=None, help=help)
+
+
+def add_seed(p: argparse.ArgumentParser, what: str = "the weights, tokens and routing") -> None:
+    p.add_argument("--seed", type=int_range(0, SEED_MAX), default=0, help=f"seed of {what} (default 0)")
+
+
+def add_timing(p: argparse.ArgumentParser, rep_help: str, warmup_help: str = "untimed calls per case first",
+               *, rep_aliases: tuple[str, ...] = ()) -> None:
+    """--rep (timed calls or iterations per case) and --warmup; `rep_aliases`: older spellings, hidden."""
+    p.add_argument("--rep", type=int_range(1), default=None, help=rep_help)
+    for alias in rep_aliases:
+        p.add_argument(alias, type=int_range(1), dest="rep", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int_range(0), default=None, help=warmup_help)
+
+
+def add_out(p: argparse.ArgumentParser, default: str, result_files: Collection[str], extra: str = "") -> None:
+    """--out (the run's folder, refused when it holds results) and --overwrite."""
+    p.add_argument("--out", type=out_dir, default=None,
+                   help=f"output folder (default: {RESULTS_ROOT}/{default}); a folder that already holds "
+                        f"{' or '.join(result_files)} is refused unless --overwrite is given{extra}")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results already in --out (files of the same names; others are kept)")
+
+
+def check_out(out: Path | None, result_files: Collection[str], overwrite: bool) -> None:
+    """Before any work: --out (or the default's parent) is writable and holds no results."""
+    if out is None:
+        check_out_dir(RESULTS_ROOT, "the default output folder")
+        return
+    check_out_dir(out)
+    check_no_results(out, result_files, overwrite)

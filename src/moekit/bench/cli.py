@@ -17,7 +17,6 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -26,18 +25,16 @@ from rich.table import Table
 
 from moekit.bench import args as arg_types
 from moekit.bench import peers
-from moekit.bench.args import DTYPES, usage_error
-from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.report import CSV_NAME, JSON_NAME, REPORT_NAME, crossover_of, fmt_pct, report_files
-from moekit.bench.results import ResultRow, collect_provenance, json_text, rows_to_csv, write_files
+from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
+from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
-from moekit.bench.sweep import Plan, run_sweep, summarize_rows
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts
+from moekit.bench.sweep import Plan, run_sweep
 from moekit.experts import BACKENDS
 from moekit.shapes import PRESETS
 
 PROG = "moekit bench"
-GPU_PRESET = "qwen3-30b-a3b"
-CPU_PRESET = "tiny"
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
 CPU_TOKENS = (1, 4, 16, 64)
 QUICK_GPU_TOKENS = (1, 16, 256, 4096)
@@ -46,46 +43,32 @@ QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
-RESULTS_ROOT = Path("moekit-results")
-RESULT_FILES = (CSV_NAME, JSON_NAME, REPORT_NAME)
+RESULT_NAMES = (*STUDY.result_names, JSON_NAME)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", type=arg_types.names(lambda: sorted(PRESETS), "preset"), default=None,
-                   help=f"preset(s), comma-separated, from {sorted(PRESETS)} "
-                        f"(default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine)")
+    arg_types.add_preset(p, multiple=True)
     p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
                    help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
-    p.add_argument("--backends", type=arg_types.names(lambda: [*BACKENDS, *peers.PEERS], "backend"),
-                   default=list(BACKENDS),
-                   help=f"backends, comma-separated (default: {','.join(BACKENDS)}); "
-                        f"Transformers peers {','.join(peers.PEERS)} may be named too")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights and activations dtype (default: bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time each backend captured in a CUDA graph (default: on with CUDA)")
-    p.add_argument("--out", type=arg_types.out_dir, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/<UTC timestamp>); a folder that already "
-                        f"holds {', '.join(RESULT_FILES)} is refused unless --overwrite is given")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results already in --out (files of the same names; others are kept)")
+    arg_types.add_backends(p, lambda: [*BACKENDS, *peers.PEERS], list(BACKENDS),
+                           f"experts backends, comma-separated (default: {','.join(BACKENDS)}); "
+                           f"Transformers peers {','.join(peers.PEERS)} may be named too")
+    arg_types.add_dtype(p)
+    arg_types.add_graph(p, "also time each backend captured in a CUDA graph (default: on with CUDA)")
+    arg_types.add_out(p, "<UTC timestamp>", RESULT_NAMES)
     p.add_argument("--peers", action="store_true",
                    help="also time Transformers' experts implementations (eager, batched_mm, grouped_mm)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
-    p.add_argument("--rep", type=arg_types.int_range(1), default=None,
-                   help="timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
-                        "5..400 on the CPU)")
-    p.add_argument("--warmup", type=arg_types.int_range(0), default=None, help="warm-up calls per case")
-    p.add_argument("--device", type=arg_types.device, default=None,
-                   help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
-                   help="seed of the weights, tokens and router")
+    arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
+                            "5..400 on the CPU)", "warm-up calls per case")
+    arg_types.add_device(p)
+    arg_types.add_seed(p, "the weights, tokens and router")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
-    device = args.device or arg_types.default_device()
+    device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
     if args.preset is None:
         presets = [GPU_PRESET if on_gpu else CPU_PRESET]
@@ -113,8 +96,8 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
             backends += [p for p in peers.PEERS if p not in backends]
     tokens = args.tokens or list((QUICK_GPU_TOKENS if on_gpu else QUICK_CPU_TOKENS) if args.quick
                                  else (GPU_TOKENS if on_gpu else CPU_TOKENS))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-    graph = on_gpu if args.graph is None else args.graph
+    dtype = arg_types.resolve_dtype(args.dtype, device)
+    graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
     plan = Plan(tuple(presets), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
     return plan, with_peers
@@ -153,29 +136,17 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
     return table
 
 
-def _check_out(args: argparse.Namespace) -> None:
-    """Before any work: the output folder (or the default's parent) is writable and holds no results."""
-    if args.out is None:
-        arg_types.check_out_dir(RESULTS_ROOT, "the default output folder")
-        return
-    arg_types.check_out_dir(args.out)
-    arg_types.check_no_results(args.out, RESULT_FILES, args.overwrite)
-
-
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         plan, with_peers = _resolve_plan(args, console)
-        _check_out(args)
+        arg_types.check_out(args.out, RESULT_NAMES, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
     options = _options(args, plan.device)
-    console.print(f"Measuring ceilings on {plan.device} ({str(plan.dtype).removeprefix('torch.')})...")
-    ceilings = measure_ceilings(plan.device, plan.dtype, rep=options.rep)
-    console.print(f"  copy {ceilings.copy_gbps:,.1f} GB/s, matmul {ceilings.matmul_tflops:,.3g} TFLOP/s, "
-                  f"ridge {ceilings.ridge_flops_per_byte:.1f} FLOP/byte")
-    prov = collect_provenance(plan.device, plan.dtype, ceilings.copy_gbps, ceilings.matmul_tflops,
-                              transformers_version=peers.transformers_version() if with_peers else None)
+    ceilings, prov = measure_provenance(
+        plan.device, plan.dtype, console, rep=options.rep,
+        transformers_version=peers.transformers_version() if with_peers else None)
     out_dir = args.out or RESULTS_ROOT / prov.run_id
 
     progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
@@ -191,22 +162,14 @@ def run(args: argparse.Namespace) -> int:
 
         rows = run_sweep(plan, ceilings, prov, options, on_case)
 
-    files = {CSV_NAME: rows_to_csv(rows), JSON_NAME: json_text(rows), **report_files(rows)}
-    written = write_files(files, out_dir)
+    written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
     for preset in plan.presets:
         console.print(_summary_table(rows, preset))
-    counts = summarize_rows(rows)
-    console.print("rows: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
-    bad = [r for r in rows if r.status in ("failed", "error")]
-    for r in bad:
-        console.print(f"[red]{r.preset} T={r.tokens} {r.backend} ({r.mode}) {r.status}: {r.reason}[/red]")
+    console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))
     console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 3} plots and "
                   f"{written[-1].name} in {out_dir}")
     if any(math.isnan(r.median_ms) for r in rows if r.status == "ok"):
         print(f"{PROG}: error: internal error: a timed row has no time", file=sys.stderr)
         return 1
-    if counts.get("ok", 0) == 0:
-        print(f"{PROG}: error: no case succeeded (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-              + f"); the reasons are in {out_dir / CSV_NAME}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(PROG, rows, out_dir / CSV_NAME, console,
+                       lambda r: f"{r.preset} T={r.tokens} {r.backend} ({r.mode})")

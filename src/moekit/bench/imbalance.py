@@ -1,21 +1,22 @@
 """`moekit imbalance`: skewed routing on one GPU, in a simulated expert-parallel group, with a
 capacity factor, and with hot experts replicated (the article's Step 5, extended).
 
-For each routing scenario (`moekit.routing.scenarios`) at T tokens, every case goes through the
+For each routing scenario (`moekit.bench.scenarios`) at T tokens, every case goes through the
 benchmark's own `run_case` (correctness gate, then `time_fn`, launch profile and roofline floor):
 
     one_gpu    every backend on the whole layer. The padded backend is skipped, before anything is
-               allocated, when its (E, busiest count, *) buffers would not fit in free memory
-    ep         N simulated ranks (`moekit.placement`): each rank's pairs alone on this device, one
-               rank after the other; an "ep_step" row per placement holds the step time (slowest
-               rank) and slowest / mean. Twice: the starting placement (contiguous by default),
-               then with copies of hot experts in R spare slots per rank (DeepSeek's EPLB idea)
+               allocated, when its (E, busiest count, *) buffers would not fit (`moekit._memory.fits`)
+    ep         N simulated ranks (`moekit.placement`, `moekit.bench.simulate`): each rank's pairs
+               alone on this device, one rank after the other; an "ep_step" row per placement holds
+               the step time (slowest rank) and slowest / mean. Twice: the starting placement
+               (contiguous by default), then with copies of hot experts in R spare slots per rank
+               (DeepSeek's EPLB idea)
     capacity   padded backend with capacity factor c: pairs dropped (counted on the host and by the
                backend, which must agree) and its time: the Switch Transformer's trade-off
 
-Rows follow `ImbalanceRow` (long format, provenance in every row) and go to imbalance.csv; the
-plots and imbalance.md are drawn from the CSV alone (`moekit.bench.imbalance_report`; `moekit
-imbalance --redraw DIR` redraws them).
+A study on the scaffold (`moekit.bench.study`): rows follow `ImbalanceRow` (long format,
+provenance in every row) and go to results.csv; the plots and report.md are drawn from the CSV alone
+(`moekit.bench.imbalance_report`; `moekit report DIR` redraws them).
 """
 
 from __future__ import annotations
@@ -23,52 +24,34 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from rich.console import Console
 
+from moekit._memory import MEMORY_HEADROOM, fits
+from moekit.align import sort_pairs
 from moekit.bench import args as arg_types
-from moekit.bench.args import DTYPES, usage_error
-from moekit.bench.ceilings import Ceilings, measure_ceilings
-from moekit.bench.cli import RESULTS_ROOT
+from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.ceilings import Ceilings
 from moekit.bench.correctness import expected_output
-from moekit.bench.imbalance_report import (
-    CSV_NAME,
-    REPORT_NAME,
-    ImbalanceRow,
-    output_files,
-    read_rows,
-    summary_table,
-    write_outputs,
-)
-from moekit.bench.results import Provenance, collect_provenance, rows_to_csv, write_files
+from moekit.bench.imbalance_report import STUDY, ImbalanceRow, summary_table
+from moekit.bench.report_cli import run_redraw
+from moekit.bench.results import Provenance
 from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
+from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.bench.simulate import StepTime, rank_problem
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.experts.padded import capacity, workspace_bytes
-from moekit.placement import (
-    PLACEMENTS,
-    StepTime,
-    assign,
-    rank_loads,
-    rank_problem,
-    rank_weights,
-    replicate_hot_experts,
-)
-from moekit.routing.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.placement import PLACEMENTS, assign, rank_loads, rank_weights, replicate_hot_experts
 from moekit.shapes import PRESETS, MoEShape
 
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
-GPU_PRESET, CPU_PRESET = "qwen3-30b-a3b", "tiny"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
 CPU_OPTIONS = Options(warmup=1, rep=5)   # the Triton interpreter takes ~0.25 s a call at T=64
-# Share of free memory the padded buffers may take; the rest is for the timing cache flush, the
-# output and allocator fragmentation.
-MEMORY_HEADROOM = 0.8
 
 
 @dataclass(frozen=True)
@@ -77,7 +60,7 @@ class StudyConfig:
 
     Attributes:
         preset, tokens, dtype, device: the layer and batch.
-        scenarios: names for `moekit.routing.make_scenario`; "file" replays `trace`.
+        scenarios: names for `moekit.bench.scenarios.make_scenario`; "file" replays `trace`.
         backends: one-GPU backends.
         ep_ranks: N simulated ranks (0: no EP and no replication part).
         placement: the starting placement, a key of `moekit.placement.PLACEMENTS`.
@@ -111,29 +94,13 @@ class StudyConfig:
         return PRESETS[self.preset]
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory (CUDA), or available physical memory (CPU on Linux; else unbounded)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
 def padded_refusal(shape: MoEShape, cap: int, dtype: torch.dtype, device: torch.device,
                    limit_bytes: int | None = None) -> str:
     """"" when the padded backend's (E, cap, *) buffers fit in memory, else the reason they do not."""
     need = workspace_bytes(shape.num_experts, cap, shape.hidden_size, shape.intermediate_size,
                            torch.empty((), dtype=dtype).element_size())
-    free = free_memory_bytes(device)
-    allowed = int(MEMORY_HEADROOM * free)
-    if limit_bytes is not None:
-        allowed = min(allowed, limit_bytes)
-    if need <= allowed:
-        return ""
-    return (f"padded buffers (E={shape.num_experts}, cap={cap}, *) need {need / 1e9:.3g} GB, over the "
-            f"{allowed / 1e9:.3g} GB allowed ({free / 1e9:.3g} GB free); not run")
+    reason = fits(need, device, limit_bytes)
+    return f"padded buffers (E={shape.num_experts}, cap={cap}, *): {reason}; not run" if reason else ""
 
 
 def dropped_pairs(loads: torch.Tensor, cap: int) -> int:
@@ -144,15 +111,8 @@ def dropped_pairs(loads: torch.Tensor, cap: int) -> int:
 def kept_mask(topk_ids: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
     """bool (T, K): pairs kept at capacity `cap`: each expert's first `cap` pairs in ascending pair
     index t * K + k, as the padded backend keeps them. Ids outside [0, E) are never kept."""
-    flat = topk_ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, num_experts)
-    key_sorted, order = torch.sort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)
-    start = torch.cumsum(counts, 0) - counts
-    j_sorted = torch.arange(flat.numel(), device=flat.device) - start[key_sorted]
-    j = torch.empty_like(j_sorted).scatter_(0, order, j_sorted)
-    return (valid & (j < cap)).view(topk_ids.shape)
+    pairs = sort_pairs(topk_ids, num_experts)
+    return (pairs.valid & (pairs.ranks() < cap)).view(topk_ids.shape)
 
 
 def _workload(cfg: StudyConfig, shape: MoEShape, weights: Weights, x: torch.Tensor, w: torch.Tensor,
@@ -305,16 +265,15 @@ PROG = "moekit imbalance"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help=f"layer shape (default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine)")
+    arg_types.add_preset(p)
     p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
                    help=f"tokens T (default: {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)")
     p.add_argument("--scenarios", type=arg_types.csv_list, default=list(SCENARIOS),
                    help=f"routing scenarios (default: {','.join(SCENARIOS)}); also hot-<n>, zipf-<s>")
     p.add_argument("--trace", type=arg_types.existing_path, default=None,
                    help="a saved routing (.pt or .npy of (T, K) ids) to replay as scenario 'file'")
-    p.add_argument("--backends", type=arg_types.names(lambda: BACKENDS, "backend"), default=list(BACKENDS),
-                   help=f"one-device backends (default: {','.join(BACKENDS)})")
+    arg_types.add_backends(p, lambda: BACKENDS, list(BACKENDS),
+                           f"one-device experts backends, comma-separated (default: {','.join(BACKENDS)})")
     p.add_argument("--ep", type=arg_types.int_range(0), default=None,
                    help="simulated expert-parallel ranks N, 0 to skip (default: min(8, E/2))")
     p.add_argument("--placement", choices=sorted(PLACEMENTS), default="contiguous",
@@ -327,39 +286,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-factors", type=arg_types.positive_float_list, default=list(CAPACITY_FACTORS),
                    help="capacity factors for the padded backend, finite and > 0 "
                         f"(default: {','.join(map(str, CAPACITY_FACTORS))})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype (default: bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    arg_types.add_dtype(p)
+    arg_types.add_graph(p, "time every case as CUDA-graph replays instead of eager calls (default: off)")
     p.add_argument("--memory-limit-gb", type=arg_types.positive_float, default=None,
                    help="the padded backend is not run when its buffers would exceed this (default: "
-                        f"{MEMORY_HEADROOM * 100:.0f}%% of free memory)")
-    p.add_argument("--rep", type=arg_types.int_range(1), default=None,
-                   help=f"timed calls per case (default: time_fn's on a GPU, {CPU_OPTIONS.rep} on the CPU)")
-    p.add_argument("--warmup", type=arg_types.int_range(0), default=None, help="warm-up calls per case")
-    p.add_argument("--device", type=arg_types.device, default=None,
-                   help="cuda, cuda:N or cpu (default: cuda when available)")
+                        f"moekit's memory-fit rule, {MEMORY_HEADROOM * 100:.0f}%% of free memory)")
+    arg_types.add_timing(p, "timed calls per case (default: time_fn's on a GPU, "
+                            f"{CPU_OPTIONS.rep} on the CPU)", "warm-up calls per case")
+    arg_types.add_device(p)
     p.add_argument("--threads", type=arg_types.int_range(1, 1024), default=1,
                    help="CPU runs only: torch intra-op threads (default 1; shapes small enough for the CPU "
                         "gain nothing from more, and on a shared machine waiting threads cost ms per op)")
-    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
-                   help="seed of the weights, tokens and scenarios")
-    p.add_argument("--out", type=arg_types.out_dir, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/imbalance-<UTC timestamp>); a folder that "
-                        f"already holds {CSV_NAME} or {REPORT_NAME} is refused unless --overwrite is given "
-                        "(with --redraw: where to write the plots and the report, default DIR)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the results already in --out (files of the same names; others are kept)")
+    arg_types.add_seed(p, "the weights, tokens and scenarios")
+    arg_types.add_out(p, "imbalance-<UTC timestamp>", STUDY.result_names)
     p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="DIR",
-                   help=f"only redraw the plots and {REPORT_NAME} from DIR/{CSV_NAME} (no device needed); "
-                        "the whole CSV is checked before anything is drawn")
+                   help=argparse.SUPPRESS)  # the older spelling of `moekit report DIR`
 
 
 def config_from_args(args: argparse.Namespace, console: Console | None = None) -> StudyConfig:
     """Resolve the defaults that depend on the machine; ValueError on a bad combination."""
-    device = args.device or arg_types.default_device()
+    device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
-    preset = args.preset or (GPU_PRESET if on_gpu else CPU_PRESET)
-    tokens = args.tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    preset = arg_types.pick(args.preset, device, GPU_PRESET, CPU_PRESET)
+    tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
     if not on_gpu and console is not None and (args.preset is None or args.tokens is None):
         console.print(f"[yellow]No CUDA device: {preset} at T={tokens} on the CPU (the GPU default is "
                       f"{GPU_PRESET} at T={GPU_TOKENS}); Triton runs interpreted.[/yellow]")
@@ -384,8 +333,8 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
     options = Options(warmup=args.warmup if args.warmup is not None else base.warmup,
                       rep=args.rep if args.rep is not None else base.rep)
     limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-    return StudyConfig(preset=preset, tokens=tokens, dtype=dtype, device=device, scenarios=tuple(scenarios),
+    return StudyConfig(preset=preset, tokens=tokens, dtype=arg_types.resolve_dtype(args.dtype, device),
+                       device=device, scenarios=tuple(scenarios),
                        backends=tuple(dict.fromkeys(args.backends)),
                        ep_ranks=ep, placement=args.placement, spare_slots=spare, ep_backend=args.ep_backend,
                        capacity_factors=tuple(args.capacity_factors), mode="graph" if args.graph else "eager",
@@ -393,35 +342,13 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
                        memory_limit_bytes=limit, options=options)
 
 
-def _redraw(args: argparse.Namespace, console: Console) -> int:
-    src = args.redraw / CSV_NAME if args.redraw.is_dir() else args.redraw
-    try:
-        out_dir = args.out or src.parent
-        arg_types.check_out_dir(out_dir, "--out" if args.out else "the CSV's folder")
-        rows = read_rows(src)   # every row checked before anything is drawn
-    except ValueError as exc:
-        return usage_error(PROG, exc)
-    written = write_outputs(rows, out_dir)
-    console.print(f"Read {len(rows)} rows from {src}; wrote {', '.join(p.name for p in written)}",
-                  highlight=False)
-    return 0
-
-
-def _check_out(args: argparse.Namespace) -> None:
-    if args.out is None:
-        arg_types.check_out_dir(RESULTS_ROOT, "the default output folder")
-        return
-    arg_types.check_out_dir(args.out)
-    arg_types.check_no_results(args.out, (CSV_NAME, REPORT_NAME), args.overwrite)
-
-
 def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.redraw is not None:
-        return _redraw(args, console)
+        return run_redraw(PROG, args.redraw, args.out, STUDY)
     try:
         cfg = config_from_args(args, console)
-        _check_out(args)
+        arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
     threads = torch.get_num_threads()
@@ -434,21 +361,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(cfg: StudyConfig, args: argparse.Namespace, console: Console) -> int:
-    console.print(f"Measuring ceilings on {cfg.device}...")
-    ceilings = measure_ceilings(cfg.device, cfg.dtype)
-    prov = collect_provenance(cfg.device, cfg.dtype, ceilings.copy_gbps, ceilings.matmul_tflops)
+    ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console)
     out_dir = args.out or RESULTS_ROOT / f"imbalance-{prov.run_id}"
     console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
                   f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each")
     rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
-    written = write_files({CSV_NAME: rows_to_csv(rows, ImbalanceRow), **output_files(rows)}, out_dir)
+    written = STUDY.write(rows, out_dir)
     console.print(summary_table(rows))
-    for r in rows:
-        if r.status in ("failed", "error"):
-            console.print(f"[red]{r.scenario} {r.experiment} {r.backend} {r.placement} {r.status}: "
-                          f"{r.reason}[/red]", highlight=False)
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
-    if not any(r.status == "ok" for r in rows):
-        print(f"{PROG}: error: no case succeeded; the reasons are in {out_dir / CSV_NAME}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(PROG, rows, out_dir / CSV_NAME, console,
+                       lambda r: f"{r.scenario} {r.experiment} {r.backend} {r.placement}")

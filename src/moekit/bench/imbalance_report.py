@@ -1,8 +1,9 @@
-"""`moekit imbalance` results: the row schema, its CSV, the plots and the imbalance.md report.
+"""`moekit imbalance` results: the row schema, the plots and the report, for the scaffold.
 
-The study (`moekit.bench.imbalance`) writes `ImbalanceRow`s to imbalance.csv with the generic CSV
-code of `moekit.bench.results`; everything here draws from rows read back from that CSV, so
-`moekit imbalance --redraw DIR` rebuilds the plots and the report without a device.
+The study (`moekit.bench.imbalance`) writes `ImbalanceRow`s to results.csv through the scaffold's
+row writer (`moekit.bench.study`); everything here draws from rows read back from that CSV, so
+`moekit report DIR` rebuilds the plots and the report without a device. Folders of earlier runs
+(imbalance.csv, imbalance.md) redraw under their own names.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from rich.table import Table
 
 from moekit.bench import results
 from moekit.bench.plots import png_bytes
-from moekit.bench.results import Provenance, columns, write_files
+from moekit.bench.results import LayerRow
+from moekit.bench.study import FILES, Files, Study, fmt_number
 
-CSV_NAME, REPORT_NAME = "imbalance.csv", "imbalance.md"
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
 
 @dataclass(frozen=True)
-class ImbalanceRow(Provenance):
-    """One measurement of the study: the run's `Provenance` (as in `moekit bench`), then the case.
-    NaN / None where a column does not apply to the experiment.
+class ImbalanceRow(LayerRow):
+    """One measurement of the study: the run's `Provenance` and layer columns (as in `moekit
+    bench`), then the case. NaN / None where a column does not apply to the experiment.
 
     experiment: "one_gpu" | "ep" (one simulated rank) | "ep_step" (a placement's step) | "capacity".
     placement: the starting placement ("contiguous", "strided"), or "replicated" (ep rows).
@@ -34,12 +35,6 @@ class ImbalanceRow(Provenance):
     status, reason: as in `moekit bench` (ok, failed, error, skipped, ...).
     """
 
-    preset: str
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    top_k: int
-    tokens: int
     seed: int
     scenario: str
     busiest_over_mean: float
@@ -76,9 +71,6 @@ class ImbalanceRow(Provenance):
     dropped_frac: float = math.nan
 
 
-COLUMNS: tuple[str, ...] = columns(ImbalanceRow)
-
-
 def check_row(row: ImbalanceRow) -> str:
     """"" when a row can be reported (times and ratios the report divides by are > 0); else why not."""
     problem = results.check_provenance(row) or results.check_shape_columns(row)
@@ -92,25 +84,6 @@ def check_row(row: ImbalanceRow) -> str:
         timed = ("step_ms", "mean_ms", "slowest_over_mean") if row.experiment == "ep_step" else ("median_ms",)
         problem = results.positive_problem(row, *timed)
     return problem
-
-
-def read_rows(path: Path) -> list[ImbalanceRow]:
-    """Rows of an imbalance CSV, each checked (`check_row`). Raises ValueError naming the file (and
-    line) on any problem."""
-    return results.read_csv(path, ImbalanceRow, what="a moekit imbalance CSV", statuses=None, check=check_row)
-
-
-def write_rows(rows: Sequence[ImbalanceRow], path: Path) -> None:
-    """imbalance.csv: long format, provenance in every row; written atomically."""
-    results.write_csv(rows, path, ImbalanceRow)
-
-
-def _fmt(v: float | int | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def _scenarios(rows: Sequence[ImbalanceRow]) -> list[str]:
@@ -127,7 +100,7 @@ def _pick(rows: Sequence[ImbalanceRow], **match) -> list[ImbalanceRow]:
 
 
 def _subtitle(r: ImbalanceRow) -> str:
-    return (f"{r.preset} (E={r.num_experts}, H={r.hidden_size}, I={r.intermediate_size}, K={r.top_k}), "
+    return (f"{results.shape_label(r)}, "
             f"T={r.tokens}, {r.dtype}, {r.mode}, {r.device_name}")
 
 
@@ -216,7 +189,7 @@ def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
     return value(r) if r.status == "ok" else r.status.replace("_", " ")
 
 
-def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> str:
+def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files: Files = FILES) -> str:
     """The "Load imbalance" report section, from rows alone."""
     r0, scen = rows[0], _scenarios(rows)
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
@@ -243,9 +216,9 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
         first = next((one[s, b] for b in backends if (s, b) in one), None)
         if first is None:
             continue
-        cells = [_cell(one.get((s, b)), lambda r: f"{_fmt(r.median_ms)} ({r.pct_floor:.0f}%)")
+        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%)")
                  for b in backends]
-        lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {_fmt(first.floor_ms)} | "
+        lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {fmt_number(first.floor_ms)} | "
                      + " | ".join(cells) + " |")
 
     steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
@@ -269,7 +242,7 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
                 rel = (f"{r.step_ms / base.step_ms:.2f}×" if base is not None and base.status == "ok"
                        and r.status == "ok" else "–")
                 lines.append(f"| {s} | {label} | {r.replicas} | {r.pairs_busiest_over_mean:.2f} | "
-                             f"{_cell(r, lambda r: _fmt(r.step_ms))} | "
+                             f"{_cell(r, lambda r: fmt_number(r.step_ms))} | "
                              f"{_cell(r, lambda r: f'{r.slowest_over_mean:.2f}')} | {rel} |")
         ranks = _pick(rows, experiment="ep")
         n = max((r.rank for r in ranks if r.rank is not None), default=-1) + 1
@@ -279,7 +252,7 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
         by_rank = {(r.scenario, r.placement, r.rank): r for r in ranks}
         for s in scen:
             for label in labels:
-                cells = [_cell(by_rank.get((s, label, i)), lambda r: f"{_fmt(r.median_ms)} ({r.pairs})")
+                cells = [_cell(by_rank.get((s, label, i)), lambda r: f"{fmt_number(r.median_ms)} ({r.pairs})")
                          for i in range(n)]
                 if any(cells):
                     lines.append(f"| {s} | {label} | " + " | ".join(cells) + " |")
@@ -296,9 +269,9 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
         for s in scen:
             uncapped = one.get((s, "padded"))
             cells = [_cell(caps.get((s, c)), lambda r: f"{100 * r.dropped_frac:.1f}% dropped, "
-                           f"{_fmt(r.median_ms)} ms") for c in factors]
+                           f"{fmt_number(r.median_ms)} ms") for c in factors]
             if any(cells):
-                lines.append(f"| {s} | {_cell(uncapped, lambda r: _fmt(r.median_ms) + ' ms')} | "
+                lines.append(f"| {s} | {_cell(uncapped, lambda r: fmt_number(r.median_ms) + ' ms')} | "
                              + " | ".join(cells) + " |")
 
     untimed = [r for r in rows if r.status != "ok"]
@@ -311,21 +284,15 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = ()) -> st
             lines.append(f"- {r.scenario}, {where}, {r.backend}: **{r.status}**: {r.reason}")
     if plots:
         lines += ["", "### Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})\n" for p in plots]
-    lines += ["", f"Data: `{CSV_NAME}` (long format, provenance in every row). Redraw the plots and this "
-              f"section with `moekit imbalance --redraw <this folder>`.", ""]
+    lines += ["", f"Data: `{files.csv}` (long format, provenance in every row). Redraw the plots and this "
+              f"section with `moekit report <this folder>`.", ""]
     return "\n".join(lines)
 
 
-def output_files(rows: Sequence[ImbalanceRow]) -> dict[str, str | bytes]:
-    """The plots and imbalance.md, rendered in memory: file name -> contents (the report last)."""
+def output_files(rows: Sequence[ImbalanceRow], files: Files = FILES) -> dict[str, str | bytes]:
+    """The plots and the report, rendered in memory: file name -> contents (the report last)."""
     plots = dict(p for p in (plot_one_gpu(rows), plot_ep(rows), plot_capacity(rows)) if p is not None)
-    return {**plots, REPORT_NAME: render_report(rows, list(plots))}
-
-
-def write_outputs(rows: Sequence[ImbalanceRow], out_dir: Path) -> list[Path]:
-    """Plots and imbalance.md from the rows (the CSV is written separately), written only once all
-    of them are rendered; returns the files."""
-    return write_files(output_files(rows), out_dir)
+    return {**plots, files.report: render_report(rows, list(plots), files)}
 
 
 def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
@@ -338,8 +305,12 @@ def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
     for col in ("scenario", "busiest/mean", *backends, *(f"EP {p}" for p in _placements(rows))):
         table.add_column(col, justify="left" if col == "scenario" else "right")
     for s in _scenarios(rows):
-        cells = [_cell(one.get((s, b)), lambda r: _fmt(r.median_ms)) for b in backends]
-        cells += [_cell(steps.get((s, p)), lambda r: f"{_fmt(r.step_ms)} ({r.slowest_over_mean:.2f})")
+        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)) for b in backends]
+        cells += [_cell(steps.get((s, p)), lambda r: f"{fmt_number(r.step_ms)} ({r.slowest_over_mean:.2f})")
                   for p in _placements(rows)]
         table.add_row(s, f"{skew[s]:.2f}", *cells)
     return table
+
+
+STUDY = Study("imbalance", ImbalanceRow, output_files, check=check_row,
+              legacy=(Files("imbalance.csv", "imbalance.md"),))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from moekit._memory import fits
 from moekit.shapes import MoEShape
 
 PEER_IMPLS = ("eager", "batched_mm", "grouped_mm")
@@ -45,18 +46,11 @@ def workspace_bytes(name: str, shape: MoEShape, tokens: int, dtype: torch.dtype)
 
 
 def check_fits(name: str, shape: MoEShape, tokens: int, dtype: torch.dtype, device: torch.device) -> str:
-    """"" when the peer's workspace fits in memory, else the reason to skip it."""
+    """"" when the peer's workspace fits (`moekit._memory.fits`; at most CPU_WORKSPACE_LIMIT on the
+    CPU), else the reason to skip it."""
     need = workspace_bytes(name, shape, tokens, dtype)
-    if need == 0:
-        return ""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        limit = int(0.8 * free)
-    else:
-        limit = CPU_WORKSPACE_LIMIT
-    if need > limit:
-        return f"needs {need / 1e9:.1f} GB of gathered weights, over the {limit / 1e9:.1f} GB allowed"
-    return ""
+    reason = fits(need, device, CPU_WORKSPACE_LIMIT if device.type == "cpu" else None) if need else ""
+    return f"gathered weights: {reason}" if reason else ""
 
 
 def make_peer(name: str, shape: MoEShape, gate_up_proj: torch.Tensor,

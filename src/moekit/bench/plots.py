@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 # Figure objects without pyplot: no global state and no display backend (the Agg canvas is used
 # to write PNGs), so plotting works the same on servers, CI and inside other programs.
@@ -18,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
-from moekit.bench.results import ResultRow, write_files
+from moekit.bench.results import ResultRow, shape_label
 
 MODE_STYLE = {"eager": "-", "graph": "--"}
 
@@ -50,7 +49,7 @@ def floor_by_tokens(rows: Sequence[ResultRow], preset: str) -> list[tuple[int, f
 
 def _subtitle(rows: Sequence[ResultRow], preset: str) -> str:
     r = next(r for r in rows if r.preset == preset)
-    return (f"{preset} (E={r.num_experts}, H={r.hidden_size}, I={r.intermediate_size}, K={r.top_k}), "
+    return (f"{shape_label(r)}, "
             f"{r.dtype}, {r.device_name}\nceilings: {r.copy_gbps:.1f} GB/s copy, "
             f"{r.matmul_tflops:.2f} TFLOP/s matmul")
 
@@ -62,21 +61,31 @@ def png_bytes(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def token_axis(ax: Axes, tokens) -> None:
+    """A log2 x axis of token counts, ticked at the measured ones only."""
+    tokens = sorted(tokens)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("tokens T")
+
+
+def plain_log_y(ax: Axes) -> None:
+    """A log y axis labelled with plain numbers at 1-2-5 steps (they read better than 10^n labels
+    over one or two decades)."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _axes(rows: Sequence[ResultRow], preset: str, title: str, ylabel: str,
           logy: bool) -> tuple[Figure, Axes]:
     fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
-    ax.set_xscale("log", base=2)
-    tokens = sorted({r.tokens for r in rows if r.preset == preset})
-    ax.set_xticks(tokens, [str(t) for t in tokens])
-    ax.xaxis.set_minor_locator(NullLocator())  # only the measured token counts are ticked
+    token_axis(ax, {r.tokens for r in rows if r.preset == preset})
     if logy:
-        ax.set_yscale("log")
-        # Plain numbers at 1-2-5 steps read better than 10^n labels over one or two decades.
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("tokens T")
+        plain_log_y(ax)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{_subtitle(rows, preset)}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -134,8 +143,3 @@ def render_all(rows: Sequence[ResultRow]) -> dict[str, bytes]:
     """Every plot for every preset in `rows`: file name -> PNG bytes (nothing written)."""
     return dict(plot(rows, preset) for preset in presets_of(rows)
                 for plot in (plot_time, plot_floor_pct, plot_launches))
-
-
-def draw_all(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
-    """Every plot for every preset in `rows`, written into out_dir; returns the files written."""
-    return write_files(render_all(rows), out_dir)

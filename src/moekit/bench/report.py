@@ -1,26 +1,26 @@
-"""The Markdown report: provenance, the crossover, pivot tables and the plots, from rows alone.
+"""`moekit bench`'s report step: report.md (provenance, the crossover, pivot tables) and the plots,
+from rows alone.
 
 `moekit bench` writes it after a sweep; `moekit report DIR` rebuilds it (and the plots) from the
-CSV, so a recorded run can be re-rendered without the device it was measured on.
+CSV, so a recorded run can be re-rendered without the device it was measured on. `STUDY` ties the
+rows (`results.ResultRow`) to this report for the scaffold (`moekit.bench.study`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
-from moekit.bench.results import ResultRow, write_files
+from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
+from moekit.bench.study import FILES, Files, Study, fmt_number
 from moekit.shapes import MoEShape
 
-CSV_NAME = "results.csv"
 JSON_NAME = "results.json"
-REPORT_NAME = "report.md"
 
 
 def shape_of(r: ResultRow) -> MoEShape:
@@ -37,18 +37,6 @@ def dtype_of(name: str) -> torch.dtype:
 def crossover_of(r: ResultRow) -> float:
     """Tokens where this row's preset turns compute-bound on this row's device (roofline.crossover_tokens)."""
     return crossover_tokens(shape_of(r), dtype_of(r.dtype), Ceilings(r.copy_gbps, r.matmul_tflops))
-
-
-def _fmt(v: float | int | None, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if v == 0:
-        return "0"
-    if abs(v) >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}g}"
 
 
 def _columns(rows: Sequence[ResultRow]) -> list[tuple[str, str]]:
@@ -77,7 +65,7 @@ def fmt_pct(v: float) -> str:
 def _time_cell(r: ResultRow) -> str:
     if r.status != "ok":
         return r.status.replace("_", " ")
-    return f"{_fmt(r.median_ms)} ({fmt_pct(r.pct_floor)})"
+    return f"{fmt_number(r.median_ms)} ({fmt_pct(r.pct_floor)})"
 
 
 def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
@@ -90,7 +78,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     t_max = max(r.tokens for r in rs)
     bound_at_max = next(r.bound for r in rs if r.tokens == t_max)
     out = [
-        f"## {preset} (E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k})",
+        f"## {shape_label(r0)}",
         "",
         f"**Memory-bound / compute-bound crossover: ≈ {cross:,.0f} tokens** = ridge point "
         f"{ridge:.1f} FLOP/byte × E/K ({r0.num_experts}/{r0.top_k}){scale}. Below it the floor is the "
@@ -100,13 +88,13 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
         "### Median time per call, ms (% of floor)",
         "",
     ]
-    floor = {t: _fmt(f) for t, f in plots.floor_by_tokens(rs, preset)}
+    floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms")
     out += ["", "### Kernel launches per call", ""]
-    out += _pivot(rs, lambda r: _fmt(r.kernels) if r.status == "ok" else "")
+    out += _pivot(rs, lambda r: fmt_number(r.kernels) if r.status == "ok" else "")
     if any(not math.isnan(r.idle_pct) for r in rs):
         out += ["", "### Device idle, % of wall time (1 − busy / time)", ""]
-        out += _pivot(rs, lambda r: _fmt(r.idle_pct, 2) if r.status == "ok" else "")
+        out += _pivot(rs, lambda r: fmt_number(r.idle_pct, 2) if r.status == "ok" else "")
     out += ["", "### Distinct experts hit", "",
             "Expected under random routing: E·(1 − ((E−K)/E)^T). *Timed batch* is the batch every "
             "backend ran (its experts set the floor); *mean* averages many random batches routed by "
@@ -132,7 +120,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     return out
 
 
-def render(rows: Sequence[ResultRow]) -> str:
+def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
     """The report's Markdown text."""
     r0 = rows[0]
     runs = sorted({r.run_id for r in rows})
@@ -159,18 +147,15 @@ def render(rows: Sequence[ResultRow]) -> str:
                   "launches.", ""]
     for preset in plots.presets_of(rows):
         lines += _preset_section(rows, preset)
-    lines += [f"Data: `{CSV_NAME}` (one row per measurement, long format) and `{JSON_NAME}`. "
+    lines += [f"Data: `{files.csv}` (one row per measurement, long format) and `{JSON_NAME}`. "
               f"Rebuild this report and the plots with `moekit report <this folder>`.", ""]
     return "\n".join(lines)
 
 
-def report_files(rows: Sequence[ResultRow]) -> dict[str, str | bytes]:
+def report_files(rows: Sequence[ResultRow], files: Files = FILES) -> dict[str, str | bytes]:
     """The plots and report.md, rendered in memory: file name -> contents (report.md last)."""
-    text = render(rows)
-    return {**plots.render_all(rows), REPORT_NAME: text}
+    text = render(rows, files)
+    return {**plots.render_all(rows), files.report: text}
 
 
-def write_report(rows: Sequence[ResultRow], out_dir: Path) -> list[Path]:
-    """Draw the plots and write report.md into out_dir, only once all of them are rendered; returns
-    the files written."""
-    return write_files(report_files(rows), out_dir)
+STUDY = Study("bench", ResultRow, report_files, check=check_result_row)

@@ -6,7 +6,7 @@ into one file and still be read on their own. Plots and the report are drawn fro
 
 The CSV code is generic over a frozen row dataclass: its fields, in order, are the columns, and each
 field's annotation (str, float, int or int | None) says how a cell is written and read back. The
-`moekit ep-bench` rows (`moekit.parallel.results`) and the `moekit imbalance` rows
+`moekit ep-bench` rows (`moekit.bench.ep_report`) and the `moekit imbalance` rows
 (`moekit.bench.imbalance_report`) use the same functions with their own row types.
 """
 
@@ -52,10 +52,9 @@ class Provenance:
 
 
 @dataclass(frozen=True)
-class ResultRow(Provenance):
-    """One measurement: its run's `Provenance` columns, then the case and its statistics. Times in
-    ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed (status
-    other than "ok") or the quantity does not exist (busy time on the CPU)."""
+class LayerRow(Provenance):
+    """A run's `Provenance`, then the layer (preset and its shape) and the token count measured:
+    the leading columns of `moekit bench`, `imbalance` and `tune` rows."""
 
     preset: str
     num_experts: int
@@ -63,6 +62,14 @@ class ResultRow(Provenance):
     intermediate_size: int
     top_k: int
     tokens: int
+
+
+@dataclass(frozen=True)
+class ResultRow(LayerRow):
+    """One measurement: its run's `Provenance` and layer columns, then the case and its statistics.
+    Times in ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed
+    (status other than "ok") or the quantity does not exist (busy time on the CPU)."""
+
     backend: str
     mode: str
     status: str
@@ -294,6 +301,12 @@ def check_provenance(row: Provenance) -> str:
     return positive_problem(row, "copy_gbps", "matmul_tflops")
 
 
+def shape_label(row: object) -> str:
+    """"<preset> (E=.., H=.., I=.., K=..)": the layer a row measured, as plots and reports name it."""
+    return (f"{row.preset} (E={row.num_experts}, H={row.hidden_size}, I={row.intermediate_size}, "
+            f"K={row.top_k})")
+
+
 def check_shape_columns(row: object, tokens: str = "tokens") -> str:
     """"" when num_experts, hidden_size, intermediate_size, top_k and the token count make a layer."""
     problem = positive_problem(row, "num_experts", "hidden_size", "intermediate_size", "top_k", tokens)
@@ -365,9 +378,3 @@ def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit re
     if not rows:
         raise ValueError(f"{path}: no result rows")
     return rows
-
-
-def read_results(path: Path) -> list[ResultRow]:
-    """Rows of a `moekit bench` results CSV, each checked (`check_result_row`); ValueError naming the
-    file and line on any problem."""
-    return read_csv(path, ResultRow, check=check_result_row)

@@ -29,7 +29,15 @@ from moekit.bench.ceilings import Ceilings
 from moekit.bench.correctness import Expected, expected_output
 from moekit.bench.launches import LaunchProfile, profile_call
 from moekit.bench.roofline import Traffic, bound_of, floor_ms_of, traffic
-from moekit.bench.timing import MIN_REP, CacheFlusher, NotCapturable, TimingStats, capture_graph, time_fn
+from moekit.bench.timing import (
+    MIN_REP,
+    CacheFlusher,
+    NotCapturable,
+    TimingStats,
+    capture_graph,
+    sync,
+    time_fn,
+)
 from moekit.experts import BACKENDS, PaddedWorkspaceTooLarge, moe_experts
 from moekit.routing import route
 from moekit.shapes import MoEShape
@@ -215,8 +223,7 @@ def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, option
         else:
             out = fn()
             call = fn
-        if work.device.type == "cuda":
-            torch.cuda.synchronize(work.device)
+        sync(work.device)
     except NotCapturable as exc:
         return Measurement("not_capturable", str(exc), **base)
     except PaddedWorkspaceTooLarge as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -102,10 +102,3 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
         _free(plan.device)
     return rows
 
-
-def summarize_rows(rows: Sequence[ResultRow]) -> dict[str, int]:
-    """Counts of rows by status."""
-    out: dict[str, int] = {}
-    for r in rows:
-        out[r.status] = out.get(r.status, 0) + 1
-    return out

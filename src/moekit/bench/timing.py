@@ -78,7 +78,8 @@ class CacheFlusher:
         self.buffer.zero_()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -167,7 +168,7 @@ def _timed_call(call: Callable[[], object], device: torch.device,
     """One call's time in ms, starting from a flushed cache and an idle device."""
     if flush is not None:
         flush()
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

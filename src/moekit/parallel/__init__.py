@@ -2,10 +2,10 @@
 
     dispatch.py   plan / pack / all-to-all of counts and rows, combine and the per-token reduce
     ep.py         ExpertParallelMoE (nn.Module) and ep_moe_experts (the functional form)
-    simulate.py   N virtual ranks in one process (loopback all-to-all): tests and one-GPU studies
-    bench.py      `moekit ep-bench`, launched with torchrun
 
-Placements (who holds which experts, replicas of hot experts) come from `moekit.placement`.
+Placements (who holds which experts, replicas of hot experts) come from `moekit.placement`. The
+lab measures this runtime: `moekit ep-bench` (`moekit.bench.ep_bench`, launched with torchrun) and
+N virtual ranks in one process (`moekit.bench.simulate`).
 NVLink multicast stays off in every launcher: see `disable_nvls`.
 """
 
@@ -13,7 +13,6 @@ import os as _os
 
 from moekit.parallel.dispatch import DispatchedTokens, DispatchHandle, combine, dispatch, run_local_experts
 from moekit.parallel.ep import ExpertParallelMoE, ep_moe_experts
-from moekit.parallel.simulate import SimulatedTimes, shard_experts, simulate_ep
 
 # NVLS (NVLink SHARP multicast) is off in NCCL and in PyTorch's symmetric memory on the machines
 # moekit is measured on; the values must be in the environment before the process group starts.
@@ -31,12 +30,9 @@ __all__ = [
     "DispatchHandle",
     "DispatchedTokens",
     "ExpertParallelMoE",
-    "SimulatedTimes",
     "combine",
     "disable_nvls",
     "dispatch",
     "ep_moe_experts",
     "run_local_experts",
-    "shard_experts",
-    "simulate_ep",
 ]

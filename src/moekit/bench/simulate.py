@@ -1,10 +1,14 @@
-"""A simulated expert-parallel group: N virtual ranks in one process, on one device.
+"""Expert parallelism simulated on one device: N virtual ranks in one process.
 
-The same plan / pack / experts / reduce steps as `dispatch` and `combine`, with every all-to-all
-replaced by slicing and concatenating the virtual ranks' buffers (a loopback). It checks the EP
-data path without a process group, and times each virtual rank's share of the experts alone on one
-GPU (the article's simulation of 8 GPUs, with the real dispatch bookkeeping around it). No
-communication is timed: the loopback copies stand in for it.
+    simulate_ep    the same plan / pack / experts / reduce steps as `moekit.parallel.dispatch` and
+                   `combine`, every all-to-all replaced by slicing and concatenating the virtual
+                   ranks' buffers (a loopback). It checks the EP data path without a process group
+                   and times each virtual rank's phases (`moekit ep-bench --simulate N`). No
+                   communication is timed: the loopback copies stand in for it.
+    rank_problem   one rank's share of a layer cut out (its tokens, local ids, weights), to time
+                   each rank's experts alone on one GPU (`moekit imbalance`, the article's
+                   simulation of 8 GPUs)
+    StepTime       a simulated step: each rank's time run alone; the step waits for the slowest
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from moekit.bench.timing import sync
 from moekit.parallel.dispatch import (
     DispatchedTokens,
     check_routing,
@@ -26,7 +31,7 @@ from moekit.parallel.dispatch import (
     run_local_experts,
     unpack_meta,
 )
-from moekit.placement import Placement, rank_weights
+from moekit.placement import Assignment, Placement, rank_weights
 
 Result = TypeVar("Result")
 
@@ -54,17 +59,13 @@ class _Clock:
         if times is not None:
             times.ms = {p: [] for p in PHASES}
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def __call__(self, phase: str, fn: Callable[[], Result]) -> Result:
         if self.times is None:
             return fn()
-        self._sync()
+        sync(self.device)
         t0 = time.perf_counter()
         out = fn()
-        self._sync()
+        sync(self.device)
         self.times.ms[phase].append((time.perf_counter() - t0) * 1e3)
         return out
 
@@ -136,3 +137,74 @@ def simulate_ep(xs: list[torch.Tensor], topk_weights: list[torch.Tensor], topk_i
         rows = torch.cat([*(back[d][s] for d in range(n)), partials[0].new_zeros(1, partials[0].shape[1])])
         outs.append(clock("combine", partial(reduce_partials, rows, sent[s][1][2], xs[s].dtype)))
     return outs
+
+
+@dataclass(frozen=True)
+class RankProblem:
+    """One rank's share of a layer, compacted: what that rank's experts would receive.
+
+    Attributes:
+        token_idx: int64 (T_r,), the global tokens with at least one pair on this rank.
+        hidden_states: (T_r, H) those tokens.
+        topk_weights: (T_r, K_r) their weights on this rank's pairs, 0 in unused slots.
+        topk_ids: int32 (T_r, K_r) local expert index, -1 in unused slots. K_r = the most local
+            pairs any token has (<= K), so no token carries columns that are all -1.
+        gate_up_proj: (E_r, 2I, H) and down_proj: (E_r, H, I): the rank's experts' weights, copied.
+        num_pairs: pairs on this rank.
+    """
+
+    token_idx: torch.Tensor
+    hidden_states: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    num_pairs: int
+
+
+def rank_problem(hidden_states: torch.Tensor, topk_weights: torch.Tensor, assignment: Assignment,
+                 r: int, weights: tuple[torch.Tensor, torch.Tensor]) -> RankProblem:
+    """Cut out rank r's work: its tokens, local ids and weights (reads counts: a host sync).
+
+    `weights` is `rank_weights(...)` for rank r. Running `moe_experts(p.hidden_states,
+    p.gate_up_proj, p.down_proj, p.topk_weights, p.topk_ids, ignore_invalid_ids=True)` and adding
+    each rank's rows at `p.token_idx` gives the full layer's output.
+    """
+    mine = assignment.rank == r                                           # (T, K)
+    per_token = mine.sum(1)
+    token_idx = torch.nonzero(per_token > 0).squeeze(1)
+    # At least one column: moe_experts needs K >= 1 even for a rank that got no tokens.
+    k_r = max(1, int(per_token.max()) if per_token.numel() else 0)
+    sub = mine[token_idx]
+    # Move this rank's slots to the front of each row (stable), keep the first K_r columns.
+    order = torch.sort((~sub).to(torch.int8), dim=1, stable=True).indices[:, :k_r]
+    keep = torch.gather(sub, 1, order)
+    ids = torch.gather(assignment.local_ids[token_idx], 1, order)
+    w = torch.gather(topk_weights[token_idx], 1, order)
+    ids = torch.where(keep, ids, -1).to(torch.int32)
+    w = torch.where(keep, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    return RankProblem(token_idx, hidden_states[token_idx], w, ids, weights[0], weights[1],
+                       int(sub.sum()))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A simulated EP step: each rank's time, run alone; the step waits for the slowest rank."""
+
+    per_rank_ms: tuple[float, ...]
+
+    @property
+    def step_ms(self) -> float:
+        return max(self.per_rank_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        return sum(self.per_rank_ms) / len(self.per_rank_ms)
+
+    @property
+    def slowest_over_mean(self) -> float:
+        return self.step_ms / self.mean_ms if self.mean_ms > 0 else 1.0
+
+    @property
+    def slowest_rank(self) -> int:
+        return self.per_rank_ms.index(self.step_ms)

@@ -5,8 +5,14 @@ separately (each GEMM timed alone in a CUDA graph), then the whole path (align, 
 is timed with each block_m's winners and the fastest wins. Routing is uniform random with k
 distinct experts per token; each timed graph runs R different routings back to back, so small T
 reads more distinct experts than L2 holds and the weights come from HBM as in a real model.
-Output: a JSON table in the format `moekit.tuning` loads (merged into --out if it exists; that file
-is checked before any tuning and rewritten atomically after each token count).
+Candidate tiles are those whose pipelined operands fit in the device's shared memory
+(`moekit.tuning.shared_memory_limit`).
+
+A study on the scaffold (`moekit.bench.study`): every timing is a row (`moekit.bench.tune_report.
+TuneRow`, with provenance) in --out's results.csv, with report.md and a plot drawn from them. The
+winners are merged into a JSON table in the format `moekit.tuning` loads (--table, default the
+packaged `tuning/configs/<device>.json`; checked before any tuning, rewritten atomically after each
+token count). The kernels' launchers come from the runtime (`moekit.experts.triton`).
 """
 
 from __future__ import annotations
@@ -22,14 +28,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from moekit.align import align_block_size
 from moekit.bench import args as arg_types
-from moekit.bench.args import usage_error
+from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
+from moekit.bench.study import measure_provenance
+from moekit.bench.timing import capture_graph, sync
+from moekit.bench.tune_report import STUDY, tune_rows
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
-from moekit.shapes import PRESETS, MoEShape, get_shape
+from moekit.shapes import MoEShape, get_shape
 from moekit.tuning import (
+    PACKAGED_DIR,
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
     default_config,
@@ -37,29 +48,32 @@ from moekit.tuning import (
     parse_table,
     pipeline_bytes,
     shape_key,
+    shared_memory_limit,
 )
 
 PROG = "moekit tune"
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+GRAPH_REPS = 10
 Timer = Callable[[Callable[[], object]], float]
 
 
-def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median ms of one replay of fn captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+def graph_time_ms(fn: Callable[[], object], reps: int = GRAPH_REPS,
+                  device: torch.device | str = "cuda") -> float:
+    """Median ms of one replay of fn captured in a CUDA graph (`timing.capture_graph`: warmed up,
+    host syncs refused, a failed capture cleaned up); `reps` replays back to back."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    graph, _ = capture_graph(fn, device)
+    graph.replay()
+    sync(device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
         s.record()
-        g.replay()
+        graph.replay()
         e.record()
-    torch.cuda.synchronize()
+    sync(device)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
@@ -76,8 +90,10 @@ def block_m_candidates(shape: MoEShape, num_tokens: int) -> list[int]:
     return [64, 128]
 
 
-def gemm_candidates(block_m: int, itemsize: int, swiglu: bool) -> list[dict[str, int]]:
-    """Tiles (block_n, block_k, warps, stages) whose pipelined operands fit in shared memory."""
+def gemm_candidates(block_m: int, itemsize: int, swiglu: bool,
+                    limit: int = SHARED_MEMORY_LIMIT) -> list[dict[str, int]]:
+    """Tiles (block_n, block_k, warps, stages) whose pipelined operands fit in `limit` bytes of
+    shared memory (`moekit.tuning.shared_memory_limit` of the device)."""
     if block_m <= 32:
         # Few rows: the kernel streams weights; narrow tiles give more programs per SM in flight.
         space = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
@@ -88,7 +104,7 @@ def gemm_candidates(block_m: int, itemsize: int, swiglu: bool) -> list[dict[str,
     out = []
     for bn, bk, warps, stages in space:
         p = dict(block_n=bn, block_k=bk, warps=warps, stages=stages)
-        if pipeline_bytes(_with(base, which, p), itemsize, which) <= SHARED_MEMORY_LIMIT:
+        if pipeline_bytes(_with(base, which, p), itemsize, which) <= limit:
             out.append(p)
     return out
 
@@ -112,7 +128,7 @@ def _path_all(xs, gate_up, down, ws, ids, cfg):
 
 def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations: int,
                 log: Callable[[str], None] = print, *, device: torch.device | str = "cuda",
-                timer: Timer = graph_time_ms) -> tuple[ExpertsConfig, list[dict]]:
+                timer: Timer = graph_time_ms, seed: int = 0) -> tuple[ExpertsConfig, list[dict]]:
     """The fastest config for `num_tokens`, and one record per timing.
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
@@ -121,7 +137,8 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     """
     dev = torch.device(device)
     e, h, i, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
-    gen = torch.Generator(device="cpu").manual_seed(num_tokens)
+    smem = shared_memory_limit(dev)
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + num_tokens)
     gate_up = (torch.randn(e, 2 * i, h, device=dev, dtype=dtype) / h**0.5)
     down = (torch.randn(e, h, i, device=dev, dtype=dtype) / i**0.5)
     xs, ws, ids = [], [], []
@@ -132,7 +149,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     records: list[dict] = []
     best_total, best_cfg = float("inf"), None
     for bm in block_m_candidates(shape, num_tokens):
-        base = replace(default_config(shape, num_tokens, dtype.itemsize), block_m=bm,
+        base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
                        group_m=1 if bm <= 32 else 8)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
@@ -141,7 +158,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             hs = None
             if which == 2:
                 hs = [gemm1_swiglu(x, gate_up, a, k, base) for x, a in zip(xs, aligns)]
-            for p in gemm_candidates(bm, gate_up.element_size(), swiglu=which == 1):
+            for p in gemm_candidates(bm, gate_up.element_size(), swiglu=which == 1, limit=smem):
                 cfg = _with(base, which, p)
                 if which == 1:
                     fn = functools.partial(_gemm1_all, xs, gate_up, aligns, k, cfg)
@@ -187,40 +204,68 @@ def write_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    arg_types.add_preset(p, default=GPU_PRESET)
     p.add_argument("--tokens", type=arg_types.int_list(1), default=list(DEFAULT_TOKENS),
                    help=f"comma-separated token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    arg_types.add_dtype(p, choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--rotations", type=arg_types.int_range(0), default=0,
                    help="routings per timed graph (default 0: enough to read past L2 at small T)")
-    p.add_argument("--out", type=arg_types.out_file, default=None,
-                   help="JSON table to write or merge into (default: tuning/configs/<device>.json); an "
-                        "existing file must be a valid table")
+    p.add_argument("--rep", type=arg_types.int_range(1), default=GRAPH_REPS,
+                   help=f"timed graph replays per candidate (default {GRAPH_REPS})")
+    arg_types.add_device(p, "cuda or cuda:N (default: cuda); tuning needs a GPU")
+    arg_types.add_seed(p, "the tokens and routings")
+    arg_types.add_out(p, "tune-<UTC timestamp>", STUDY.result_names,
+                      " (an older `--out TABLE.json` means --table TABLE.json)")
+    p.add_argument("--table", type=arg_types.out_file, default=None,
+                   help="JSON table to write or merge the winners into (default: the packaged "
+                        "tuning/configs/<device>.json); an existing file must be a valid table")
     p.add_argument("--records", type=arg_types.out_file, default=None,
-                   help="also write every timing as JSON lines")
+                   help="also write every timing as JSON lines (results.csv holds them too)")
+
+
+def _paths(args: argparse.Namespace, device: torch.device) -> tuple[Path | None, Path]:
+    """(--out, --table), with the older spelling `--out TABLE.json` read as --table."""
+    out, table = args.out, args.table
+    if out is not None and out.suffix == ".json" and not out.is_dir() and table is None:
+        out, table = None, out
+    return out, table or PACKAGED_DIR / f"{device_slug(device)}.json"
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
+    device = args.device or (torch.device("cuda") if torch.cuda.is_available() else None)
+    if device is None or device.type != "cuda":
         return usage_error(PROG, "needs a CUDA GPU; the packaged defaults serve CPU runs")
+    console = Console()
     shape = get_shape(args.preset)
     dtype = getattr(torch, args.dtype)
-    out = args.out or Path(__file__).parent / "configs" / f"{device_slug()}.json"
+    out, table = _paths(args, device)
     try:
-        merged_table(out, shape_key(shape, dtype), {})   # a bad table is reported before any tuning
+        merged_table(table, shape_key(shape, dtype), {})   # a bad table is reported before any tuning
     except ValueError as exc:
-        return usage_error(PROG, f"--out: {exc}")
-    found, records = {}, []
+        return usage_error(PROG, f"--table: {exc}")
+    try:
+        arg_types.check_out(out, STUDY.result_names, args.overwrite)
+    except ValueError as exc:
+        return usage_error(PROG, exc)
+    _, prov = measure_provenance(device, dtype, console)
+    out_dir = out or RESULTS_ROOT / f"tune-{prov.run_id}"
+    timer = functools.partial(graph_time_ms, reps=args.rep, device=device)
+    rows, records, status = [], [], 0
     for t in args.tokens:
         rot = args.rotations or (8 if t <= 16 else 2 if t <= 256 else 1)
         try:
-            found[t], rec = tune_tokens(shape, t, dtype, rot)
+            best, rec = tune_tokens(shape, t, dtype, rot, lambda m: console.print(m, highlight=False),
+                                    device=device, timer=timer, seed=args.seed)
         except RuntimeError as exc:   # every tile failed: the tokens tuned so far are kept
             print(f"{PROG}: error: {exc}", file=sys.stderr)
-            return 1
+            status = 1
+            break
         records += rec
-        write_table(out, shape_key(shape, dtype), {t: found[t]})
+        rows += tune_rows(prov, args.preset, shape, rot, rec, best)
+        write_table(table, shape_key(shape, dtype), {t: best})
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
-    print(f"wrote {out}")
-    return 0
+    if rows:   # the token counts tuned before a failure are kept, in the table and in the results
+        written = STUDY.write(rows, out_dir)
+        console.print(f"Wrote {table}; {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
+    return status

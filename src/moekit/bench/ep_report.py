@@ -1,9 +1,11 @@
-"""`moekit ep-bench` results: the long-format rows, their CSV, the plot and the report.
+"""`moekit ep-bench` results: the long-format rows, the plot and the report, for the scaffold.
 
 One row per (scenario, placement, rank, phase); rank -1 holds the step, the slowest rank's time
 in each iteration. Every row carries the run's provenance (the `moekit bench` fields, from
-`moekit.bench.results.collect_provenance`), so rows of different runs can share one file. The plot
-and the report are drawn from rows read back from the CSV, never from live measurements.
+`moekit.bench.results.collect_provenance`), so rows of different runs can share one file
+(`moekit ep-bench --append`); the plot and the report show the latest run. Both are drawn from rows
+read back from the CSV, never from live measurements. Folders of earlier runs (ep_results.csv,
+ep_report.md) redraw under their own names.
 """
 
 from __future__ import annotations
@@ -11,15 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from moekit.bench import results
-from moekit.bench.results import Provenance, atomic_write, atomic_write_text, columns, rows_to_csv
+from moekit.bench.plots import png_bytes
+from moekit.bench.results import Provenance, check_provenance, check_shape_columns, positive_problem
+from moekit.bench.study import CSV_NAME as CSV_NAME
+from moekit.bench.study import FILES, Files, Study
+from moekit.bench.study import REPORT_NAME as REPORT_NAME
 
-CSV_NAME = "ep_results.csv"
-REPORT_NAME = "ep_report.md"
 PHASES = ("dispatch", "experts", "wait", "combine")
 STEP = -1  # the rank value of step rows
 STATUSES = ("ok", "failed")
@@ -67,21 +69,10 @@ class EPRow(Provenance):
     pairs_recv: int
 
 
-COLUMNS: tuple[str, ...] = columns(EPRow)
-PROVENANCE_COLUMNS: tuple[str, ...] = columns(Provenance)
-
-
-def read_csv(path: Path) -> list[EPRow]:
-    """Rows of an ep-bench CSV; ValueError naming the file (and line) on any problem."""
-    return results.read_csv(path, EPRow, what="an ep-bench CSV", statuses=STATUSES)
-
-
-def append_csv(rows: Sequence[EPRow], path: Path) -> Path:
-    """Add rows to `path` (created if absent; an existing file must be an ep-bench CSV). Atomic."""
-    path = Path(path)
-    old = rows_to_csv(read_csv(path) if path.exists() else [], EPRow)
-    atomic_write_text(path, old + rows_to_csv(rows, EPRow, header=False))
-    return path
+def check_row(row: EPRow) -> str:
+    """"" when a row can be reported: usable provenance, a layer shape, a group of >= 1 rank."""
+    return check_provenance(row) or check_shape_columns(row, "tokens_per_rank") or \
+        positive_problem(row, "world_size")
 
 
 def latest_run(rows: Sequence[EPRow]) -> list[EPRow]:
@@ -103,7 +94,7 @@ def _phase(rows: Sequence[EPRow], placement: str, scenario: str, rank: int, phas
                  and r.rank == rank and r.phase == phase), None)
 
 
-def plot(rows: Sequence[EPRow], out_dir: Path) -> Path:
+def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
     """Per scenario, one stacked bar per rank (dispatch, experts, wait, combine medians), and the
     step time (slowest rank) as a black tick; one panel per placement."""
     r0 = rows[0]
@@ -136,9 +127,7 @@ def plot(rows: Sequence[EPRow], out_dir: Path) -> Path:
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"ep-bench {r0.preset} ({r0.mode}, {r0.dist_backend or 'loopback'}, N={n}, "
                  f"T={r0.tokens_per_rank}/rank, {r0.dtype}, {r0.backend}), {r0.device_name}", fontsize=9)
-    path = Path(out_dir) / f"ep_{r0.preset}.png"
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
-    return path
+    return f"ep_{r0.preset}.png", png_bytes(fig)
 
 
 def _ms(v: float) -> str:
@@ -198,10 +187,13 @@ def render(rows: Sequence[EPRow], plot_name: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(rows: Sequence[EPRow], out_dir: Path) -> list[Path]:
-    """The plot and the Markdown report of the latest run in `rows`."""
+def output_files(rows: Sequence[EPRow], files: Files = FILES) -> dict[str, str | bytes]:
+    """The plot and the report of the latest run in `rows`, rendered in memory (the report last)."""
     rows = latest_run(rows)
-    png = plot(rows, out_dir)
-    md = Path(out_dir) / REPORT_NAME
-    atomic_write_text(md, render(rows, png.name))
-    return [png, md]
+    name, png = plot(rows)
+    return {name: png, files.report: render(rows, name)}
+
+
+STUDY = Study("ep-bench", EPRow, output_files, check=check_row, statuses=STATUSES,
+              legacy=(Files("ep_results.csv", "ep_report.md"),))
+read_csv = STUDY.read

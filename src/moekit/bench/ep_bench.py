@@ -1,23 +1,26 @@
 """`moekit ep-bench`: expert parallelism over torch.distributed, each rank's time split into phases.
 
     torchrun --nproc-per-node N -m moekit ep-bench [--preset P --tokens T ...]   nccl on CUDA, gloo on CPU
-    moekit ep-bench --simulate N      one process, N virtual ranks (loopback exchange, one device)
-    moekit ep-bench --redraw CSV      the plot and report again, from a results CSV
+    moekit ep-bench --simulate N      one process, N virtual ranks (`moekit.bench.simulate`, one device)
+    moekit report DIR                 the plot and report again, from the results CSV
 
-For every routing scenario (`moekit.routing.scenarios`, drawn for all N·T tokens, then rank r takes
+For every routing scenario (`moekit.bench.scenarios`, drawn for all N·T tokens, then rank r takes
 rows [r·T, (r+1)·T)) and placement (contiguous; with --spare-slots S also hot experts replicated into
 S spare slots per rank, planned from the scenario's loads), each rank first checks its output
 against the fp32 reference (`moekit.bench.correctness`; a failure on any rank withholds the
-timings), then times `iters` iterations of:
+timings), then times --rep iterations (after --warmup untimed ones) of:
 
     barrier -> dispatch (plan, count all-to-all and its host sync, pack, row all-to-all)
             -> experts (moe_experts on the received rows)
             -> wait (barrier: idle until the slowest rank's experts are done)
             -> combine (reverse all-to-all, per-token sum)
 
-Step time of an iteration = the slowest rank's dispatch + experts + wait + combine. Rows go to
-`ep_results.csv` (appended) with `moekit bench`'s provenance; plot and report are drawn from it.
-NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before the group starts.
+Step time of an iteration = the slowest rank's dispatch + experts + wait + combine. A study on the
+scaffold (`moekit.bench.study`): rank 0 writes the rows (`moekit.bench.ep_report.EPRow`, with
+`moekit bench`'s provenance) to results.csv, then the plot and report.md drawn from them (--append
+adds the rows to the folder's results.csv instead). NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before the group starts. Errors are printed on stdout
+(every rank's console), as the distributed tests expect.
 """
 
 from __future__ import annotations
@@ -34,55 +37,57 @@ import torch.distributed as dist
 from rich.console import Console
 
 from moekit.bench import args as arg_types
-from moekit.bench.args import DTYPES
-from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT
 from moekit.bench.correctness import Check, expected_output
-from moekit.bench.results import Provenance, collect_provenance
+from moekit.bench.ep_report import PHASES, STEP, STUDY, EPRow
+from moekit.bench.results import Provenance
 from moekit.bench.runner import make_weights
-from moekit.bench.timing import TimingStats
+from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
+from moekit.bench.simulate import SimulatedTimes, shard_experts, simulate_ep
+from moekit.bench.study import CSV_NAME, exit_status, find_results, measure_provenance, redraw
+from moekit.bench.timing import TimingStats, sync
 from moekit.experts import BACKENDS, resolve_backend
 from moekit.parallel import disable_nvls
 from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
-from moekit.parallel.results import CSV_NAME, PHASES, STEP, EPRow, append_csv, read_csv, write_report
-from moekit.parallel.simulate import SimulatedTimes, shard_experts, simulate_ep
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
-from moekit.routing.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.shapes import PRESETS, MoEShape
 
-GPU_PRESET, CPU_PRESET = "qwen3-30b-a3b", "tiny"
+PROG = "moekit ep-bench"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
-RESULTS_ROOT = Path("moekit-results")
+GPU_WARMUP, CPU_WARMUP = 10, 3
+GPU_REP, CPU_REP = 50, 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help=f"layer shape (default: {GPU_PRESET} on GPUs, {CPU_PRESET} on the CPU)")
+    arg_types.add_preset(p)
     p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
                    help=f"tokens per rank (default: {GPU_TOKENS} on GPUs, {CPU_TOKENS} on the CPU)")
     p.add_argument("--scenarios", type=arg_types.csv_list, default=",".join(SCENARIOS),
-                   help="routing scenarios, comma-separated (moekit.routing.make_scenario names)")
+                   help="routing scenarios, comma-separated (`moekit.bench.scenarios.make_scenario` names)")
     p.add_argument("--trace", type=arg_types.existing_path, default=None,
-                   help="routing trace (.pt or .npy) for the scenario 'file' (moekit.routing.from_file)")
-    p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS), help="experts backend")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype (default: bfloat16 on GPUs, float32 on the CPU)")
+                   help="routing trace (.pt or .npy) for the scenario 'file' (`moekit.bench.scenarios`)")
+    p.add_argument("--backends", type=arg_types.one_name(lambda: ("auto", *BACKENDS), "backend"),
+                   default="auto", help="the experts backend every rank runs (one name; default: auto)")
+    p.add_argument("--backend", type=arg_types.one_name(lambda: ("auto", *BACKENDS), "backend"),
+                   dest="backends", help=argparse.SUPPRESS)  # the older spelling
+    arg_types.add_dtype(p)
     p.add_argument("--spare-slots", type=arg_types.int_range(0), default=0,
                    help="also run with hot experts replicated into this many spare slots per rank")
-    p.add_argument("--warmup", type=arg_types.int_range(0), default=None,
-                   help="untimed iterations (default: 3 CPU, 10 GPU)")
-    p.add_argument("--iters", type=arg_types.int_range(1), default=None,
-                   help="timed iterations (default: 10 CPU, 50 GPU)")
+    arg_types.add_timing(p, f"timed iterations (default: {CPU_REP} CPU, {GPU_REP} GPU)",
+                         f"untimed iterations first (default: {CPU_WARMUP} CPU, {GPU_WARMUP} GPU)",
+                         rep_aliases=("--iters",))
     p.add_argument("--simulate", type=arg_types.int_range(1), default=None, metavar="N",
                    help="no process group: N virtual ranks in this process, on one device")
-    p.add_argument("--out", type=arg_types.out_dir, default=None,
-                   help=f"output folder (default: {RESULTS_ROOT}/ep-<UTC timestamp>); rows are appended "
-                        f"to its {CSV_NAME}")
+    arg_types.add_out(p, "ep-<UTC timestamp>", STUDY.result_names,
+                      f" (or --append: add the rows to its {CSV_NAME})")
+    p.add_argument("--append", action="store_true",
+                   help=f"add this run's rows to --out's {CSV_NAME} (an ep-bench CSV); the plot and report "
+                        "show the latest run")
     p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="CSV",
-                   help="only redraw the plot and report of the latest run in this CSV")
+                   help=argparse.SUPPRESS)  # the older spelling of `moekit report`
     p.add_argument("--timeout", type=arg_types.int_range(1), default=600,
                    help="seconds before a stuck collective fails")
-    p.add_argument("--seed", type=arg_types.int_range(0, arg_types.SEED_MAX), default=0,
-                   help="seed of the weights, tokens and routing")
+    arg_types.add_seed(p)
 
 
 @dataclass(frozen=True)
@@ -112,29 +117,23 @@ class Group:
 
 
 def _config(args: argparse.Namespace, device: torch.device) -> Config:
-    on_gpu = device.type == "cuda"
-    preset = args.preset or (GPU_PRESET if on_gpu else CPU_PRESET)
+    preset = arg_types.pick(args.preset, device, GPU_PRESET, CPU_PRESET)
     shape = PRESETS[preset]
-    tokens = args.tokens if args.tokens is not None else (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
     scenarios = tuple(args.scenarios)
     for name in scenarios:  # fail on a bad name or trace before any group-wide work
         make_scenario(name, 1, shape.num_experts, shape.top_k, trace=args.trace)
     if tokens < 1 or args.spare_slots < 0 or not scenarios:
         raise ValueError("--tokens must be >= 1, --spare-slots >= 0, --scenarios not empty")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-    backend = resolve_backend(args.backend, device, shape.hidden_size, shape.intermediate_size,
+    dtype = arg_types.resolve_dtype(args.dtype, device)
+    backend = resolve_backend(args.backends, device, shape.hidden_size, shape.intermediate_size,
                               torch.empty((), dtype=dtype).element_size())
-    warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 3)
-    iters = args.iters if args.iters is not None else (50 if on_gpu else 10)
+    warmup = arg_types.pick(args.warmup, device, GPU_WARMUP, CPU_WARMUP)
+    iters = arg_types.pick(args.rep, device, GPU_REP, CPU_REP)
     if warmup < 0 or iters < 1:
-        raise ValueError("--warmup must be >= 0 and --iters >= 1")
+        raise ValueError("--warmup must be >= 0 and --rep >= 1")
     return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
                   iters, args.seed, device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _routing(cfg: Config, name: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,19 +219,19 @@ def _measure_rank(cfg: Config, grp: Group, x: torch.Tensor, w: torch.Tensor, ids
         if ok.item():
             for i in range(cfg.warmup + cfg.iters):
                 dist.barrier()
-                _sync(cfg.device)
+                sync(cfg.device)
                 t0 = time.perf_counter()
                 tokens, handle = dispatch(x, w, ids, placement, tables=tables)
-                _sync(cfg.device)
+                sync(cfg.device)
                 t1 = time.perf_counter()
                 partial = run_local_experts(tokens, gate_up, down, backend=cfg.backend)
-                _sync(cfg.device)
+                sync(cfg.device)
                 t2 = time.perf_counter()
                 dist.barrier()
-                _sync(cfg.device)
+                sync(cfg.device)
                 t3 = time.perf_counter()
                 combine(partial, handle)
-                _sync(cfg.device)
+                sync(cfg.device)
                 t4 = time.perf_counter()
                 if i >= cfg.warmup:
                     samples.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))])
@@ -330,37 +329,51 @@ def _start_group(args: argparse.Namespace) -> tuple[Group, bool]:
     return Group(dist.get_rank(), dist.get_world_size(), backend, device), owns
 
 
-def _write(rows: list[EPRow], out_dir: Path, console: Console) -> None:
-    csv_path = append_csv(rows, out_dir / CSV_NAME)
-    written = write_report(read_csv(csv_path), out_dir)
-    console.print(f"Wrote {csv_path}, {', '.join(p.name for p in written)} in {out_dir}")
+def _fail(console: Console, message: object) -> int:
+    console.print(f"[red]{PROG}: {message}[/red]", highlight=False, soft_wrap=True)
+    return 2
 
 
-def _provenance(cfg: Config, console: Console) -> Provenance:
-    console.print(f"Measuring ceilings on {cfg.device}...")
-    ceilings = measure_ceilings(cfg.device, cfg.dtype)
-    return collect_provenance(cfg.device, cfg.dtype, ceilings.copy_gbps, ceilings.matmul_tflops)
+def _check_out(args: argparse.Namespace) -> None:
+    """Before any work, on every rank: --out is writable and holds no results (with --append: its
+    results.csv, if any, is an ep-bench CSV)."""
+    if args.append and args.out is not None:
+        arg_types.check_out_dir(args.out)
+        if (args.out / CSV_NAME).exists():
+            STUDY.read(args.out / CSV_NAME)
+        return
+    arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
+
+
+def _write(rows: list[EPRow], args: argparse.Namespace, out_dir: Path, console: Console) -> int:
+    """results.csv (this run's rows, after the folder's earlier ones with --append), the plot and
+    report.md; the exit status."""
+    earlier = STUDY.read(out_dir / CSV_NAME) if args.append and (out_dir / CSV_NAME).exists() else []
+    written = STUDY.write([*earlier, *rows], out_dir)
+    console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
+    return exit_status(PROG, rows, out_dir / CSV_NAME, console,
+                       lambda r: f"{r.scenario} {r.placement} rank {r.rank} {r.phase}")
 
 
 def run(args: argparse.Namespace) -> int:
     disable_nvls()  # first of all: nothing below may start NCCL or symmetric memory with NVLS on
     console = Console()
-    if args.redraw is not None:
-        try:
-            rows = read_csv(args.redraw)
-        except ValueError as exc:
-            console.print(f"[red]moekit ep-bench: {exc}[/red]")
-            return 2
-        written = write_report(rows, args.out or args.redraw.parent)
-        console.print(f"Wrote {', '.join(str(p) for p in written)}")
-        return 0
+    try:
+        if args.redraw is not None:
+            study, src = find_results(args.redraw, STUDY)
+            arg_types.check_out_dir(args.out or src.parent, "--out" if args.out else "the CSV's folder")
+            written = redraw(study, src, args.out)[1]
+            console.print(f"Wrote {', '.join(str(p) for p in written)}", highlight=False)
+            return 0
+        _check_out(args)
+    except ValueError as exc:
+        return _fail(console, exc)
     if args.simulate is not None:
         return _run_simulated(args, console)
     try:
         grp, owns = _start_group(args)
     except ValueError as exc:
-        console.print(f"[red]moekit ep-bench: {exc}[/red]")
-        return 2
+        return _fail(console, exc)
     try:
         if grp.rank != 0:
             console = Console(quiet=True)
@@ -369,17 +382,16 @@ def run(args: argparse.Namespace) -> int:
             if grp.world > cfg.shape.num_experts:
                 raise ValueError(f"{grp.world} ranks but only {cfg.shape.num_experts} experts")
         except ValueError as exc:
-            console.print(f"[red]moekit ep-bench: {exc}[/red]")
-            return 2
-        prov = _provenance(cfg, console) if grp.rank == 0 else None
+            return _fail(console, exc)
+        prov = measure_provenance(cfg.device, cfg.dtype, console)[1] if grp.rank == 0 else None
         console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
                       f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
                       f"{cfg.backend}")
         rows = _distributed_rows(cfg, grp, prov, console)
-        if grp.rank == 0:
-            _write(rows, args.out or RESULTS_ROOT / f"ep-{prov.run_id}", console)
+        status = _write(rows, args, args.out or RESULTS_ROOT / f"ep-{prov.run_id}", console) \
+            if grp.rank == 0 else 0
         dist.barrier()
-        return 1 if any(r.status != "ok" for r in rows) else 0
+        return status
     finally:
         if owns:
             dist.destroy_process_group()
@@ -390,18 +402,14 @@ def _run_simulated(args: argparse.Namespace, console: Console) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     try:
-        if n < 1:
-            raise ValueError(f"--simulate needs N >= 1, got {n}")
         cfg = _config(args, device)
         if n > cfg.shape.num_experts:
             raise ValueError(f"--simulate {n}: more ranks than the preset's {cfg.shape.num_experts} experts")
     except ValueError as exc:
-        console.print(f"[red]moekit ep-bench: {exc}[/red]")
-        return 2
+        return _fail(console, exc)
     grp = Group(0, n, "", device)
-    prov = _provenance(cfg, console)
+    prov = measure_provenance(cfg.device, cfg.dtype, console)[1]
     console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
                   f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend {cfg.backend}")
     rows = _simulated_rows(cfg, grp, prov, console)
-    _write(rows, args.out or RESULTS_ROOT / f"ep-sim-{prov.run_id}", console)
-    return 1 if any(r.status != "ok" for r in rows) else 0
+    return _write(rows, args, args.out or RESULTS_ROOT / f"ep-sim-{prov.run_id}", console)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from moekit._validation import check_tensor, check_top_k
-from moekit.routing.router import route
+from moekit.routing import route
 
 ZIPF_EXPONENTS = (0.5, 1.0, 1.5)
 # The study's default scenarios, in order of rising skew (roughly); "hot" takes n = K // 2 there.

@@ -1,0 +1,193 @@
+"""The one scaffold every study stands on: `moekit bench`, `imbalance`, `ep-bench` and `tune`.
+
+A study is arguments -> measure -> rows -> render; only the measuring is its own:
+
+    arguments   shared flags, types and defaults (`moekit.bench.args`)
+    provenance  the device's ceilings and the run's provenance, measured once (`measure_provenance`)
+    rows        a frozen dataclass on `results.Provenance`: one row per measurement (long format)
+    write       results.csv through the one row writer (`results.rows_to_csv`), then the one report
+                step: report.md and the plots, rendered from the rows alone. Every file is rendered
+                in memory first, then each is written atomically (`Study.write`)
+    exit        0 when a case was measured, 1 (one error line) when none was (`exit_status`)
+    report      `moekit report DIR` finds which study a folder holds, by its CSV's columns, and
+                redraws it (`find_results`, `redraw`)
+
+Each study's report module (`report`, `imbalance_report`, `ep_report`, `tune_report`) defines its
+`STUDY`: the name, the row type, the row check and the render function. Folders written before the
+scaffold keep their file names when redrawn: imbalance.csv -> imbalance.md, ep_results.csv ->
+ep_report.md (the 2026-11-29 bench folder already has results.csv and report.md).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import math
+import sys
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moekit.bench.ceilings import Ceilings, measure_ceilings
+from moekit.bench.results import (
+    STATUSES,
+    Provenance,
+    collect_provenance,
+    columns,
+    read_csv,
+    rows_to_csv,
+    write_files,
+)
+
+CSV_NAME = "results.csv"
+REPORT_NAME = "report.md"
+RESULT_FILES = (CSV_NAME, REPORT_NAME)
+REPORT_MODULES = ("moekit.bench.report", "moekit.bench.imbalance_report", "moekit.bench.ep_report",
+                  "moekit.bench.tune_report")
+
+
+@dataclass(frozen=True)
+class Files:
+    """The names of a results folder's CSV and report."""
+
+    csv: str = CSV_NAME
+    report: str = REPORT_NAME
+
+
+FILES = Files()
+Rendered = dict[str, str | bytes]
+
+
+@dataclass(frozen=True)
+class Study:
+    """One study's results: how its rows are read, checked and drawn.
+
+    Attributes:
+        name: the subcommand ("bench", "imbalance", "ep-bench", "tune").
+        row_type: a frozen dataclass on `Provenance`; its fields are the CSV's columns.
+        render: (rows, files) -> {file name: text or PNG bytes}, the plots, then the report last;
+            from the rows alone (`files` names the CSV and the report the text refers to).
+        check: row -> "" or what is wrong with it beyond the cell types (`results.read_csv`).
+        statuses: the values a "status" column may hold (None: the rows have none).
+        legacy: the file names of folders this study wrote before the scaffold.
+    """
+
+    name: str
+    row_type: type
+    render: Callable[[Sequence, Files], Rendered]
+    check: Callable[[object], str] | None = None
+    statuses: tuple[str, ...] | None = STATUSES
+    legacy: tuple[Files, ...] = ()
+
+    @property
+    def result_names(self) -> tuple[str, ...]:
+        """The files that mark a folder as holding this study's results (older names included)."""
+        return (*RESULT_FILES, *(n for f in self.legacy for n in (f.csv, f.report)))
+
+    def read(self, path: Path) -> list:
+        """Every row of a CSV of this study, checked; ValueError naming the file (and line)."""
+        return read_csv(path, self.row_type, what=f"a moekit {self.name} results CSV",
+                        statuses=self.statuses, check=self.check)
+
+    def files_for(self, csv_path: Path) -> Files:
+        """The report that goes with a CSV: its legacy name, else report.md."""
+        return next((f for f in self.legacy if f.csv == csv_path.name), Files(csv_path.name, REPORT_NAME))
+
+    def write(self, rows: Sequence, out_dir: Path,
+              extra: Mapping[str, str | bytes] | None = None) -> list[Path]:
+        """results.csv, `extra` files (e.g. results.json), the plots and report.md into out_dir:
+        all rendered first, then each written atomically, in that order."""
+        files = {CSV_NAME: rows_to_csv(rows, self.row_type), **(extra or {}), **self.render(rows, FILES)}
+        return write_files(files, out_dir)
+
+
+def studies() -> list[Study]:
+    """Every study, `moekit bench` first (their report modules are imported here, not before)."""
+    return [importlib.import_module(m).STUDY for m in REPORT_MODULES]
+
+
+def _header(path: Path) -> set[str]:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return set(next(csv.reader(f), []))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return set()
+
+
+def detect(csv_path: Path) -> Study:
+    """The study whose columns the CSV holds: the largest share of them (`moekit bench` when none
+    is found; reading the file as that study's then names the missing columns)."""
+    header = _header(csv_path)
+
+    def share(s: Study) -> float:
+        cols = columns(s.row_type)
+        return len(header.intersection(cols)) / len(cols)
+
+    return max(studies(), key=share)
+
+
+def find_results(path: Path, study: Study | None = None) -> tuple[Study, Path]:
+    """(the study, its CSV) of a results folder or CSV file. A folder's results.csv is looked for
+    first, then the legacy names."""
+    path = Path(path)
+    if path.is_dir():
+        legacy = [f.csv for s in ([study] if study else studies()) for f in s.legacy]
+        path = next((path / n for n in (CSV_NAME, *legacy) if (path / n).is_file()), path / CSV_NAME)
+    return study or detect(path), path
+
+
+def redraw(study: Study, src: Path, out_dir: Path | None = None) -> tuple[list, list[Path]]:
+    """Read a study's CSV (every row checked first), then redraw its plots and report into out_dir
+    (default: the CSV's folder). Returns (rows, files written); ValueError on a bad file."""
+    rows = study.read(src)
+    return rows, write_files(study.render(rows, study.files_for(src)), out_dir or src.parent)
+
+
+def measure_provenance(device: torch.device, dtype: torch.dtype, console, *, rep: int | None = None,
+                       transformers_version: str | None = None) -> tuple[Ceilings, Provenance]:
+    """Measure the device's ceilings once, and the run's provenance that every row carries."""
+    console.print(f"Measuring ceilings on {device} ({str(dtype).removeprefix('torch.')})...")
+    ceilings = measure_ceilings(device, dtype, rep=rep)
+    console.print(f"  copy {ceilings.copy_gbps:,.1f} GB/s, matmul {ceilings.matmul_tflops:,.3g} TFLOP/s, "
+                  f"ridge {ceilings.ridge_flops_per_byte:.1f} FLOP/byte")
+    return ceilings, collect_provenance(device, dtype, ceilings.copy_gbps, ceilings.matmul_tflops,
+                                        transformers_version=transformers_version)
+
+
+def fmt_number(v: float | int | None, digits: int = 3) -> str:
+    """A table cell: "–" for a missing value, integers with thousands separators, numbers from 100
+    up without decimals, smaller ones to `digits` significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if v == 0:
+        return "0"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def status_counts(rows: Sequence) -> dict[str, int]:
+    """Rows by status, in sorted order of the status."""
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r.status] = out.get(r.status, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def exit_status(prog: str, rows: Sequence, csv_path: Path, console,
+                describe: Callable[[object], str], bad: Collection[str] = ("failed", "error")) -> int:
+    """Print every failed or errored case (`describe(row)` names it), then: 0 when at least one case
+    was measured, else one error line on stderr and 1."""
+    for r in rows:
+        if r.status in bad:
+            console.print(f"[red]{describe(r)} {r.status}: {r.reason}[/red]", highlight=False)
+    counts = status_counts(rows)
+    if counts.get("ok", 0):
+        return 0
+    print(f"{prog}: error: no case succeeded (" + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + f"); the reasons are in {csv_path}", file=sys.stderr)
+    return 1
