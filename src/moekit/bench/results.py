@@ -13,6 +13,7 @@ field's annotation (str, float, int or int | None) says how a cell is written an
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import io
 import json
@@ -354,10 +355,13 @@ def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit re
     try:
         reader = csv.reader(io.StringIO(text))
         header = next(reader, None) or []
-        missing = [c for c, _ in schema if c not in header]
+        # Columns added to a row type later carry a default: older files without them still read.
+        optional = {f.name for f in dataclasses.fields(row_type)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        missing = [c for c, _ in schema if c not in header and c not in optional]
         if missing:
             raise ValueError(f"{path}: not {what}; missing columns {missing}")
-        index = [(c, kind, header.index(c)) for c, kind in schema]
+        index = [(c, kind, header.index(c)) for c, kind in schema if c in header]
         rows = []
         for line_no, record in enumerate(reader, start=2):
             if not record:

@@ -56,6 +56,7 @@ class TuneRow(LayerRow):
     warps2: int | None
     stages2: int | None
     group_m: int | None
+    pair_blocks: int | None = None
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ExpertsConfig))
