@@ -58,7 +58,7 @@ register_backend(Backend(
     "triton",
     lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out),
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
-    capturable=True, backward_devices=frozenset(), options=frozenset({"config"})))
+    capturable=True, backward_devices=frozenset({"cpu", "cuda"}), options=frozenset({"config"})))
 
 BACKENDS = backend_names()
 
