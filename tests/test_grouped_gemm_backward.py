@@ -35,6 +35,8 @@ from moekit.tuning import default_config, load_table, shared_memory_budget
 
 CFG = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
                     block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
+CFG32 = ExpertsConfig(block_m=16, block_n1=32, block_k1=32, warps1=4, stages1=1,
+                      block_n2=32, block_k2=32, warps2=4, stages2=1, group_m=2)
 NAMES = ("hidden_states", "gate_up_proj", "down_proj", "topk_weights")
 
 CASES = [  # (T, E, H, I, K, routing)
@@ -261,6 +263,25 @@ def test_backward_tiles_fit_shared_memory():
             tiles = BackwardTiles.fit(cfg, itemsize)
             used = tiles.stages * (2 * cfg.block_m * tiles.block_k + 3 * tiles.block_k * tiles.block_n)
             assert used * itemsize <= shared_memory_budget(None), (cfg, itemsize, tiles)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_float16_gradients_within_twice_plain_pytorch(num_tokens):
+    # The interpreter computes float16 dots correctly (bf16 ones it does not): the tolerance rule on CPU.
+    num_experts, hidden, inter, top_k = 6, 96, 48, 2
+    x, gate_up, down, _, _, dout = (t.half() for t in make(num_tokens, num_experts, hidden, inter, top_k,
+                                                            "distinct"))
+    w, ids = torch.softmax(torch.randn(num_tokens, num_experts), -1).topk(top_k, -1)
+    ids[:, 0] = torch.where(ids[:, 0] == num_experts - 1, 0, ids[:, 0])      # an expert with no pair
+    want = ref_grads(x, gate_up, down, w, ids, dout)
+    base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    experts_plain(*base, ids).backward(dout)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts(*leaves, ids, backend="triton", config=CFG32).backward(dout)
+    for name, t, b, ref in zip(NAMES, leaves, base, want):
+        assert t.grad.dtype == b.grad.dtype, name
+        err, base_err = rel_err(t.grad, ref), rel_err(b.grad, ref)
+        assert err <= 2 * base_err, (name, err, base_err)
 
 
 # GPU: bf16 at the Qwen3-30B-A3B shape (run on the H200: pytest -m gpu tests/test_grouped_gemm_backward.py).

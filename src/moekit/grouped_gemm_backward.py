@@ -124,7 +124,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     dw = None
     if want_topk_weights:
         dw = torch.zeros(align.num_pairs, dtype=torch.float32, device=dev)   # pairs never placed: 0
-        block_t = min(64, triton.next_power_of_2(n_tiles))
+        block_t = min(64, max(16, triton.next_power_of_2(n_tiles)))
         moe_tile_sum_kernel[(align.max_blocks,)](
             part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
             BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4,
