@@ -40,14 +40,17 @@ from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 
 
+def _align(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> Alignment:
+    return align_block_size(topk_ids, num_experts, config.block_m,
+                            backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
+
+
 def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor) -> Alignment:
-    num_experts = gate_up_proj.shape[0]
-    align = align_block_size(topk_ids, num_experts, config.block_m,
-                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
+    align = _align(topk_ids, gate_up_proj.shape[0], config)
     h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config)
     y = gemm2_weighted(h, down_proj, topk_weights, align, config)
-    moe_sum(y, topk_ids, num_experts, out)
+    moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
     return align
 
 
@@ -102,6 +105,21 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, config: ExpertsConfig | None):
+    """(config, contiguous weights, contiguous ids): the tuned config unless one is given."""
+    check_triton_device("hidden_states", hidden_states)
+    if config is None:
+        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
+        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
+        num_experts, two_i, hidden = gate_up_proj.shape
+        shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
+        config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    return config, weights, ids
+
+
 def experts_triton(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -112,17 +130,7 @@ def experts_triton(
     config: ExpertsConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_triton_device("hidden_states", hidden_states)
-    num_tokens = hidden_states.shape[0]
-    num_experts, two_i, hidden = gate_up_proj.shape
-    top_k = topk_ids.shape[1]
-    if config is None:
-        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
-        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
-        shape = MoEShape(num_experts, hidden, two_i // 2, min(top_k, num_experts))
-        config = get_config(shape, num_tokens, hidden_states.dtype, hidden_states.device)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
     if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights):
         if out is not None:
             raise RuntimeError("out= cannot be used when the call needs gradients")
@@ -131,3 +139,22 @@ def experts_triton(
         out = _workspace.empty_like(hidden_states)
     _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out)
     return out
+
+
+def experts_triton_grads(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    needs: tuple[bool, bool, bool, bool],
+    *,
+    config: ExpertsConfig | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
+    `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    align = _align(ids, gate_up_proj.shape[0], config)
+    return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
+                                   config, needs)
