@@ -244,9 +244,10 @@ def test_frozen_inputs_get_no_grad_and_no_kernel(monkeypatch, trainable, expecte
 
 
 def test_backward_is_bitwise_reproducible():
-    x, gate_up, down, w, ids, dout = make(30, 4, 48, 24, 3, "one-expert")
+    # Busy experts (several row blocks each) and unplaced pairs; no atomics, nothing left unwritten.
+    x, gate_up, down, w, ids, dout = make(30, 4, 48, 24, 3, "sentinels")
     leaves = [t.requires_grad_(True) for t in (x, gate_up, down, w)]
-    out = moe_experts(*leaves, ids, backend="triton", config=CFG)
+    out = moe_experts(*leaves, ids, backend="triton", config=CFG, ignore_invalid_ids=True)
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     second = torch.autograd.grad(out, leaves, dout)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
