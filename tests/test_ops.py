@@ -87,6 +87,53 @@ def test_experts_opcheck(backend):
     torch.library.opcheck(torch.ops.moekit.experts.default, (wide[:, 8:40],) + args[1:])
 
 
+def _ref_grads(x, gate_up, down, w, ids, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts_ref(*leaves, ids).backward(dout)
+    return [t.grad for t in leaves]
+
+
+def test_experts_op_autograd_opcheck():
+    """The triton op's autograd (moekit::experts_backward): opcheck with inputs that need grad."""
+    x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
+    ids = with_sentinels(ids, 4)
+    cfg = [getattr(SMALL, f) for f in CONFIG_FIELDS]
+    leaves = [t.requires_grad_(True) for t in (x, gate_up, down, w)]
+    torch.library.opcheck(torch.ops.moekit.experts.default, (*leaves, ids, "triton", cfg))
+    dout = torch.randn(6, 32)
+    for needs in ([True, True, True, True], [False, False, True, True]):
+        args = (dout, *(t.detach() for t in leaves), ids, "triton", cfg, needs)
+        torch.library.opcheck(torch.ops.moekit.experts_backward.default, args)
+    frozen = torch.ops.moekit.experts_backward(dout, *(t.detach() for t in leaves), ids, "triton", cfg,
+                                                [False, True, False, False])
+    assert [tuple(g.shape) for g in frozen] == [(0,), (4, 32, 32), (0,), (0,)]
+
+
+def test_experts_op_autograd_other_backends_raise_before_running():
+    x, gate_up, down, w, ids = make_case(5, 4, 32, 16, 2)
+    with pytest.raises(RuntimeError, match="differentiates backend \\['triton'\\] only"):
+        torch.ops.moekit.experts(x, gate_up.requires_grad_(True), down, w, ids, "loop", None)
+
+
+def test_compiled_triton_backward_with_dynamic_tokens():
+    """torch.compile(fullgraph) through the op and its autograd: one graph, reference gradients."""
+    torch.manual_seed(0)
+    x_all, gate_up, down, w_all, ids_all = make_case(9, 5, 36, 20, 2)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda *t: ops.experts(*t, backend="triton", config=SMALL), fullgraph=True,
+                             dynamic=True, backend=counter)
+    for num_tokens in (9, 4):
+        x, w, ids = x_all[:num_tokens], w_all[:num_tokens], with_sentinels(ids_all[:num_tokens], 5)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+        dout = torch.randn(num_tokens, 36)
+        compiled(*leaves[:3], leaves[3], ids).backward(dout)
+        valid = (ids >= 0) & (ids < 5)
+        want = _ref_grads(x, gate_up, down, w, torch.where(valid, ids, -1), dout)
+        for name, t, ref in zip(("x", "gate_up", "down", "w"), leaves, want):
+            assert rel_err(t.grad, ref) <= 1e-5, (num_tokens, name)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_topk_softmax_op(backend):
     gen = torch.Generator().manual_seed(1)

@@ -31,16 +31,6 @@ def case(num_tokens=9, num_experts=4, hidden=32, inter=16, top_k=2, dtype=torch.
 
 # 1. Gradients: never a silently detached output.
 
-def test_explicit_triton_with_grad_raises():
-    x, gate_up, down, w, ids = case()
-    gate_up.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="backend='triton' has no backward"):
-        moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
-    with torch.no_grad():                            # inference needs no backward
-        out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
-    assert rel_err(out, moe_experts_ref(x, gate_up.detach(), down, w, ids)) <= 1e-5
-
-
 def test_grouped_mm_without_cpu_backward_raises():
     x, gate_up, down, w, ids = case()
     with pytest.raises(RuntimeError, match="no backward on cpu"):
@@ -57,6 +47,20 @@ def _fp32_grads(x, gate_up, down, w, ids):
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
     moe_experts_ref(*leaves, ids).pow(2).sum().backward()
     return [t.grad for t in leaves]
+
+
+def test_explicit_triton_with_grad_differentiates():
+    # The triton backend has a backward (issue 10); only the asked-for gradient is filled.
+    x, gate_up, down, w, ids = case()
+    gate_up.requires_grad_(True)
+    out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
+    assert out.grad_fn is not None
+    out.pow(2).sum().backward()
+    assert rel_err(gate_up.grad, _fp32_grads(x, gate_up, down, w, ids)[1]) <= 1e-5
+    with torch.no_grad():                            # inference records nothing
+        out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=SMALL)
+    assert out.grad_fn is None
+    assert rel_err(out, moe_experts_ref(x, gate_up.detach(), down, w, ids)) <= 1e-5
 
 
 @pytest.fixture
@@ -95,10 +99,17 @@ def test_layer_backward_fills_every_parameter_grad(fresh_warnings):
         assert rel_err(got, ref) <= 1e-5
 
 
-def test_layer_with_triton_backend_and_grad_raises():
-    layer = MoELayer("tiny", backend="triton")
-    with pytest.raises(RuntimeError, match="no backward"):
-        layer(torch.randn(3, 64))                     # the parameters require grad
+def test_layer_with_triton_backend_trains():
+    torch.manual_seed(0)
+    layer = MoELayer("tiny", backend="triton")         # the parameters require grad
+    x = torch.randn(5, 64, requires_grad=True)
+    layer(x, config=SMALL).pow(2).sum().backward()
+    params = [layer.router_weight, layer.gate_up_proj, layer.down_proj]
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, *params)]
+    s = layer.shape
+    moe_layer_ref(*leaves, s.top_k, s.norm_topk_prob).pow(2).sum().backward()
+    for got, ref in zip((x.grad, *(p.grad for p in params)), (t.grad for t in leaves)):
+        assert rel_err(got, ref) <= 1e-5
 
 
 def test_triton_router_with_grad_raises():
@@ -111,12 +122,13 @@ def test_triton_router_with_grad_raises():
 
 def test_ops_entries_follow_the_same_gradient_rules():
     x, gate_up, down, w, ids = case()
-    with pytest.raises(RuntimeError, match="backend='triton' has no backward"):
-        ops.experts(x, gate_up, down, w.requires_grad_(True), ids, backend="triton")
-    w_leaf = w.detach().clone().requires_grad_(True)
-    out = ops.experts(x, gate_up, down, w_leaf, ids, backend="loop")
-    out.pow(2).sum().backward()
-    assert rel_err(w_leaf.grad, _fp32_grads(x, gate_up, down, w, ids)[3]) <= 1e-5
+    with pytest.raises(RuntimeError, match="backend='grouped_mm' has no backward on cpu"):
+        ops.experts(x, gate_up, down, w.requires_grad_(True), ids, backend="grouped_mm")
+    for backend in ("loop", "triton"):
+        w_leaf = w.detach().clone().requires_grad_(True)
+        out = ops.experts(x, gate_up, down, w_leaf, ids, backend=backend)
+        out.pow(2).sum().backward()
+        assert rel_err(w_leaf.grad, _fp32_grads(x, gate_up, down, w, ids)[3]) <= 1e-5, backend
     with pytest.raises(RuntimeError, match="router backend='triton' has no backward"):
         ops.topk_softmax(torch.randn(4, 8, requires_grad=True), 2, backend="triton")
 

@@ -57,6 +57,14 @@ class Alignment:
     def max_blocks(self) -> int:
         return self.expert_ids.numel()
 
+    def row_starts(self) -> torch.Tensor:
+        """int32 (E + 1,): the first sorted row of each expert's padded group, then num_padded.
+
+        Device ops only (no host sync); expert e's rows are [row_starts[e], row_starts[e + 1]).
+        """
+        padded = (self.tokens_per_expert.long() + self.block_m - 1) // self.block_m * self.block_m
+        return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0)).to(torch.int32)
+
 
 def padded_length(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_experts, num_pairs) * (block_m - 1)

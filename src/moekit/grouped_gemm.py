@@ -2,8 +2,9 @@
 
 Each launcher (checks done by the caller, buffers allocated here, grid from fixed upper bounds) sits
 beside its pure-PyTorch twin (`*_torch`), which computes the same rows in fp32 and is what the
-kernel tests compare against. The @triton.jit code is in `moekit.kernels.grouped_gemm`; backward
-and quantized variants go beside these (a launcher, a twin, kernels in `kernels/`).
+kernel tests compare against (fp64 inputs stay fp64, for gradcheck). The @triton.jit code is in
+`moekit.kernels.grouped_gemm`; the backward is `moekit.grouped_gemm_backward` (kernels in
+`kernels/grouped_gemm_backward.py`), and quantized variants go beside these the same way.
 
 Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate, L padded rows
 (`Alignment.sorted_ids` length). Rows of h at or past `num_padded`, and rows of y of pairs that
@@ -26,6 +27,11 @@ from moekit.tuning import ExpertsConfig
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in full fp32 (not tf32): the fp32 path is a correctness path.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def twin_dtype(t: torch.Tensor) -> torch.dtype:
+    """The twins compute in fp32, or in fp64 for fp64 inputs (so gradcheck can run on them)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
@@ -89,11 +95,12 @@ def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Align
                        top_k: int) -> torch.Tensor:
     """Twin of `gemm1_swiglu` in fp32: h (L, I), padding rows 0."""
     inter = gate_up_proj.shape[1] // 2
-    h = torch.zeros(align.sorted_ids.numel(), inter, dtype=torch.float32, device=x.device)
+    acc = twin_dtype(x)
+    h = torch.zeros(align.sorted_ids.numel(), inter, dtype=acc, device=x.device)
     rows, pair, expert = _placed_rows(align)
     for e in expert.unique().tolist():
         sel = expert == e
-        gate, up = (x[pair[sel] // top_k].float() @ gate_up_proj[e].float().T).chunk(2, dim=-1)
+        gate, up = (x[pair[sel] // top_k].to(acc) @ gate_up_proj[e].to(acc).T).chunk(2, dim=-1)
         h[rows[sel]] = F.silu(gate) * up
     return h
 
@@ -101,12 +108,13 @@ def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Align
 def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
                          align: Alignment) -> torch.Tensor:
     """Twin of `gemm2_weighted` in fp32: y (S, H), rows of unplaced pairs 0."""
-    y = torch.zeros(align.num_pairs, down_proj.shape[1], dtype=torch.float32, device=h.device)
+    acc = twin_dtype(h)
+    y = torch.zeros(align.num_pairs, down_proj.shape[1], dtype=acc, device=h.device)
     rows, pair, expert = _placed_rows(align)
-    w = topk_weights.reshape(-1).float()
+    w = topk_weights.reshape(-1).to(acc)
     for e in expert.unique().tolist():
         sel = expert == e
-        y[pair[sel]] = (h[rows[sel]].float() @ down_proj[e].float().T) * w[pair[sel], None]
+        y[pair[sel]] = (h[rows[sel]].to(acc) @ down_proj[e].to(acc).T) * w[pair[sel], None]
     return y
 
 
@@ -114,5 +122,5 @@ def moe_sum_torch(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> 
     """Twin of `moe_sum` in fp32: out[t] = sum of y[t*K + j] over slots j with an id in [0, E)."""
     num_tokens, top_k = topk_ids.shape
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    per_slot = y.float().view(num_tokens, top_k, -1)
+    per_slot = y.to(twin_dtype(y)).view(num_tokens, top_k, -1)
     return torch.where(valid[..., None], per_slot, 0.0).sum(1)   # rows of unplaced pairs never read

@@ -10,7 +10,10 @@
 capabilities, `out=`, and the ids where that costs no host sync), then runs the backend's entry in
 `registry`. Inside torch.compile it calls the `moekit::experts` custom op instead, whose body is
 the same dispatch: one opaque node whose fake implementation derives the output size from the
-inputs alone, so one graph serves every token count.
+inputs alone, so one graph serves every token count. For backend="triton" the op is differentiable:
+its autograd saves the inputs and calls `moekit::experts_backward`, another opaque op, which runs the
+triton backward kernels (recomputing the alignment); a call that needs gradients on another backend
+is traced by torch.compile as in eager mode.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_m
 from moekit.experts.loop import experts_loop
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
 from moekit.experts.registry import Backend, ExpertsOptions, backend_names, get_backend, register_backend
-from moekit.experts.triton import experts_triton
+from moekit.experts.triton import experts_triton, experts_triton_grads
 from moekit.tuning import ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
@@ -58,7 +61,7 @@ register_backend(Backend(
     "triton",
     lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out),
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
-    capturable=True, backward_devices=frozenset(), options=frozenset({"config"})))
+    capturable=True, backward_devices=frozenset({"cpu", "cuda"}), options=frozenset({"config"})))
 
 BACKENDS = backend_names()
 
@@ -160,7 +163,8 @@ def moe_experts(
         impl.check_layout(hidden_states, gate_up_proj, down_proj)
     if hidden_states.shape[0] == 0:
         return out if out is not None else torch.empty_like(hidden_states)
-    if compiling and not grad and options.capacity_factor is None and options.stats is None:
+    if (compiling and (not grad or name in OP_BACKWARD_BACKENDS) and options.capacity_factor is None
+            and options.stats is None):
         cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
         result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                           name, cfg)
@@ -169,6 +173,19 @@ def moe_experts(
 
 
 CONFIG_FIELDS = tuple(ExpertsConfig.__dataclass_fields__)
+# Backends the custom op differentiates. A custom op's body runs below autograd, so another backend
+# cannot be recomputed under autograd there: under torch.compile those are traced instead.
+OP_BACKWARD_BACKENDS = frozenset({"triton"})
+
+
+def _config_of(config: list[int] | None) -> ExpertsConfig | None:
+    """An op's int list back to an ExpertsConfig: fields in order, trailing ones at their defaults."""
+    if config is None:
+        return None
+    if len(config) > len(CONFIG_FIELDS):
+        raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
+                         f"got {len(config)}")
+    return ExpertsConfig(**dict(zip(CONFIG_FIELDS, config)))
 
 
 @torch.library.custom_op(
@@ -186,13 +203,10 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
-    if config is not None and len(config) > len(CONFIG_FIELDS):
-        raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
-                         f"got {len(config)}")
-    # Fields in ExpertsConfig order; trailing ones left out take their defaults.
-    cfg = ExpertsConfig(**dict(zip(CONFIG_FIELDS, config))) if config is not None else None
-    result = get_backend(backend).run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
-                                      ExpertsOptions(config=cfg), None)
+    cfg = _config_of(config)
+    with torch.no_grad():   # the op's own autograd (below) records this call, not the backend
+        result = get_backend(backend).run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                          ExpertsOptions(config=cfg), None)
     return result.contiguous()
 
 
@@ -201,3 +215,49 @@ def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
     return hidden_states.new_empty(hidden_states.shape)
+
+
+@torch.library.custom_op(
+    "moekit::experts_backward", mutates_args=(),
+    schema="(Tensor grad_out, Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, "
+           "Tensor topk_weights, Tensor topk_ids, str backend, int[]? config, bool[] needs) -> Tensor[]",
+)
+def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, gate_up_proj: torch.Tensor,
+                         down_proj: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         backend: str, config: list[int] | None, needs: list[bool]) -> list[torch.Tensor]:
+    """Gradients of `moekit::experts` for the inputs `needs` marks, an empty tensor for the others."""
+    inputs = [hidden_states, gate_up_proj, down_proj, topk_weights]
+    cfg = _config_of(config)
+    if backend not in OP_BACKWARD_BACKENDS:
+        raise RuntimeError(f"moekit::experts has no backward for backend={backend!r}")
+    if hidden_states.shape[0] == 0:
+        grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
+    else:
+        grads = list(experts_triton_grads(grad_out, *inputs, topk_ids, tuple(needs), config=cfg))
+    return [g.contiguous() if g is not None else t.new_empty(0) for g, t in zip(grads, inputs)]
+
+
+@_experts_backward_op.register_fake
+def _experts_backward_fake(grad_out, hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend,
+                           config, needs):
+    inputs = [hidden_states, gate_up_proj, down_proj, topk_weights]
+    return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
+
+
+def _experts_setup_context(ctx, inputs, output):
+    hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config = inputs
+    if backend not in OP_BACKWARD_BACKENDS:      # the forward would otherwise return a dead end
+        raise RuntimeError(f"moekit::experts differentiates backend {sorted(OP_BACKWARD_BACKENDS)} only, "
+                           f"got backend={backend!r} with inputs that need gradients; call "
+                           "moekit.moe_experts, which picks a differentiable path")
+    ctx.save_for_backward(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    ctx.backend, ctx.config = backend, config
+
+
+def _experts_backward(ctx, grad_out):
+    needs = list(ctx.needs_input_grad[:4])
+    grads = torch.ops.moekit.experts_backward(grad_out, *ctx.saved_tensors, ctx.backend, ctx.config, needs)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+
+
+torch.library.register_autograd("moekit::experts", _experts_backward, setup_context=_experts_setup_context)

@@ -1,21 +1,123 @@
-"""`triton` backend launcher: align -> GEMM1 (gather + SwiGLU) -> GEMM2 (weight + scatter) -> sum.
+"""`triton` backend launcher: align -> GEMM1 (gather + SwiGLU) -> GEMM2 (weight + scatter) -> sum,
+and its backward (`moekit.grouped_gemm_backward`) as a torch.autograd.Function.
 
 Four launches after the router for small T (align is one kernel up to 4096 pairs), five above.
 No host synchronisation: every buffer's size follows from (T, K, E, config) and the grids are
 sized from the fixed upper bound `Alignment.max_blocks`; programs past num_padded return.
 Workspace: h (L, I) and y (S, H) in the input dtype (L = padded rows, S = T * K).
+
+Backward (when grad mode is on and an input requires grad). Saved: the inputs themselves (references,
+no copies) and the forward's `Alignment`: sorted_ids int32 (L,), expert_ids int32 (L / block_m,),
+num_padded, tokens_per_expert int32 (E,), about 4 bytes per pair plus padding, in place of the
+(L, 2I) gate/up pre-activations (4I bytes per pair in bf16, 3 KiB at Qwen3-30B-A3B's I = 768).
+Recomputed: a, b and h, inside the kernel that computes g = dout @ down_e (the same loop over H; one
+extra GEMM1's worth of FLOPs, no extra launch). Launches, each skipped when no input needs it:
+    swiglu_backward     dpre (L, 2I), h (L, I), d topk_weights      if x, gate_up or weights need grad
+    (gemm1_swiglu)      h alone                                     if only down_proj needs grad
+    hidden_states_grad  dx: GEMM2 on (dpre, gate_up^T) + slot sum    if x needs grad
+    gate_up_proj_grad   (E, 2I, H)                                  if gate_up_proj needs grad
+    down_proj_grad      (E, H, I)                                   if down_proj needs grad
+Backward workspace: dpre (L, 2I), h (L, I), (L, cdiv(I, block_n1)) fp32 partial sums, (S, H) per-pair dx.
+Deterministic (no atomics), no host sync. Not twice differentiable.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from moekit import _workspace
-from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device
-from moekit.align import align_block_size
+from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
+from moekit.align import Alignment, align_block_size
 from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum
+from moekit.grouped_gemm_backward import (
+    down_proj_grad,
+    gate_up_proj_grad,
+    hidden_states_grad,
+    swiglu_backward,
+)
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> Alignment:
+    return align_block_size(topk_ids, num_experts, config.block_m,
+                            backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
+
+
+def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor) -> Alignment:
+    align = _align(topk_ids, gate_up_proj.shape[0], config)
+    h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config)
+    y = gemm2_weighted(h, down_proj, topk_weights, align, config)
+    moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
+    return align
+
+
+def experts_triton_backward(
+    dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, align: Alignment, config: ExpertsConfig,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[torch.Tensor | None, ...]:
+    """(dx, d gate_up_proj, d down_proj, d topk_weights), None where `needs` is False.
+
+    topk_weights and topk_ids must be the contiguous tensors the forward used with `align`.
+    """
+    need_x, need_gu, need_down, need_w = needs
+    top_k = topk_ids.shape[1]
+    dx = d_gu = d_down = d_w = None
+    dpre = h = None
+    if need_x or need_gu or need_w:
+        grads = swiglu_backward(x, gate_up_proj, down_proj, dout, align, top_k, config,
+                                want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
+        dpre, h = grads.dpre, grads.h
+        if need_w:
+            d_w = grads.topk_weights.view(topk_weights.shape).to(topk_weights.dtype)
+    elif need_down:                                   # frozen everything else: h alone, by the forward
+        h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
+    if need_x:
+        dx = hidden_states_grad(dpre, gate_up_proj, topk_weights, topk_ids, align, config)
+    if need_gu:
+        d_gu = gate_up_proj_grad(dpre, x, topk_weights, align, top_k, config, gate_up_proj.dtype)
+    if need_down:
+        d_down = down_proj_grad(dout, h, topk_weights, align, top_k, config, down_proj.dtype)
+    return dx, d_gu, d_down, d_w
+
+
+class _TritonExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_up_proj, down_proj, topk_weights, topk_ids, config):
+        out = _workspace.empty_like(x)
+        align = _forward(x, gate_up_proj, down_proj, topk_weights, topk_ids, config, out)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, topk_ids, align.sorted_ids,
+                              align.expert_ids, align.num_padded, align.tokens_per_expert, align.block_codes)
+        ctx.config, ctx.block_m, ctx.num_pairs = config, align.block_m, align.num_pairs
+        ctx.mark_non_differentiable(topk_ids)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes = ctx.saved_tensors
+        align = Alignment(*meta, ctx.block_m, ctx.num_pairs, block_codes)
+        grads = experts_triton_backward(dout, x, gate_up_proj, down_proj, topk_weights, topk_ids, align,
+                                        ctx.config, tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None)
+
+
+def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, config: ExpertsConfig | None):
+    """(config, contiguous weights, contiguous ids): the tuned config unless one is given."""
+    check_triton_device("hidden_states", hidden_states)
+    if config is None:
+        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
+        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
+        num_experts, two_i, hidden = gate_up_proj.shape
+        shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
+        config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    return config, weights, ids
 
 
 def experts_triton(
@@ -28,21 +130,31 @@ def experts_triton(
     config: ExpertsConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    check_triton_device("hidden_states", hidden_states)
-    num_tokens = hidden_states.shape[0]
-    num_experts, two_i, hidden = gate_up_proj.shape
-    top_k = topk_ids.shape[1]
-    if config is None:
-        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
-        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
-        shape = MoEShape(num_experts, hidden, two_i // 2, min(top_k, num_experts))
-        config = get_config(shape, num_tokens, hidden_states.dtype, hidden_states.device)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights):
+        if out is not None:
+            raise RuntimeError("out= cannot be used when the call needs gradients")
+        return _TritonExperts.apply(hidden_states, gate_up_proj, down_proj, weights, ids, config)
     if out is None:
         out = _workspace.empty_like(hidden_states)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    align = align_block_size(ids, num_experts, config.block_m,
-                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
-    h = gemm1_swiglu(hidden_states, gate_up_proj, align, top_k, config)
-    y = gemm2_weighted(h, down_proj, weights, align, config)
-    return moe_sum(y, ids, num_experts, out)
+    _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out)
+    return out
+
+
+def experts_triton_grads(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    needs: tuple[bool, bool, bool, bool],
+    *,
+    config: ExpertsConfig | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
+    `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    align = _align(ids, gate_up_proj.shape[0], config)
+    return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
+                                   config, needs)

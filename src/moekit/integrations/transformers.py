@@ -13,8 +13,8 @@ sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`). It runs `moek
 biases, in the concatenated [gate; up] layout, transposed or not (a transposed module is read
 through strided views, no copy). Everything else goes to Transformers' own grouped_mm path with
 one warning per (class, reason): biases, non-gated or interleaved experts, other activations, a
-custom `_apply_gate`, quantized or DTensor weights, and any call that needs gradients (moekit's
-expert kernels are forward-only).
+custom `_apply_gate`, quantized or DTensor weights, and any call that needs gradients (this
+integration serves inference; `moekit.moe_experts` and `MoELayer` differentiate the triton backend).
 
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
 expert count); every id outside [0, E) contributes exactly 0, and its weight is never read.
@@ -195,8 +195,8 @@ def experts_forward(
     """
     reason = unsupported_reason(self)
     if reason is None and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj):
-        reason = ("inputs that need gradients (moekit's expert kernels are forward-only: run inference "
-                  "under torch.no_grad() or torch.inference_mode())")
+        reason = ("inputs that need gradients (this integration serves inference: run it under "
+                  "torch.no_grad() or torch.inference_mode())")
     if reason is not None:
         _warn_once(type(self).__name__, reason)
         return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,181 @@
+"""Backward of the grouped GEMM family: fused SwiGLU backward, per-expert weight gradients, and the
+reduction of the routing-weight gradient.
+
+Legend as in the forward (`moekit.kernels.grouped_gemm`): T tokens, K top_k, S = T*K pairs, E experts,
+H hidden, I intermediate, L padded rows, BM/BN/BK tiles. r is a sorted row, p = sorted_ids[r] its pair,
+t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the gradient of the output.
+
+    SWIGLU_BWD  per sorted row block (one expert) and I tile, ONE loop over H feeding three fp32 accs:
+                g = dout[t] @ down_e,  a = x[t] @ gate_e^T,  b = x[t] @ up_e^T   (a, b recomputed)
+                -> h = silu(a) * b
+                -> dpre (L, 2I) = [g * b * silu'(a), g * silu(a)] at the sorted row (for d gate_up, dx)
+                -> h (L, I) at the sorted row (for d down)
+                -> part (L, n_tiles) = sum over the tile's columns of g * h (for d topk_weights)
+    TILE_SUM    dw[p] = sum over the I tiles of part[r], in tile order, stored at the pair row
+    WGRAD       C[e] (N, C) = sum over e's rows of w_p * A[row]^T @ B[row]: one program per
+                (e, N tile, C tile) walking the expert's row blocks in order. No atomics: deterministic.
+                d down_e     = (w dout[t])^T @ h[r]      A gathered by token, B sorted rows
+                d gate_up_e  = (w dpre[r])^T @ x[t]      A sorted rows, B gathered by token
+    dx          the forward's GEMM2 on (dpre, gate_up_e viewed as (H, 2I)), then SUM over the slots.
+
+dpre is the gradient of the pre-activations per unit routing weight (dh = w_p * g): w_p is applied
+where dpre is consumed (d gate_up, dx), so one buffer serves both and d topk_weights = <g, h> needs
+no division. Padding rows load zeros, so every row of a live block is written (zeros there);
+pairs whose id lies outside [0, E) are never placed, so never gathered.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.kernels.grouped_gemm import _tile_ids
+
+
+@triton.jit
+def moe_swiglu_bwd_kernel(
+    x_ptr, dout_ptr, w1_ptr, w2_ptr, dpre_ptr, h_ptr, part_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    S, N, K, num_n_tiles,
+    stride_xt, stride_xk, stride_dt, stride_dk,
+    stride_w1e, stride_w1n, stride_w1k, stride_w2e, stride_w2k, stride_w2n,
+    stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, STORE_DPRE: tl.constexpr, STORE_H: tl.constexpr,
+    STORE_PART: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # N = I, K = H. w1 = gate_up (E, 2I, H), w2 = down (E, H, I).
+    pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
+    if live:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # sorted rows [BM]
+        pair = tl.load(sorted_ids_ptr + rows)                          # pair ids; S = padding
+        valid = pair < S
+        tok = (pair // TOP_K).to(tl.int64)
+        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+        n_in = rn < N
+        rn64 = rn.to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)                                     # [BK]
+
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk               # [BM, BK]
+        d_ptrs = dout_ptr + tok[:, None] * stride_dt + rk[None, :] * stride_dk            # [BM, BK]
+        g_ptrs = w1_ptr + e * stride_w1e + rn64[None, :] * stride_w1n + rk[:, None] * stride_w1k
+        u_ptrs = w1_ptr + e * stride_w1e + (rn64 + N)[None, :] * stride_w1n + rk[:, None] * stride_w1k
+        v_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2k + rn64[None, :] * stride_w2n  # [BK, BN]
+
+        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                xa = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
+                da = tl.load(d_ptrs, mask=valid[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=n_in[None, :], other=0.0)
+            else:
+                k_in = rk + k0 < K
+                xa = tl.load(x_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+                da = tl.load(d_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            acc_a = tl.dot(xa, g, acc_a, input_precision=DOT_PRECISION)
+            acc_b = tl.dot(xa, u, acc_b, input_precision=DOT_PRECISION)
+            acc_g = tl.dot(da.to(v.dtype), v, acc_g, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            d_ptrs += BLOCK_K * stride_dk
+            g_ptrs += BLOCK_K * stride_w1k
+            u_ptrs += BLOCK_K * stride_w1k
+            v_ptrs += BLOCK_K * stride_w2k
+
+        sig = tl.sigmoid(acc_a)                                        # [BM, BN] fp32
+        silu = acc_a * sig
+        h = silu * acc_b
+        rows64 = rows.to(tl.int64)
+        if STORE_PART:
+            part = tl.sum(acc_g * h, axis=1)                           # [BM]; masked columns are 0
+            tl.store(part_ptr + rows64 * stride_qm + pid_n, part)
+        if STORE_H:
+            h_ptrs = h_ptr + rows64[:, None] * stride_hm + rn64[None, :] * stride_hn
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+        if STORE_DPRE:
+            d_gate = acc_g * acc_b * sig * (1.0 + acc_a * (1.0 - sig))    # silu'(a) = s (1 + a (1 - s))
+            d_up = acc_g * silu
+            p_ptrs = dpre_ptr + rows64[:, None] * stride_pm + rn64[None, :] * stride_pn      # gate half
+            q_ptrs = dpre_ptr + rows64[:, None] * stride_pm + (rn64 + N)[None, :] * stride_pn  # up half
+            tl.store(p_ptrs, d_gate.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+            tl.store(q_ptrs, d_up.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
+def moe_tile_sum_kernel(
+    part_ptr, out_ptr, sorted_ids_ptr, num_padded_ptr, S, num_tiles, stride_qm,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """out[p] = sum over tiles of part[r] (tile order) for each placed pair p = sorted_ids[r]."""
+    pid = tl.program_id(0)
+    if pid * BLOCK_M < tl.load(num_padded_ptr):
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
+        pair = tl.load(sorted_ids_ptr + rows)
+        valid = pair < S
+        rt = tl.arange(0, BLOCK_T)                                     # [BT]
+        q_ptrs = part_ptr + rows.to(tl.int64)[:, None] * stride_qm + rt[None, :]
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for t0 in range(0, num_tiles, BLOCK_T):
+            q = tl.load(q_ptrs, mask=(rt + t0 < num_tiles)[None, :], other=0.0)   # [BM, BT]
+            acc += tl.sum(q, axis=1)
+            q_ptrs += BLOCK_T
+        tl.store(out_ptr + pair.to(tl.int64), acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def moe_wgrad_kernel(
+    a_ptr, b_ptr, scale_ptr, c_ptr, sorted_ids_ptr, row_starts_ptr,
+    S, N, C, num_n_tiles, num_c_tiles,
+    stride_ar, stride_an, stride_br, stride_bc, stride_ce, stride_cn, stride_cc,
+    TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """C[e] (N, C) = sum over expert e's sorted rows r of scale[p] * A[ra]^T B[rb].
+
+    ra / rb is the token t = p // K when *_BY_TOKEN, else the sorted row r. Rows of e lie in
+    [row_starts[e], row_starts[e + 1]); an expert with no rows gets an exact zero tile.
+    """
+    pid = tl.program_id(0)
+    tiles = num_n_tiles * num_c_tiles
+    e = pid // tiles
+    pid_n = (pid % tiles) // num_c_tiles
+    pid_c = pid % num_c_tiles
+    start = tl.load(row_starts_ptr + e)
+    end = tl.load(row_starts_ptr + e + 1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
+    rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                       # [BC]
+    n_in = rn < N
+    c_in = rc < C
+    rn64 = rn.to(tl.int64)
+    rc64 = rc.to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)                                         # [BM]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):
+        rows = r0 + rm
+        pair = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=S)
+        valid = pair < S
+        tok = (pair // TOP_K).to(tl.int64)
+        if A_BY_TOKEN:
+            ra = tok
+        else:
+            ra = rows.to(tl.int64)
+        if B_BY_TOKEN:
+            rb = tok
+        else:
+            rb = rows.to(tl.int64)
+        a = tl.load(a_ptr + ra[None, :] * stride_ar + rn64[:, None] * stride_an,
+                    mask=valid[None, :] & n_in[:, None], other=0.0)                   # [BN, BM]
+        w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)          # [BM]
+        a = (a.to(tl.float32) * w[None, :]).to(b_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + rb[:, None] * stride_br + rc64[None, :] * stride_bc,
+                    mask=valid[:, None] & c_in[None, :], other=0.0)                   # [BM, BC]
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn64[:, None] * stride_cn + rc64[None, :] * stride_cc
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_in[:, None] & c_in[None, :])
