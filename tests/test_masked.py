@@ -131,6 +131,12 @@ def test_counts_out_of_range():
         got = masked_experts(x, torch.tensor([9, -3]), gate_up, down, config=SMALL, validate=False)
     assert rel_err(got[0], rows_ref(x, [4, 0], gate_up, down)) <= 1e-5
     assert torch.isnan(got[1]).all()
+    # int64 counts are clamped before any narrowing: 2^32 + 1 is not 1, -(2^32) + 2 is not 2.
+    with poisoning():
+        got = masked_experts(x, torch.tensor([2**32 + 1, -(2**32) + 2]), gate_up, down, config=SMALL,
+                             validate=False)
+    assert rel_err(got[0], rows_ref(x, [4, 0], gate_up, down)) <= 1e-5
+    assert torch.isnan(got[1]).all()
 
 
 BAD = [

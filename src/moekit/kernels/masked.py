@@ -30,8 +30,8 @@ def _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M: tl.constexpr):
     r = pid % per_expert
     pid_n = r // num_m
     pid_m = r % num_m
-    count = tl.load(counts_ptr + e).to(tl.int32)
-    count = tl.minimum(tl.maximum(count, 0), C)
+    count = tl.load(counts_ptr + e)                                    # int32 or int64
+    count = tl.minimum(tl.maximum(count, 0), C).to(tl.int32)           # clamp before narrowing
     return e, pid_m, pid_n, count, pid_m * BLOCK_M < count
 
 
