@@ -11,7 +11,7 @@ Capacity C: ceil(c * S / E) with capacity_factor c (Switch Transformer, as the p
 most S), else S, which no expert can exceed (nothing is dropped, at the price of E * S rows of
 workspace: the layout suits decode, or a capacity). Pairs past C are dropped: they contribute 0 and
 are counted in stats["dropped"]; pairs with ids outside [0, E) are skipped and not counted.
-Workspace: x_masked and y (E, C, H), h (E, C, I) in the input dtype.
+Workspace: x_masked (E, C, H), which GEMM2 overwrites with y, and h (E, C, I), in the input dtype.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def masked_capacity(num_pairs: int, num_experts: int, capacity_factor: float | N
 
 
 def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsize: int) -> int:
-    # x_masked (H), h (I), y (H): the three (E, C, *) buffers alive at the peak.
-    return num_experts * cap * (2 * hidden + inter) * itemsize
+    # x_masked (H; y is written over it) and h (I): the (E, C, *) buffers alive at the peak.
+    return num_experts * cap * (hidden + inter) * itemsize
 
 
 def experts_masked(
@@ -74,7 +74,8 @@ def experts_masked(
         stats["dropped"] = layout.dropped                                # device scalar, no sync
     x_masked = masked_dispatch(hidden_states, layout, num_experts, top_k)
     h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, config)
-    y = masked_gemm2(h, layout.counts, down_proj, None, config)
+    # x_masked is dead once GEMM1 has run (launches on one stream run in order): y reuses it.
+    y = masked_gemm2(h, layout.counts, down_proj, None, config, out=x_masked)
     if out is None:
         out = _workspace.empty_like(hidden_states)
     return masked_combine(y, layout, topk_weights, out)
