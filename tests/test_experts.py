@@ -13,6 +13,7 @@ import torch
 
 from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
 from moekit import BACKENDS, ExpertsConfig, moe_experts
+from moekit.experts import get_backend
 from moekit.reference import moe_experts_ref
 
 # Small tiles keep the interpreter fast and exercise multi-block, multi-tile and masked paths.
@@ -27,7 +28,7 @@ def make_weights(num_experts, hidden, inter, dtype, gen=None):
 
 
 def run(backend, *args, **kw):
-    if backend == "triton":
+    if "config" in get_backend(backend).options:          # triton, masked: small tiles
         kw.setdefault("config", SMALL)
     return moe_experts(*args, backend=backend, **kw)
 

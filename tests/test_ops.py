@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import distinct_topk_ids, layer_ref, rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, ops
-from moekit.experts import CONFIG_FIELDS
+from moekit.experts import CONFIG_FIELDS, get_backend
 from moekit.reference import moe_experts_ref
 
 # Small tiles keep the Triton interpreter quick and still give several blocks per expert.
@@ -43,7 +43,7 @@ def with_sentinels(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def cfg_for(backend):
-    return SMALL if backend == "triton" else None
+    return SMALL if "config" in get_backend(backend).options else None
 
 
 CASES = [  # (T, E, H, I, K)
@@ -80,7 +80,7 @@ def test_experts_opcheck(backend):
     x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
     ids = with_sentinels(ids, 4)
     cfg = [getattr(SMALL, f) for f in CONFIG_FIELDS]
-    args = (x, gate_up, down, w, ids, backend, cfg if backend == "triton" else None)
+    args = (x, gate_up, down, w, ids, backend, cfg if cfg_for(backend) else None)
     torch.library.opcheck(torch.ops.moekit.experts.default, args)
     # Non-contiguous activations (a column slice): the output is contiguous all the same.
     wide = torch.randn(6, 48)

@@ -4,6 +4,8 @@ Dataflow of one layer (T tokens, E experts, K top_k, H hidden, I intermediate):
     route            (T, H) -> topk_weights (T, K) fp32, topk_ids (T, K) int32
     align_block_size topk_ids -> Alignment (pairs sorted by expert, padded per block)
     moe_experts      gate_up GEMM + SwiGLU, down GEMM + routing weight, sum over K -> (T, H)
+Decode-time masked layout (DeepGEMM; fed by DeepEP's low-latency dispatch):
+    masked_experts   x_masked (E, C, H), per-expert counts (E,) on the device -> (E, C, H)
 """
 
 import os as _os
@@ -26,6 +28,7 @@ if _interpreting():
 from moekit.align import Alignment, align_block_size
 from moekit.experts import BACKENDS, PaddedWorkspaceTooLarge, moe_experts
 from moekit.layer import CapturedMoE, MoELayer
+from moekit.masked import masked_experts
 from moekit.routing import route, topk_softmax
 from moekit.shapes import PRESETS, MoEShape, get_shape
 from moekit.tuning import ExpertsConfig
@@ -43,6 +46,7 @@ __all__ = [
     "PaddedWorkspaceTooLarge",
     "align_block_size",
     "get_shape",
+    "masked_experts",
     "moe_experts",
     "route",
     "topk_softmax",

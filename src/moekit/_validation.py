@@ -101,11 +101,13 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def check_out(out: torch.Tensor, like: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
-    """An `out=` buffer: same shape, dtype and device as `like`, no element written twice (no
-    internal overlap, e.g. an expanded view), and no byte shared with any input."""
+def check_out(out: torch.Tensor, like: torch.Tensor, inputs: dict[str, torch.Tensor],
+              like_name: str = "hidden_states") -> None:
+    """An `out=` buffer: same shape, dtype and device as `like` (named `like_name` in errors), no
+    element written twice (no internal overlap, e.g. an expanded view), and no byte shared with any
+    input."""
     check_tensor("out", out, dtypes=(like.dtype,), device=like.device)
-    check_shape("out", out, tuple(like.shape), "same as hidden_states")
+    check_shape("out", out, tuple(like.shape), f"same as {like_name}")
     if torch._debug_has_internal_overlap(out) != 0:
         raise ValueError("out must not overlap itself (an expanded or stride-0 view writes one element "
                          "twice); pass a plain buffer")

@@ -5,6 +5,8 @@
     grouped_mm  experts/grouped_mm.py  sort + gather + torch grouped_mm
     triton      experts/triton.py      moekit's fused grouped GEMMs (gather on load, SwiGLU and
                                        routing weight fused, scatter on store)
+    masked      experts/masked.py      DeepGEMM's masked layout: (E, C, H) with per-expert counts on
+                                       the device (`moekit.masked`); optional capacity factor
 
 `moe_experts` checks its arguments once (shapes, dtypes, devices, options against the backend's
 capabilities, `out=`, and the ids where that costs no host sync), then runs the backend's entry in
@@ -31,6 +33,7 @@ from moekit._validation import (
 )
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
+from moekit.experts.masked import experts_masked
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
 from moekit.experts.registry import Backend, ExpertsOptions, backend_names, get_backend, register_backend
 from moekit.experts.triton import experts_triton, experts_triton_grads
@@ -62,6 +65,14 @@ register_backend(Backend(
     lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out),
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
     capturable=True, backward_devices=frozenset({"cpu", "cuda"}), options=frozenset({"config"})))
+register_backend(Backend(
+    "masked",
+    lambda x, gu, d, w, ids, opts, out: experts_masked(
+        x, gu, d, w, ids, capacity_factor=opts.capacity_factor, stats=opts.stats, config=opts.config,
+        out=out),
+    "DeepGEMM's masked layout: pairs scattered into (E, C, H), counts on the device, grouped GEMMs "
+    "whose programs past a count exit, weighted gather",
+    capturable=True, backward_devices=frozenset(), options=frozenset({"config", "capacity_factor", "stats"})))
 
 BACKENDS = backend_names()
 

@@ -23,10 +23,10 @@ class ExpertsOptions:
     """Per-backend options of the expert path; each backend declares which it takes.
 
     Attributes:
-        config: triton tile config (default: the tuned table for the device and T).
-        capacity_factor: padded: cap each expert at ceil(c * S / E) pairs (Switch Transformer);
-            pairs past the cap are dropped and counted.
-        stats: padded: a dict filled with "capacity" (int) and "dropped" (device scalar).
+        config: triton, masked: tile config (default: the tuned table for the device and T).
+        capacity_factor: padded, masked: cap each expert at ceil(c * S / E) pairs (Switch
+            Transformer); pairs past the cap are dropped and counted. masked without it: C = S.
+        stats: padded, masked: a dict filled with "capacity" (int) and "dropped" (device scalar).
     """
 
     config: ExpertsConfig | None = None

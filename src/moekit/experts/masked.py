@@ -1,0 +1,81 @@
+"""`masked` backend: pairs scattered into DeepGEMM's masked (E, C, H) layout, counts on the device.
+
+    topk_ids (T, K) -> masked_layout: dest (S,) row of each pair in (E * C), counts (E,), dropped
+    x (T, H)        -> masked_dispatch -> x_masked (E, C, H)
+                    -> masked_experts (GEMM1 + SwiGLU, GEMM2; programs past a count exit)
+                    -> y (E, C, H) -> masked_combine with topk_weights -> (T, H)
+
+The single-GPU twin of DeepEP's low-latency dispatch -> DeepGEMM masked GEMMs -> combine. Every size
+follows from (T, K, E, C), so nothing is read back to the host and the backend runs in a CUDA graph.
+Capacity C: ceil(c * S / E) with capacity_factor c (Switch Transformer, as the padded backend; at
+most S), else S, which no expert can exceed (nothing is dropped, at the price of E * S rows of
+workspace: the layout suits decode, or a capacity). Pairs past C are dropped: they contribute 0 and
+are counted in stats["dropped"]; pairs with ids outside [0, E) are skipped and not counted.
+Workspace: x_masked (E, C, H), which GEMM2 overwrites with y, and h (E, C, I), in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit import _workspace
+from moekit._memory import fits
+from moekit._validation import check_triton_device
+from moekit.experts.padded import PaddedWorkspaceTooLarge, capacity
+from moekit.masked import masked_combine, masked_dispatch, masked_gemm1_swiglu, masked_gemm2, masked_layout
+from moekit.shapes import MoEShape
+from moekit.tuning import ExpertsConfig, get_config
+
+
+def masked_capacity(num_pairs: int, num_experts: int, capacity_factor: float | None) -> int:
+    """C: S without a capacity factor (nothing dropped), else min(ceil(c * S / E), S)."""
+    if capacity_factor is None:
+        return num_pairs
+    return min(capacity(num_pairs, num_experts, capacity_factor), num_pairs)
+
+
+def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsize: int) -> int:
+    # x_masked (H; y is written over it) and h (I): the (E, C, *) buffers alive at the peak.
+    return num_experts * cap * (hidden + inter) * itemsize
+
+
+def experts_masked(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    capacity_factor: float | None = None,
+    stats: dict | None = None,
+    config: ExpertsConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    check_triton_device("hidden_states", hidden_states)
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    cap = masked_capacity(num_tokens * top_k, num_experts, capacity_factor)
+    dev = hidden_states.device
+    # The free-memory query is skipped while capturing: the graph's sizes were checked eagerly.
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        reason = fits(workspace_bytes(num_experts, cap, hidden, inter, hidden_states.element_size()), dev)
+        if reason:
+            raise PaddedWorkspaceTooLarge(f"masked backend's (E, C={cap}, *) buffers: {reason}; use a "
+                                          "capacity_factor or another backend")
+    if config is None:
+        # K may exceed E on an expert-parallel rank; at most E of a token's pairs land here.
+        shape = MoEShape(num_experts, hidden, inter, min(top_k, num_experts))
+        config = get_config(shape, num_tokens, hidden_states.dtype, dev)
+    layout = masked_layout(topk_ids, num_experts, cap)
+    if stats is not None:
+        stats["capacity"] = cap
+        stats["dropped"] = layout.dropped                                # device scalar, no sync
+    x_masked = masked_dispatch(hidden_states, layout, num_experts, top_k)
+    h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, config)
+    # x_masked is dead once GEMM1 has run (launches on one stream run in order): y reuses it.
+    y = masked_gemm2(h, layout.counts, down_proj, None, config, out=x_masked)
+    if out is None:
+        out = _workspace.empty_like(hidden_states)
+    return masked_combine(y, layout, topk_weights, out)

@@ -1,0 +1,162 @@
+"""Grouped GEMMs over the masked layout (DeepGEMM's decode layout), and its dispatch and combine.
+
+Legend: T tokens, K top_k, S = T*K pairs, E experts, C capacity (rows per expert), H hidden,
+I intermediate, BM/BN/BK tile sizes.
+
+    GEMM1    x (E, C, H) rows [0, count_e) of expert e @ gate_up[e]^T -> gate, up (two fp32 accs)
+             -> silu(gate) * up -> h (E, C, I), rows [0, count_e) only
+    GEMM2    h (E, C, I) rows [0, count_e) @ down[e]^T (* row weight, fp32) -> y (E, C, H)
+    DISPATCH x (T, H) row p // K -> x_masked flat row dest[p] (E * C rows) for pairs with dest >= 0
+    COMBINE  out[t] = sum over slots j with dest[t*K + j] >= 0 of w[t, j] * y_flat[dest[t*K + j]],
+             in fp32, in slot order (deterministic)
+
+The GEMM grid is fixed by (E, C, tiles): program (e, m, n) with m * BM >= count_e exits at once, so
+the host never needs the counts and the launch can be captured in a CUDA graph. Counts are clamped
+to [0, C], so a count out of range reads nothing past the buffer. Rows at or past count_e are never
+read or written: whatever they hold (NaN, stale rows) cannot reach a valid row.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M: tl.constexpr):
+    """(e, pid_m, pid_n, valid rows of e, live). Within an expert the row blocks of one column tile
+    are adjacent programs, so they share the weight tile while it is in L2."""
+    pid = tl.program_id(0)
+    per_expert = num_m * num_n
+    e = pid // per_expert
+    r = pid % per_expert
+    pid_n = r // num_m
+    pid_m = r % num_m
+    count = tl.load(counts_ptr + e)                                    # int32 or int64
+    count = tl.minimum(tl.maximum(count, 0), C).to(tl.int32)           # clamp before narrowing
+    return e, pid_m, pid_n, count, pid_m * BLOCK_M < count
+
+
+@triton.jit
+def masked_gemm1_swiglu_kernel(
+    x_ptr, w_ptr, h_ptr, counts_ptr,
+    C, N, K, num_m, num_n,
+    stride_xe, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_he, stride_hm, stride_hn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # N = I (columns of each half), K = H.
+    e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
+    if live:
+        e = e.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM]
+        valid = rows < count
+        rows = rows.to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+        n_in = rn < N
+        rk = tl.arange(0, BLOCK_K)                                     # [BK]
+
+        a_ptrs = x_ptr + e * stride_xe + rows[:, None] * stride_xm + rk[None, :] * stride_xk    # [BM, BK]
+        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn                                                        # [BK, BN]
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
+            else:
+                k_in = rk + k0 < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_xk
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+
+        h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
+        h_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rn[None, :] * stride_hn
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
+
+
+@triton.jit
+def masked_gemm2_kernel(
+    h_ptr, w_ptr, y_ptr, rw_ptr, counts_ptr,
+    C, N, K, num_m, num_n,
+    stride_he, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ye, stride_ym, stride_yn,
+    stride_re, stride_rm,
+    HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # N = H, K = I.
+    e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
+    if live:
+        e = e.to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM]
+        valid = rows < count
+        rows = rows.to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+        n_in = rn < N
+        rk = tl.arange(0, BLOCK_K)                                     # [BK]
+
+        a_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rk[None, :] * stride_hk    # [BM, BK]
+        b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
+            else:
+                k_in = rk + k0 < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_hk
+            b_ptrs += BLOCK_K * stride_wk
+
+        if HAS_ROW_WEIGHTS:
+            wt = tl.load(rw_ptr + e * stride_re + rows * stride_rm, mask=valid, other=0.0)
+            acc = acc * wt.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + e * stride_ye + rows[:, None] * stride_ym + rn[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
+
+
+@triton.jit
+def masked_dispatch_kernel(
+    x_ptr, dest_ptr, xm_ptr, S, H, stride_xt, stride_xh,
+    TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """x_masked flat (E * C, H), contiguous: row dest[p] = x[p // K] for pairs with dest[p] >= 0."""
+    rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)            # [BP] pairs
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)            # [BH]
+    dest = tl.load(dest_ptr + rp, mask=rp < S, other=-1)               # int64
+    keep = (dest >= 0)[:, None] & (rh < H)[None, :]
+    tok = (rp // TOP_K).to(tl.int64)
+    row = tl.load(x_ptr + tok[:, None] * stride_xt + rh[None, :] * stride_xh, mask=keep)
+    tl.store(xm_ptr + dest[:, None] * H + rh[None, :], row, mask=keep)
+
+
+@triton.jit
+def masked_combine_kernel(
+    y_ptr, dest_ptr, w_ptr, out_ptr, T, H, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum over slots j with dest >= 0 of w[t, j] * y_flat[dest[t*K + j]], fp32, slot order.
+    y_flat (E * C, H) and w (T, K) contiguous."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)            # [BT]
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)            # [BH]
+    t_in = rt < T
+    h_in = rh < H
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = rt.to(tl.int64) * TOP_K + j
+        dest = tl.load(dest_ptr + pair, mask=t_in, other=-1)           # int64
+        use = dest >= 0
+        wt = tl.load(w_ptr + pair, mask=use, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + dest[:, None] * H + rh[None, :], mask=use[:, None] & h_in[None, :], other=0.0)
+        acc += y.to(tl.float32) * wt[:, None]
+    o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])

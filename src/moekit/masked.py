@@ -1,0 +1,297 @@
+"""Masked layout family (DeepGEMM's decode layout): grouped GEMMs over (E, C, *) buffers whose
+per-expert row counts stay on the device, and the dispatch / combine that build and read it.
+
+    masked_experts   x_masked (E, C, H), counts (E,) -> GEMM1 + SwiGLU -> h (E, C, I)
+                     -> GEMM2 (* optional row weight) -> y (E, C, H)
+    masked_layout    topk_ids (T, K) -> MaskedLayout (each pair's row in the (E * C) buffer, counts)
+    masked_dispatch  x (T, H) -> x_masked (E, C, H)         (DeepEP's low-latency dispatch, one GPU)
+    masked_combine   y (E, C, H), topk_weights (T, K) -> (T, H), fp32 weighted sum in slot order
+
+Expert e owns rows [0, counts[e]) of its C rows; the kernels read and write only those (programs
+past a count exit at once), so the host never needs the counts: one graph-capturable launch per GEMM
+whatever the routing. Rows at or past a count are never read, and are left unwritten in the outputs.
+A DeepEP low-latency dispatch output (recv_x, recv_count) feeds `masked_experts` directly.
+
+Each launcher (checks done by the caller, buffers allocated here, grid fixed by (E, C, tiles)) sits
+beside its pure-PyTorch twin (`*_torch`, fp32, rows past a count 0); @triton.jit code is in
+`moekit.kernels.masked`. Legend: T tokens, K top_k, S = T * K pairs, E experts, C capacity (rows per
+expert), H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from moekit import _workspace
+from moekit._validation import (
+    FLOAT_DTYPES,
+    ID_DTYPES,
+    check_out,
+    check_shape,
+    check_tensor,
+    check_triton_device,
+)
+from moekit.align import sort_pairs
+from moekit.grouped_gemm import _dot_precision
+from moekit.kernels.masked import (
+    masked_combine_kernel,
+    masked_dispatch_kernel,
+    masked_gemm1_swiglu_kernel,
+    masked_gemm2_kernel,
+)
+from moekit.shapes import MoEShape
+from moekit.tuning import ExpertsConfig, default_config
+
+MAX_GRID = 2**31 - 1     # CUDA's limit on a grid's x dimension
+
+
+@dataclass(frozen=True)
+class MaskedLayout:
+    """Where each token-expert pair sits in the masked (E, C, *) layout. Sizes follow (T, K, E, C).
+
+    Attributes:
+        dest: int64 (S,), pair p's flat row e * C + r in the (E * C) buffer (r = its rank among
+            expert e's pairs, in pair order), or -1 for a pair not placed: an id outside [0, E),
+            or a rank at or past C (dropped).
+        counts: int32 (E,), rows in use per expert: min(pairs routed to e, C).
+        dropped: int64 0-d device tensor, pairs with an id in [0, E) and a rank >= C.
+        capacity: C.
+    """
+
+    dest: torch.Tensor
+    counts: torch.Tensor
+    dropped: torch.Tensor
+    capacity: int
+
+
+def masked_layout(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> MaskedLayout:
+    """The masked layout of (T, K) ids with C = capacity rows per expert: torch ops, no host sync.
+    A pair's rank in its expert is `moekit.align.sort_pairs(...).ranks()`, as the padded backend's."""
+    pairs = sort_pairs(topk_ids, num_experts)
+    rank = pairs.ranks()
+    kept = pairs.valid & (rank < capacity)
+    dest = torch.where(kept, pairs.key * capacity + rank, -1)
+    counts = pairs.counts[:num_experts].clamp(max=capacity).to(torch.int32)
+    return MaskedLayout(dest, counts, (pairs.valid & ~kept).sum(), capacity)
+
+
+def masked_config(capacity: int, hidden: int, inter: int, itemsize: int,
+                  device: torch.device | str | None = None) -> ExpertsConfig:
+    """The default tiles for C rows per expert (the tile height follows C, the most rows in use)."""
+    return default_config(MoEShape(1, hidden, inter, 1), capacity, itemsize, device)
+
+
+def _grid(num_experts: int, capacity: int, block_m: int, n: int, block_n: int) -> tuple[int, int, int]:
+    num_m, num_n = triton.cdiv(capacity, block_m), triton.cdiv(n, block_n)
+    programs = num_experts * num_m * num_n
+    if programs > MAX_GRID:
+        raise ValueError(f"masked GEMM grid of {programs} programs (E={num_experts} x {num_m} row blocks x "
+                         f"{num_n} column tiles) exceeds {MAX_GRID}; use larger tiles or a smaller capacity")
+    return programs, num_m, num_n
+
+
+def masked_gemm1_swiglu(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                        cfg: ExpertsConfig) -> torch.Tensor:
+    """h (E, C, I): silu(x @ gate_e^T) * (x @ up_e^T) on rows [0, counts[e]); other rows unwritten."""
+    num_experts, capacity, hidden = x_masked.shape
+    inter = gate_up_proj.shape[1] // 2
+    h = _workspace.empty(num_experts, capacity, inter, dtype=x_masked.dtype, device=x_masked.device)
+    programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, inter, cfg.block_n1)
+    if programs:
+        masked_gemm1_swiglu_kernel[(programs,)](
+            x_masked, gate_up_proj, h, counts, capacity, inter, hidden, num_m, num_n,
+            *x_masked.stride(), *gate_up_proj.stride(), *h.stride(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+            EVEN_K=hidden % cfg.block_k1 == 0, DOT_PRECISION=_dot_precision(x_masked.dtype),
+            num_warps=cfg.warps1, num_stages=cfg.stages1,
+        )
+    return h
+
+
+def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
+                 row_weights: torch.Tensor | None, cfg: ExpertsConfig,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y (E, C, H): (h @ down_e^T) [* row_weights, fp32] on rows [0, counts[e]); other rows unwritten."""
+    num_experts, capacity, inter = h.shape
+    hidden = down_proj.shape[1]
+    y = out if out is not None else _workspace.empty(num_experts, capacity, hidden, dtype=h.dtype,
+                                                     device=h.device)
+    programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, hidden, cfg.block_n2)
+    rw = row_weights if row_weights is not None else counts          # never read without weights
+    rw_strides = row_weights.stride() if row_weights is not None else (0, 0)
+    if programs:
+        masked_gemm2_kernel[(programs,)](
+            h, down_proj, y, rw, counts, capacity, hidden, inter, num_m, num_n,
+            *h.stride(), *down_proj.stride(), *y.stride(), *rw_strides,
+            HAS_ROW_WEIGHTS=row_weights is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
+            BLOCK_K=cfg.block_k2, EVEN_K=inter % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(h.dtype),
+            num_warps=cfg.warps2, num_stages=cfg.stages2,
+        )
+    return y
+
+
+def _row_blocks(hidden: int) -> tuple[int, int]:
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    return max(1, min(16, 4096 // block_h)), block_h
+
+
+def masked_dispatch(x: torch.Tensor, layout: MaskedLayout, num_experts: int, top_k: int) -> torch.Tensor:
+    """x_masked (E, C, H): row dest[p] = x[p // K] for each placed pair; other rows unwritten."""
+    num_pairs, hidden = layout.dest.numel(), x.shape[1]
+    xm = _workspace.empty(num_experts, layout.capacity, hidden, dtype=x.dtype, device=x.device)
+    block_p, block_h = _row_blocks(hidden)
+    if num_pairs:
+        masked_dispatch_kernel[(triton.cdiv(num_pairs, block_p), triton.cdiv(hidden, block_h))](
+            x, layout.dest, xm, num_pairs, hidden, x.stride(0), x.stride(1),
+            TOP_K=top_k, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
+        )
+    return xm
+
+
+def masked_combine(y: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out[t] = fp32 sum over placed slots j of topk_weights[t, j] * y[row of pair t*K + j]; a token
+    with no placed slot gets 0. y (E, C, H) contiguous; out (T, H) is written in full."""
+    num_tokens, hidden = out.shape
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    block_t, block_h = _row_blocks(hidden)
+    if num_tokens:
+        masked_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+            y, layout.dest, weights, out, num_tokens, hidden, out.stride(0), out.stride(1),
+            TOP_K=topk_weights.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        )
+    return out
+
+
+def check_masked_args(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                      down_proj: torch.Tensor, row_weights: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices of `masked_experts`' inputs (reads no tensor data)."""
+    check_tensor("x_masked", x_masked, ndim=3, dtypes=FLOAT_DTYPES)
+    check_triton_device("x_masked", x_masked)
+    dev, dtype = x_masked.device, x_masked.dtype
+    num_experts, capacity, hidden = x_masked.shape
+    check_tensor("counts", counts, ndim=1, dtypes=ID_DTYPES, device=dev)
+    check_shape("counts", counts, (num_experts,), "one count per expert of x_masked (E, C, H)")
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
+    check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
+    e, two_i, h_in = gate_up_proj.shape
+    if e != num_experts or h_in != hidden or two_i % 2:
+        raise ValueError(f"gate_up_proj must have shape (E={num_experts}, 2*I, H={hidden}) (Transformers "
+                         f"layout, gate rows first), got {tuple(gate_up_proj.shape)}")
+    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
+    if row_weights is not None:
+        check_tensor("row_weights", row_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+        check_shape("row_weights", row_weights, (num_experts, capacity), "(E, C), as x_masked")
+
+
+def check_counts_in_range(counts: torch.Tensor, capacity: int) -> None:
+    """Raise if a count lies outside [0, C]. Reads the counts: a host sync on CUDA."""
+    if counts.numel() == 0:
+        return
+    lo, hi = int(counts.min()), int(counts.max())
+    if lo < 0 or hi > capacity:
+        raise ValueError(f"counts must lie in [0, C={capacity}], got values in [{lo}, {hi}]")
+
+
+def masked_experts(
+    x_masked: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    *,
+    config: ExpertsConfig | None = None,
+    validate: bool | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU experts on the masked layout: y[e, r] = down_e(silu(gate_e x[e, r]) * up_e x[e, r])
+    (* row_weights[e, r]) for each expert e and row r < counts[e]. No host sync, graph-capturable.
+
+    Args:
+        x_masked: (E, C, H) float32, float16 or bfloat16; expert e's tokens in rows [0, counts[e])
+            (DeepEP's low-latency dispatch output). Other rows are never read: any value there,
+            NaN included, is harmless.
+        counts: (E,) int32 or int64 on the same device (DeepEP's recv_count, DeepGEMM's masked_m).
+            The kernels clamp each count to [0, C], so no count reads past the buffer.
+        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), x_masked's dtype.
+        down_proj: (E, H, I).
+        row_weights: optional (E, C) float weights multiplied into each output row in fp32 (the
+            routing weight of the pair in that row); None leaves the rows unweighted (DeepEP's
+            combine applies the weights itself).
+        config: tiles (block_m, block_n1, block_k1, ... of `ExpertsConfig`; group_m is unused).
+            Default: `masked_config` for C.
+        validate: check 0 <= counts <= C (a host sync on CUDA). Default: True on CPU, False on CUDA.
+        out: optional (E, C, H) buffer of x_masked's dtype, overlapping neither itself nor an input.
+
+    Returns:
+        (E, C, H) in x_masked's dtype. Rows at or past counts[e] are not written: they keep what
+        `out` held, or are uninitialised when `out` is None.
+    """
+    check_masked_args(x_masked, counts, gate_up_proj, down_proj, row_weights)
+    num_experts, capacity, hidden = x_masked.shape
+    inter = gate_up_proj.shape[1] // 2
+    if out is not None:
+        inputs = {"x_masked": x_masked, "counts": counts, "gate_up_proj": gate_up_proj,
+                  "down_proj": down_proj}
+        if row_weights is not None:
+            inputs["row_weights"] = row_weights
+        check_out(out, x_masked, inputs, like_name="x_masked")
+    if validate is None:
+        validate = x_masked.device.type == "cpu" and not torch.compiler.is_compiling()
+    if validate:
+        check_counts_in_range(counts, capacity)
+    if config is None:
+        config = masked_config(capacity, hidden, inter, x_masked.element_size(), x_masked.device)
+    h = masked_gemm1_swiglu(x_masked, counts, gate_up_proj, config)
+    return masked_gemm2(h, counts, down_proj, row_weights, config, out)
+
+
+def _clamped_counts(counts: torch.Tensor, capacity: int) -> list[int]:
+    return counts.long().clamp(0, capacity).tolist()
+
+
+def masked_gemm1_swiglu_torch(x_masked: torch.Tensor, counts: torch.Tensor,
+                              gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """Twin of `masked_gemm1_swiglu` in fp32: h (E, C, I), rows past the counts 0."""
+    num_experts, capacity, _ = x_masked.shape
+    inter = gate_up_proj.shape[1] // 2
+    h = torch.zeros(num_experts, capacity, inter, dtype=torch.float32, device=x_masked.device)
+    for e, n in enumerate(_clamped_counts(counts, capacity)):
+        gate, up = (x_masked[e, :n].float() @ gate_up_proj[e].float().T).chunk(2, dim=-1)
+        h[e, :n] = F.silu(gate) * up
+    return h
+
+
+def masked_gemm2_torch(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
+                       row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of `masked_gemm2` in fp32: y (E, C, H), rows past the counts 0."""
+    num_experts, capacity, _ = h.shape
+    y = torch.zeros(num_experts, capacity, down_proj.shape[1], dtype=torch.float32, device=h.device)
+    for e, n in enumerate(_clamped_counts(counts, capacity)):
+        y[e, :n] = h[e, :n].float() @ down_proj[e].float().T
+        if row_weights is not None:
+            y[e, :n] *= row_weights[e, :n].float()[:, None]
+    return y
+
+
+def masked_dispatch_torch(x: torch.Tensor, layout: MaskedLayout, num_experts: int,
+                          top_k: int) -> torch.Tensor:
+    """Twin of `masked_dispatch`: x_masked (E, C, H) in x's dtype, rows past the counts 0."""
+    xm = x.new_zeros(num_experts * layout.capacity, x.shape[1])
+    placed = layout.dest >= 0
+    pair = torch.arange(layout.dest.numel(), device=x.device)
+    xm[layout.dest[placed]] = x[pair[placed] // top_k]
+    return xm.view(num_experts, layout.capacity, x.shape[1])
+
+
+def masked_combine_torch(y: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Twin of `masked_combine` in fp32: (T, H), unplaced slots contribute 0 (their rows never read)."""
+    num_tokens, top_k = topk_weights.shape
+    y_flat = y.reshape(-1, y.shape[-1]).float()
+    placed = (layout.dest >= 0).view(num_tokens, top_k, 1)
+    rows = y_flat[layout.dest.clamp(min=0)].view(num_tokens, top_k, -1)
+    return torch.where(placed, rows * topk_weights.float()[..., None], 0.0).sum(1)
