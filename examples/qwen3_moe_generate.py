@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import moekit  # noqa: F401  (sets TRITON_INTERPRET on a machine without CUDA)
+import moekit.kernels  # noqa: F401  (sets TRITON_INTERPRET on a machine without CUDA)
 from moekit.integrations.transformers import register
 
 SIZES = {

@@ -1,4 +1,4 @@
-"""Shared fixtures. Importing moekit on a machine without CUDA turns on TRITON_INTERPRET=1."""
+"""Shared fixtures. Importing moekit.kernels on a machine without CUDA turns on TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import moekit  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
+import moekit.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
 
 HAS_CUDA = torch.cuda.is_available()
 

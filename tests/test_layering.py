@@ -102,3 +102,21 @@ def test_no_import_cycle_between_top_level_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_import_moekit_is_lazy():
+    """`import moekit` (and so `moekit --help`) loads neither torch nor Triton; the API loads on use."""
+    code = (
+        "import sys, moekit\n"
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules, 'eager import'\n"
+        "assert moekit.__version__\n"
+        "try:\n"
+        "    moekit.nosuch\n"
+        "except AttributeError as e:\n"
+        "    assert 'nosuch' in str(e)\n"
+        "assert moekit.MoELayer.__module__ == 'moekit.layer' and 'torch' in sys.modules\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"

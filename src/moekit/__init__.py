@@ -8,46 +8,42 @@ Decode-time masked layout (DeepGEMM; fed by DeepEP's low-latency dispatch):
     masked_experts   x_masked (E, C, H), per-expert counts (E,) on the device -> (E, C, H)
 """
 
-import os as _os
-
-if "TRITON_INTERPRET" not in _os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        # Triton kernels can only run interpreted on a machine without a GPU; the flag must be set
-        # before the kernels are defined. Set TRITON_INTERPRET=0 to opt out.
-        _os.environ["TRITON_INTERPRET"] = "1"
-
-from moekit._validation import interpreting as _interpreting
-
-if _interpreting():
-    from moekit._compat import patch_triton_interpreter
-
-    patch_triton_interpreter()
-
-from moekit.align import Alignment, align_block_size
-from moekit.experts import BACKENDS, PaddedWorkspaceTooLarge, moe_experts
-from moekit.layer import CapturedMoE, MoELayer
-from moekit.masked import masked_experts
-from moekit.routing import route, topk_softmax
-from moekit.shapes import PRESETS, MoEShape, get_shape
-from moekit.tuning import ExpertsConfig
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BACKENDS",
-    "PRESETS",
-    "Alignment",
-    "CapturedMoE",
-    "ExpertsConfig",
-    "MoELayer",
-    "MoEShape",
-    "PaddedWorkspaceTooLarge",
-    "align_block_size",
-    "get_shape",
-    "masked_experts",
-    "moe_experts",
-    "route",
-    "topk_softmax",
-]
+# The public API, imported on first use: `import moekit` (and `moekit --help`) loads neither torch
+# nor Triton. Kernels switch Triton to its interpreter on a machine without CUDA when
+# `moekit.kernels` is first imported (see there).
+_EXPORTS = {
+    "Alignment": "moekit.align",
+    "align_block_size": "moekit.align",
+    "BACKENDS": "moekit.experts",
+    "PaddedWorkspaceTooLarge": "moekit.experts",
+    "moe_experts": "moekit.experts",
+    "CapturedMoE": "moekit.layer",
+    "MoELayer": "moekit.layer",
+    "masked_experts": "moekit.masked",
+    "route": "moekit.routing",
+    "topk_softmax": "moekit.routing",
+    "PRESETS": "moekit.shapes",
+    "MoEShape": "moekit.shapes",
+    "get_shape": "moekit.shapes",
+    "ExpertsConfig": "moekit.tuning",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'moekit' has no attribute {name!r}") from None
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,6 +8,7 @@ id -1, so they touch no expert and stale rows from earlier calls never leak into
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from torch import nn
 from moekit._validation import check_dtype
 from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
+from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
 from moekit.shapes import MoEShape, get_shape
 from moekit.tuning import ExpertsConfig, get_config
@@ -119,21 +121,11 @@ class CapturedMoE:
         self.num_valid = torch.zeros((), dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
-        configs = {b: get_config(shape, b, p.dtype, dev) for b in self.buckets}
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream), torch.no_grad():
-            self.num_valid.fill_(max_tokens)
-            for b in self.buckets:  # compile every kernel before capture
-                self._body(b, configs[b])
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        torch.cuda.synchronize(dev)
+        self.num_valid.fill_(max_tokens)
         with torch.no_grad():
-            for b in reversed(self.buckets):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._body(b, configs[b])
-                self.graphs[b] = g
+            for b in reversed(self.buckets):   # the largest first: the others reuse its pool memory
+                body = functools.partial(self._body, b, get_config(shape, b, p.dtype, dev))
+                self.graphs[b], _ = capture_graph(body, dev, pool=pool)
 
     def _body(self, bucket: int, config: ExpertsConfig) -> None:
         layer, shape = self.layer, self.layer.shape

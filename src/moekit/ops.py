@@ -24,16 +24,9 @@ from moekit.tuning import ExpertsConfig
 __all__ = ["experts", "route", "topk_softmax"]
 
 
-def experts(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    backend: str = "auto",
-    config: ExpertsConfig | None = None,
-) -> torch.Tensor:
+def experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, backend: str = "auto",
+            config: ExpertsConfig | None = None) -> torch.Tensor:
     """`moekit.moe_experts` with ids outside [0, E) skipped and never validated; same Args."""
     return moe_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend=backend,
                        config=config, ignore_invalid_ids=True, validate=False)

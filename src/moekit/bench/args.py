@@ -49,6 +49,14 @@ class UsageError(ValueError):
     """A bad argument or input found after parsing; the message names the argument or file."""
 
 
+def default_backends() -> tuple[str, ...]:
+    """Backends a study runs unless --backends names others: every registered one but `masked`,
+    the decode layout, whose default capacity holds E * S rows (tens of GB at prefill sizes)."""
+    from moekit.experts import BACKENDS  # here, so that `moekit --help` loads no kernels
+
+    return tuple(b for b in BACKENDS if b != "masked")
+
+
 def usage_error(prog: str, message: object) -> int:
     """Print argparse's style of error line to stderr and return exit status 2."""
     print(f"{prog}: error: {message}", file=sys.stderr)

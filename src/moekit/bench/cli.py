@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
                    help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
-    arg_types.add_backends(p, lambda: [*BACKENDS, *peers.PEERS], list(BACKENDS),
-                           f"experts backends, comma-separated (default: {','.join(BACKENDS)}); "
+    default = arg_types.default_backends()
+    arg_types.add_backends(p, lambda: [*BACKENDS, *peers.PEERS], list(default),
+                           f"experts backends, comma-separated (default: {','.join(default)}); "
                            f"Transformers peers {','.join(peers.PEERS)} may be named too")
     arg_types.add_dtype(p)
     arg_types.add_graph(p, "also time each backend captured in a CUDA graph (default: on with CUDA)")

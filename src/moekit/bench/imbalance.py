@@ -25,7 +25,7 @@ import argparse
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from rich.console import Console
@@ -77,7 +77,7 @@ class StudyConfig:
     dtype: torch.dtype
     device: torch.device
     scenarios: tuple[str, ...] = SCENARIOS
-    backends: tuple[str, ...] = BACKENDS
+    backends: tuple[str, ...] = field(default_factory=arg_types.default_backends)
     ep_ranks: int = 8
     placement: str = "contiguous"
     spare_slots: int = 2
@@ -272,8 +272,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"routing scenarios (default: {','.join(SCENARIOS)}); also hot-<n>, zipf-<s>")
     p.add_argument("--trace", type=arg_types.existing_path, default=None,
                    help="a saved routing (.pt or .npy of (T, K) ids) to replay as scenario 'file'")
-    arg_types.add_backends(p, lambda: BACKENDS, list(BACKENDS),
-                           f"one-device experts backends, comma-separated (default: {','.join(BACKENDS)})")
+    default = arg_types.default_backends()
+    arg_types.add_backends(p, lambda: BACKENDS, list(default),
+                           f"one-device experts backends, comma-separated (default: {','.join(default)})")
     p.add_argument("--ep", type=arg_types.int_range(0), default=None,
                    help="simulated expert-parallel ranks N, 0 to skip (default: min(8, E/2))")
     p.add_argument("--placement", choices=sorted(PLACEMENTS), default="contiguous",

@@ -22,16 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moekit.graphs import NotCapturable, capture_graph
+
+__all__ = ["NotCapturable", "TimingStats", "capture_graph", "sync", "time_fn"]
+
 MIN_REP = 15
 MAX_REP = 400
 TARGET_MS = 400.0
 MIN_WARMUP = 3
 WARMUP_MS = 25.0
 CPU_FLUSH_BYTES = 64 * 2**20  # larger than the last-level cache of common desktop and server CPUs
-
-
-class NotCapturable(RuntimeError):
-    """`fn` cannot be recorded in a CUDA graph (it syncs the host, or there is no CUDA device)."""
 
 
 @dataclass(frozen=True)
@@ -82,85 +82,6 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _check_no_host_sync(fn: Callable[[], object], device: torch.device) -> None:
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as exc:
-        if "synchroniz" not in str(exc).lower():
-            raise
-        raise NotCapturable(f"the call synchronizes the host: {str(exc).splitlines()[0]}") from exc
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    torch.cuda.synchronize(device)
-
-
-def _reset_capture_state(device: torch.device) -> None:
-    """After a failed capture: a small capture that succeeds takes the generators out of capture mode."""
-    stream = torch.cuda.Stream(device)
-    scratch = torch.zeros(1, device=device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            scratch.add_(1)
-            graph.capture_end()
-        torch.cuda.synchronize(device)
-    except RuntimeError:
-        pass  # best effort: the original failure is what gets reported
-
-
-def capture_graph(fn: Callable[[], object], device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Record `fn` in a CUDA graph; raise `NotCapturable` with the reason when it cannot be.
-
-    Returns:
-        (graph, what fn returned while capturing: the static output every replay rewrites).
-    """
-    if device.type != "cuda":
-        raise NotCapturable(f"CUDA graphs need a CUDA device, got {device}")
-    # Warm up on a side stream first: lazy initialisation (cuBLAS handles, Triton JIT, caching
-    # allocator growth) must not happen while capturing.
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    # A capture that fails leaves PyTorch's CUDA generators in capture mode (every later random
-    # op on the device then raises), so a call that syncs the host is caught here, uncaptured.
-    _check_no_host_sync(fn, device)
-    graph = torch.cuda.CUDAGraph()
-    capture_stream = torch.cuda.Stream(device)
-    capture_stream.wait_stream(torch.cuda.current_stream(device))
-    failure: Exception | None = None
-    # capture_begin/end by hand rather than torch.cuda.graph(): when capture fails, that context
-    # manager raises from capture_end before restoring the current stream, and every later op
-    # would then run on the dead capture stream. Here the stream context always unwinds, and the
-    # first error (the real reason, e.g. a host sync) is the one reported.
-    with torch.cuda.stream(capture_stream):
-        graph.capture_begin()
-        try:
-            out = fn()
-        except Exception as exc:
-            failure = exc
-        try:
-            graph.capture_end()
-        except Exception as exc:
-            failure = failure or exc
-    torch.cuda.current_stream(device).wait_stream(capture_stream)
-    try:
-        torch.cuda.synchronize(device)
-    except Exception as exc:  # an invalidated capture may surface once more here
-        failure = failure or exc
-    if failure is not None:
-        _reset_capture_state(device)
-        text = str(failure).strip()
-        raise NotCapturable(f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}") from failure
-    return graph, out
 
 
 def _timed_call(call: Callable[[], object], device: torch.device,

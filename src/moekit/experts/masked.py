@@ -39,18 +39,10 @@ def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsiz
     return num_experts * cap * (hidden + inter) * itemsize
 
 
-def experts_masked(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    capacity_factor: float | None = None,
-    stats: dict | None = None,
-    config: ExpertsConfig | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   capacity_factor: float | None = None, stats: dict | None = None,
+                   config: ExpertsConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     check_triton_device("hidden_states", hidden_states)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = gate_up_proj.shape

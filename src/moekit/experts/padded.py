@@ -42,16 +42,9 @@ def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
                                       "capacity_factor or another backend")
 
 
-def experts_padded(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    capacity_factor: float | None = None,
-    stats: dict | None = None,
-) -> torch.Tensor:
+def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   capacity_factor: float | None = None, stats: dict | None = None) -> torch.Tensor:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]

@@ -36,23 +36,12 @@ def _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
-                stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e."""
-    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
-    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
-    valid = pair < S
-    tok = (pair // TOP_K).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
-    n_in = rn < N
-    rk = tl.arange(0, BLOCK_K)                                         # [BK]
-
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk                   # [M, BK]
-    g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-    u_ptrs = g_ptrs + N * stride_wn                                                       # [BK, BN]
-
+def swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_ak, stride_wk,
+                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(gate, up) fp32 [M, BLOCK_N] accumulators of rows a [M, K] times the gate and up tiles
+    [K, BLOCK_N]; rows with valid False read as 0. Shared by the contiguous and masked layouts."""
+    rk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -67,13 +56,81 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
             u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    return acc_g, acc_u
+
+
+@triton.jit
+def k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_ak, stride_bk,
+           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """fp32 [M, BLOCK_N] accumulator of rows a [M, K] times a tile b [K, BLOCK_N]. MASK_ROWS:
+    rows with valid False read as 0; else every row is read (its memory holds zeros)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            if MASK_ROWS:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
+        else:
+            k_in = rk + k0 < K
+            a_mask = valid[:, None] & k_in[None, :] if MASK_ROWS else k_in[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+                stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature)."""
+    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
+    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
+    valid = pair < S
+    tok = (pair // TOP_K).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
+    n_in = rn < N
+    rk = tl.arange(0, BLOCK_K)                                         # [BK]
+
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk                   # [M, BK]
+    g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn                                                       # [BK, BN]
+
+    acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
+                                 M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
     h = acc_g * tl.sigmoid(acc_g) * acc_u                              # silu(gate) * up, fp32
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
+def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w_ptr, o_ptr,
+            aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, TOP_K: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr):
+    """Run TILE (`_gemm1_tile` or `_gemm2_tile`) for row block pid_m: a lone block of BLOCK_M rows,
+    or, when PAIRED, per `Alignment.block_codes`: 2 = a tile of this and the next block, 1 = this
+    block alone, 0 = nothing (the block before covers it)."""
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    row0 = pid_m * BLOCK_M
+    code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
+    if code == 2:
+        TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
+             s6, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+    elif code == 1:
+        TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
+             s6, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
 
 @triton.jit
@@ -88,26 +145,18 @@ def moe_gemm1_swiglu_kernel(
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        row0 = pid_m * BLOCK_M
-        # A lone block, unless PAIRED: then 2 starts a two-block tile, 0 is covered by the one before.
-        code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
-        if code == 2:
-            _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, stride_xt,
-                        stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                        TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
-        elif code == 1:
-            _gemm1_tile(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, stride_xt,
-                        stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                        TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w_ptr, h_ptr, x_ptr,
+                sorted_ids_ptr, S, N, K, stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
+                stride_hn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED)
 
 
 @triton.jit
 def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows."""
+    """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows
+    (`_paired`'s signature; TOP_K unused)."""
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -118,18 +167,8 @@ def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, 
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rk[None, :] * stride_hk
     b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
 
-    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
-        else:
-            k_in = rk + k0 < K
-            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+    acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, M, BLOCK_N, BLOCK_K, EVEN_K,
+                 DOT_PRECISION, False)   # padding rows of h hold zeros: no row mask needed
 
     wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
@@ -148,17 +187,9 @@ def moe_gemm2_kernel(
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        row0 = pid_m * BLOCK_M
-        code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
-        if code == 2:
-            _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
-                        stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-                        2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
-        elif code == 1:
-            _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
-                        stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w_ptr, y_ptr,
+                topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm, stride_hk, stride_we, stride_wn,
+                stride_wk, stride_ym, stride_yn, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED)
 
 
 @triton.jit

@@ -19,6 +19,8 @@ read or written: whatever they hold (NaN, stale rows) cannot reach a valid row.
 import triton
 import triton.language as tl
 
+from moekit.kernels.grouped_gemm import k_loop, swiglu_k_loop
+
 
 @triton.jit
 def _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M: tl.constexpr):
@@ -36,6 +38,14 @@ def _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(e int64, rows int64 [BM], rows below the count [BM], columns rn [BN], rn < N) of a tile."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e.to(tl.int64), rows.to(tl.int64), rows < count, rn, rn < N
+
+
+@triton.jit
 def masked_gemm1_swiglu_kernel(
     x_ptr, w_ptr, h_ptr, counts_ptr,
     C, N, K, num_m, num_n,
@@ -46,35 +56,15 @@ def masked_gemm1_swiglu_kernel(
     # N = I (columns of each half), K = H.
     e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
     if live:
-        e = e.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM]
-        valid = rows < count
-        rows = rows.to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
-        n_in = rn < N
+        e, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
 
         a_ptrs = x_ptr + e * stride_xe + rows[:, None] * stride_xm + rk[None, :] * stride_xk    # [BM, BK]
         g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
         u_ptrs = g_ptrs + N * stride_wn                                                        # [BK, BN]
 
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
-            else:
-                k_in = rk + k0 < K
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_xk
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
+        acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
         h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
         h_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rn[None, :] * stride_hn
@@ -93,29 +83,14 @@ def masked_gemm2_kernel(
     # N = H, K = I.
     e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
     if live:
-        e = e.to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BM]
-        valid = rows < count
-        rows = rows.to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
-        n_in = rn < N
+        e, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
 
         a_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rk[None, :] * stride_hk    # [BM, BK]
         b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
-            else:
-                k_in = rk + k0 < K
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_hk
-            b_ptrs += BLOCK_K * stride_wk
+        acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     EVEN_K, DOT_PRECISION, True)
 
         if HAS_ROW_WEIGHTS:
             wt = tl.load(rw_ptr + e * stride_re + rows * stride_rm, mask=valid, other=0.0)
