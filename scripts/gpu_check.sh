@@ -13,13 +13,13 @@ python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'trit
 export MOEKIT_COMMIT=${MOEKIT_COMMIT:-$(cat COMMIT 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null)}
 echo "commit $MOEKIT_COMMIT" | tee -a "$OUT/gpu.txt"
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
-    echo "editable install failed (see install.log); using PYTHONPATH=src"
-    export PYTHONPATH=$PWD/src
+    echo "editable install failed (see install.log)"
 fi
+export PYTHONPATH=$PWD/src   # this tree's code, whatever an earlier install left on the machine
 for step in $steps; do
     echo "=== $step"
     case $step in
-        tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE --durations=8 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+        tests)   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=15 ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
         memcheck)
             # Kernels with the caching allocator off, so every buffer's bounds are exact; the graph
             # tests keep it on (cudaMalloc is not allowed while a stream captures).
@@ -32,11 +32,13 @@ for step in $steps; do
                 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py -k "capture or graph" \
                 2>&1 | tee "$OUT/memcheck_graphs.log" | tail -4 ;;
         racecheck)
-            MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-25} MOEKIT_FUZZ_SECONDS=150 timeout ${RACECHECK_TIMEOUT:-200} \
-                compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 \
+            # moekit's Triton kernels only (their names end in "_kernel"): cuBLAS's nvjet kernels
+            # report potential hazards on their own asynchronous copies, which are not ours to judge.
+            MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-15} MOEKIT_FUZZ_SECONDS=150 timeout ${RACECHECK_TIMEOUT:-200} \
+                compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 --kernel-name kns=_kernel \
                 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
                 "tests/test_gpu_core.py::test_backends_bf16_qwen3[1]" "tests/test_gpu_core.py::test_backends_bf16_qwen3[64]" \
-                tests/test_gpu_core.py::test_router_and_align_triton_equal_torch_on_gpu \
+                tests/test_gpu_core.py::test_router_and_align_match_references_on_gpu \
                 tests/test_gpu_reliability.py::test_fuzz_triton_against_fp32_reference \
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
