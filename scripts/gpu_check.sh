@@ -37,9 +37,9 @@ for step in $steps; do
             MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-15} MOEKIT_FUZZ_SECONDS=150 timeout ${RACECHECK_TIMEOUT:-200} \
                 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 --kernel-name kns=_kernel \
                 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
-                "tests/test_gpu_core.py::test_backends_bf16_qwen3[1]" "tests/test_gpu_core.py::test_backends_bf16_qwen3[64]" \
+                ${RACECHECK_TESTS:-"tests/test_gpu_core.py::test_backends_bf16_qwen3[1]" "tests/test_gpu_core.py::test_backends_bf16_qwen3[64]" \
                 tests/test_gpu_core.py::test_router_and_align_match_references_on_gpu \
-                tests/test_gpu_reliability.py::test_fuzz_triton_against_fp32_reference \
+                tests/test_gpu_reliability.py::test_fuzz_triton_against_fp32_reference} \
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;

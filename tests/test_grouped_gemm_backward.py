@@ -313,6 +313,7 @@ def qwen_case(num_tokens, dtype=torch.bfloat16, seed=0):
     gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).to(dtype)
     down = (torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5).to(dtype)
     logits = torch.randn(num_tokens, e, device="cuda", generator=gen)
+    logits[:, -1] = float("-inf")        # the last expert gets no pairs: its gradient must be exactly 0
     w, ids = torch.softmax(logits, -1).topk(k, -1)
     w = w / w.sum(-1, keepdim=True)
     dout = torch.randn(num_tokens, h, device="cuda", generator=gen).to(dtype)

@@ -39,7 +39,8 @@ def _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(e int64, rows int64 [BM], rows below the count [BM], columns rn [BN], rn < N) of a tile."""
+    """(e as int64, rows int64 [BM], rows below the count [BM], columns rn [BN], rn < N) of a tile;
+    a new name for the int64 e, since Triton keeps a variable's type across an if."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return e.to(tl.int64), rows.to(tl.int64), rows < count, rn, rn < N
@@ -56,18 +57,18 @@ def masked_gemm1_swiglu_kernel(
     # N = I (columns of each half), K = H.
     e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
     if live:
-        e, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
+        ex, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
 
-        a_ptrs = x_ptr + e * stride_xe + rows[:, None] * stride_xm + rk[None, :] * stride_xk    # [BM, BK]
-        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        a_ptrs = x_ptr + ex * stride_xe + rows[:, None] * stride_xm + rk[None, :] * stride_xk    # [BM, BK]
+        g_ptrs = w_ptr + ex * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
         u_ptrs = g_ptrs + N * stride_wn                                                        # [BK, BN]
 
         acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
                                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
         h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
-        h_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rn[None, :] * stride_hn
+        h_ptrs = h_ptr + ex * stride_he + rows[:, None] * stride_hm + rn[None, :] * stride_hn
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
 
 
@@ -83,19 +84,19 @@ def masked_gemm2_kernel(
     # N = H, K = I.
     e, pid_m, pid_n, count, live = _masked_tile(counts_ptr, C, num_m, num_n, BLOCK_M)
     if live:
-        e, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
+        ex, rows, valid, rn, n_in = _tile_rows(e, pid_m, pid_n, count, N, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
 
-        a_ptrs = h_ptr + e * stride_he + rows[:, None] * stride_hm + rk[None, :] * stride_hk    # [BM, BK]
-        b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        a_ptrs = h_ptr + ex * stride_he + rows[:, None] * stride_hm + rk[None, :] * stride_hk    # [BM, BK]
+        b_ptrs = w_ptr + ex * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
 
         acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K,
                      EVEN_K, DOT_PRECISION, True)
 
         if HAS_ROW_WEIGHTS:
-            wt = tl.load(rw_ptr + e * stride_re + rows * stride_rm, mask=valid, other=0.0)
+            wt = tl.load(rw_ptr + ex * stride_re + rows * stride_rm, mask=valid, other=0.0)
             acc = acc * wt.to(tl.float32)[:, None]
-        y_ptrs = y_ptr + e * stride_ye + rows[:, None] * stride_ym + rn[None, :] * stride_yn
+        y_ptrs = y_ptr + ex * stride_ye + rows[:, None] * stride_ym + rn[None, :] * stride_yn
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
 
 
