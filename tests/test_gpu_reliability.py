@@ -115,9 +115,13 @@ def test_fuzz_triton_against_fp32_reference():
             x = args[0]
             assert out.shape == x.shape and out.dtype == x.dtype
             if x.shape[0]:
-                ref = moe_experts_ref(*args)
-                err = rel_err(out, ref)
-                bound = 1e-5 if x.dtype == torch.float32 else same_dtype_bound(*args, ref)
+                # Large batches: the references on sampled rows (first, last, random), to save time.
+                rows = (sampled_rows(x.shape[0], 48, gen).to(x.device) if x.shape[0] > 128
+                        else torch.arange(x.shape[0], device=x.device))
+                checked = (x[rows], args[1], args[2], args[3][rows], args[4][rows])
+                ref = moe_experts_ref(*checked)
+                err = rel_err(out[rows], ref)
+                bound = 1e-5 if x.dtype == torch.float32 else same_dtype_bound(*checked, ref)
                 where = (f"case {i}: T={x.shape[0]} E={args[1].shape[0]} K={args[4].shape[1]} "
                          f"H={x.shape[1]} I={args[2].shape[2]} {x.dtype}")
                 assert err <= bound, f"{where}: {err:.2e} > {bound:.2e}"

@@ -4,11 +4,13 @@ top-level modules of moekit import each other (directly or through others)."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moekit"
 LAB = {"bench", "cli", "__main__"}          # the lab and its command line
@@ -120,3 +122,26 @@ def test_import_moekit_is_lazy():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch is for machines without CUDA")
+def test_triton_path_runs_on_the_cpu_in_a_fresh_process():
+    """The interpreter switch holds whatever moekit module is imported first (here align, which
+    imports triton at once), not only through the test suite's conftest."""
+    code = (
+        "import torch\n"
+        "import moekit.align\n"
+        "import moekit\n"
+        "from moekit.reference import moe_experts_ref\n"
+        "x, gu, d = torch.randn(5, 32), torch.randn(4, 32, 32) / 6, torch.randn(4, 32, 16) / 4\n"
+        "ids, w = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]]), torch.rand(5, 2)\n"
+        "with torch.no_grad():\n"
+        "    out = moekit.moe_experts(x, gu, d, w, ids, backend='triton')\n"
+        "ref = moe_experts_ref(x, gu, d, w, ids)\n"
+        "assert ((out - ref).norm() / ref.norm()).item() < 1e-5\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("ok")

@@ -9,12 +9,28 @@ Decode-time masked layout (DeepGEMM; fed by DeepEP's low-latency dispatch):
 """
 
 import importlib as _importlib
+import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
 
+
+def _surely_no_cuda() -> bool:
+    """No CUDA device can be in use, told without importing torch: CUDA hidden, or (Linux) no NVIDIA
+    driver nodes. Then Triton must run interpreted, and the flag must be set before `import
+    triton` (its own library functions are compiled at import). Other cases are decided in
+    `moekit.kernels`, with torch."""
+    if _os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return True
+    return _sys.platform.startswith("linux") and not any(
+        _os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia"))
+
+
+if "TRITON_INTERPRET" not in _os.environ and _surely_no_cuda():
+    _os.environ["TRITON_INTERPRET"] = "1"
+
 # The public API, imported on first use: `import moekit` (and `moekit --help`) loads neither torch
-# nor Triton. Kernels switch Triton to its interpreter on a machine without CUDA when
-# `moekit.kernels` is first imported (see there).
+# nor Triton.
 _EXPORTS = {
     "Alignment": "moekit.align",
     "align_block_size": "moekit.align",
