@@ -1,0 +1,30 @@
+"""The README's Python blocks run as written, in order, in one fresh process (CPU here: the blocks
+pick a tiny layer and float32 when there is no GPU). A block preceded by
+`<!-- readme-test: skip (reason) -->` is left out; the reason names the test that covers it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"(<!-- readme-test: skip[^>]*-->\s*\n)?```python\n(.*?)```", re.S)
+
+
+def python_blocks() -> tuple[list[str], list[str]]:
+    """(blocks to run, blocks skipped) in README order."""
+    run, skipped = [], []
+    for marker, code in BLOCK.findall(README.read_text(encoding="utf-8")):
+        (skipped if marker else run).append(code)
+    return run, skipped
+
+
+def test_readme_python_blocks_run_as_written():
+    run, skipped = python_blocks()
+    assert run, "the README has no Python block to run"
+    assert len(skipped) <= 2, "a skipped block must be the exception"
+    res = subprocess.run([sys.executable, "-c", "\n".join(run)], capture_output=True, text=True,
+                         timeout=600, cwd=README.parent)
+    assert res.returncode == 0, res.stderr[-4000:]
