@@ -27,8 +27,8 @@ that it swapped it). An explicit backend without a backward on the device
 for such calls, with the one warning.
 
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
-expert count); every id outside [0, E) contributes exactly 0, and its weight is never read and
-gets a gradient of exactly 0.
+expert count); every id outside [0, E) contributes exactly 0 (no expert weight is read for it) and
+its routing weight gets a gradient of exactly 0.
 
 `transformers` is an optional dependency: this module imports it only when one of its functions is
 called, so `import moekit` works without it.
@@ -197,7 +197,8 @@ def experts_forward(
         self: a Transformers experts module (`@use_experts_implementation`).
         hidden_states: (T, H); cast to the weights' dtype and the result cast back, as Transformers
             does under autocast.
-        top_k_index: (T, K) expert ids; ids outside [0, E) (expert-parallel sentinels) give 0.
+        top_k_index: (T, K) expert ids; ids outside [0, E) (expert-parallel sentinels) give 0 and
+            receive no gradient.
         top_k_weights: (T, K) routing weights.
         backend: see `register`. A call that needs gradients (grad mode on, and the hidden states,
             the weights or the routing weights require grad) runs on moekit when the backend has a
