@@ -13,11 +13,22 @@ sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`). It runs `moek
 biases, in the concatenated [gate; up] layout, transposed or not (a transposed module is read
 through strided views, no copy). Everything else goes to Transformers' own grouped_mm path with
 one warning per (class, reason): biases, non-gated or interleaved experts, other activations, a
-custom `_apply_gate`, quantized or DTensor weights, and any call that needs gradients (this
-integration serves inference; `moekit.moe_experts` and `MoELayer` differentiate the triton backend).
+custom `_apply_gate`, quantized or DTensor weights.
+
+Training: a call that needs gradients runs on moekit too, through `moekit.ops.experts`, whose
+autograd reaches the experts' gate_up_proj / down_proj Parameters (through the transpose views of a
+transposed module), the hidden states and the routing weights (so the router trains); frozen
+experts (requires_grad=False) get no gradient and cost no weight-gradient kernel. "auto" picks a
+backend with a backward: triton on CUDA (its backward in `moekit.experts.triton`, also under
+torch.compile through the `moekit::experts` op's autograd); loop on CPU (where grouped_mm, which
+serves aligned sizes in inference, has no backward, `moekit.experts.resolve_backend` warns once
+that it swapped it). An explicit backend without a backward on the device
+(`moekit.experts.has_backward`: grouped_mm on CPU, masked) falls back to Transformers' grouped_mm
+for such calls, with the one warning.
 
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
-expert count); every id outside [0, E) contributes exactly 0, and its weight is never read.
+expert count); every id outside [0, E) contributes exactly 0 (no expert weight is read for it) and
+its routing weight gets a gradient of exactly 0.
 
 `transformers` is an optional dependency: this module imports it only when one of its functions is
 called, so `import moekit` works without it.
@@ -38,7 +49,7 @@ from torch import nn
 
 from moekit import ops
 from moekit._validation import FLOAT_DTYPES, needs_grad
-from moekit.experts import BACKENDS
+from moekit.experts import BACKENDS, has_backward
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
@@ -186,17 +197,21 @@ def experts_forward(
         self: a Transformers experts module (`@use_experts_implementation`).
         hidden_states: (T, H); cast to the weights' dtype and the result cast back, as Transformers
             does under autocast.
-        top_k_index: (T, K) expert ids; ids outside [0, E) (expert-parallel sentinels) give 0.
+        top_k_index: (T, K) expert ids; ids outside [0, E) (expert-parallel sentinels) give 0 and
+            receive no gradient.
         top_k_weights: (T, K) routing weights.
-        backend: see `register`.
+        backend: see `register`. A call that needs gradients (grad mode on, and the hidden states,
+            the weights or the routing weights require grad) runs on moekit when the backend has a
+            backward on the device ("auto" always does), else on Transformers' grouped_mm.
 
     Returns:
         (T, H) in the dtype of hidden_states.
     """
     reason = unsupported_reason(self)
-    if reason is None and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj):
-        reason = ("inputs that need gradients (this integration serves inference: run it under "
-                  "torch.no_grad() or torch.inference_mode())")
+    if (reason is None and backend != "auto" and not has_backward(backend, self.gate_up_proj.device)
+            and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)):
+        reason = (f"inputs that need gradients and backend={backend!r} has no backward on "
+                  f"{self.gate_up_proj.device.type}")
     if reason is not None:
         _warn_once(type(self).__name__, reason)
         return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
