@@ -2,7 +2,7 @@
 
 With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with CUDA graphs on a
 GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
-runs end to end in well under two minutes.
+runs end to end in well under two minutes. --shape and --config measure any other layer.
 
 Every argument is checked while parsing and the output folder before anything is measured; a folder
 that already holds results is refused unless --overwrite is given. All outputs are rendered in
@@ -25,14 +25,13 @@ from rich.table import Table
 
 from moekit.bench import args as arg_types
 from moekit.bench import peers
-from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
-from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts, warn_to
 from moekit.bench.sweep import Plan, run_sweep
 from moekit.experts import BACKENDS
-from moekit.shapes import PRESETS
 
 PROG = "moekit bench"
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
@@ -71,17 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
     device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
-    if args.preset is None:
-        presets = [GPU_PRESET if on_gpu else CPU_PRESET]
-        if not on_gpu:
-            why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
-            console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
-                          "CPU ceilings).[/yellow]", soft_wrap=True)
-    else:
-        presets = args.preset
-    for name in presets:
-        if name not in PRESETS:
-            raise ValueError(f"--preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    layers = arg_types.resolve_layers(args, device, warn_to(console))
+    if not arg_types.layer_given(args) and not on_gpu:
+        why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
+        console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
+                      "CPU ceilings).[/yellow]", soft_wrap=True)
     backends = list(dict.fromkeys(args.backends))
     for b in backends:
         if b not in BACKENDS and not peers.is_peer(b):
@@ -100,7 +93,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
     dtype = arg_types.resolve_dtype(args.dtype, device)
     graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
-    plan = Plan(tuple(presets), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
+    plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
     return plan, with_peers
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
+from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import Provenance, check_provenance, check_shape_columns, positive_problem
 from moekit.bench.study import CSV_NAME as CSV_NAME
@@ -127,7 +128,7 @@ def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"ep-bench {r0.preset} ({r0.mode}, {r0.dist_backend or 'loopback'}, N={n}, "
                  f"T={r0.tokens_per_rank}/rank, {r0.dtype}, {r0.backend}), {r0.device_name}", fontsize=9)
-    return f"ep_{r0.preset}.png", png_bytes(fig)
+    return f"ep_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
 def _ms(v: float) -> str:

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from rich.table import Table
 
 from moekit.bench import results
+from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow
 from moekit.bench.study import FILES, Files, Study, fmt_number
@@ -132,7 +133,7 @@ def plot_one_gpu(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes]:
         ax.set_yscale("log")
     ax.set_ylabel("median time per call (ms)")
     ax.set_title(f"one device, whole layer, by routing scenario\n{_subtitle(rows[0])}", fontsize=9)
-    return f"imbalance_one_gpu_{rows[0].preset}.png", png_bytes(fig)
+    return f"imbalance_one_gpu_{file_stem(rows[0].preset)}.png", png_bytes(fig)
 
 
 def plot_ep(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
@@ -158,7 +159,7 @@ def plot_ep(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
     ax.set_title(f"simulated EP: {r0.ep_ranks} ranks, {r0.backend}, before / after replicating hot experts "
                  f"({r0.spare_slots} spare slots per rank); labels: slowest / mean rank\n"
                  f"{_subtitle(r0)}", fontsize=9)
-    return f"imbalance_ep_{r0.preset}.png", png_bytes(fig)
+    return f"imbalance_ep_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
 def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
@@ -180,7 +181,7 @@ def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
         ax.grid(True, alpha=0.3)
     ax_drop.legend(fontsize=7)
     fig.suptitle(f"capacity factor: pairs dropped vs time\n{_subtitle(rs[0])}", fontsize=9)
-    return f"imbalance_capacity_{rs[0].preset}.png", png_bytes(fig)
+    return f"imbalance_capacity_{file_stem(rs[0].preset)}.png", png_bytes(fig)
 
 
 def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
 from moekit.bench.study import FILES, Files, Study, fmt_number
@@ -113,10 +114,11 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
         out += ["", "### Not timed", ""]
         out += [f"- T={r.tokens} {r.backend} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
                 for r in untimed]
+    stem = file_stem(preset)
     out += ["", "### Plots", "",
-            f"![time per call](time_{preset}.png)", "",
-            f"![% of floor](floor_pct_{preset}.png)", "",
-            f"![kernel launches per call](launches_{preset}.png)", ""]
+            f"![time per call](time_{stem}.png)", "",
+            f"![% of floor](floor_pct_{stem}.png)", "",
+            f"![kernel launches per call](launches_{stem}.png)", ""]
     return out
 
 

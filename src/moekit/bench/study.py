@@ -156,6 +156,13 @@ def measure_provenance(device: torch.device, dtype: torch.dtype, console, *, rep
                                         transformers_version=transformers_version)
 
 
+def warn_to(console) -> Callable[[str], None]:
+    """A `warn` for `args.resolve_layers`: one yellow line on the study's console, printed as is
+    (a path or key in brackets is not taken for markup)."""
+    return lambda message: console.print(f"warning: {message}", style="yellow", markup=False, highlight=False,
+                                         soft_wrap=True)
+
+
 def fmt_number(v: float | int | None, digits: int = 3) -> str:
     """A table cell: "–" for a missing value, integers with thousands separators, numbers from 100
     up without decimals, smaller ones to `digits` significant digits."""

@@ -34,11 +34,11 @@ from moekit.align import align_block_size
 from moekit.bench import args as arg_types
 from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
-from moekit.bench.study import measure_provenance
+from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
 from moekit.bench.tune_report import STUDY, tune_rows
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
-from moekit.shapes import MoEShape, get_shape
+from moekit.shapes import MoEShape
 from moekit.tuning import (
     PACKAGED_DIR,
     SHARED_MEMORY_LIMIT,
@@ -236,7 +236,11 @@ def run(args: argparse.Namespace) -> int:
     if device is None or device.type != "cuda":
         return usage_error(PROG, "needs a CUDA GPU; the packaged defaults serve CPU runs")
     console = Console()
-    shape = get_shape(args.preset)
+    try:
+        layer = arg_types.resolve_layer(args, device, warn_to(console))
+    except ValueError as exc:
+        return usage_error(PROG, exc)
+    shape = layer.shape
     dtype = getattr(torch, args.dtype)
     out, table = _paths(args, device)
     try:
@@ -261,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             status = 1
             break
         records += rec
-        rows += tune_rows(prov, args.preset, shape, rot, rec, best)
+        rows += tune_rows(prov, layer.name, shape, rot, rec, best)
         write_table(table, shape_key(shape, dtype), {t: best})
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
