@@ -12,15 +12,18 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
-from rich.table import Table
 
 from moekit.bench import results
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow
 from moekit.bench.study import FILES, Files, Study, fmt_number
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
@@ -297,6 +300,9 @@ def output_files(rows: Sequence[ImbalanceRow], files: Files = FILES) -> dict[str
 
 
 def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
+    """The console's summary (rich is imported here: the report and plots do without it)."""
+    from rich.table import Table
+
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
     steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
     backends = list(dict.fromkeys(b for _, b in one))
