@@ -29,7 +29,15 @@ from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
-from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts, warn_to
+from moekit.bench.study import (
+    CSV_NAME,
+    exit_status,
+    is_noisy,
+    measure_provenance,
+    status_counts,
+    warn_to,
+    with_threads,
+)
 from moekit.bench.sweep import Plan, run_sweep
 from moekit.experts import BACKENDS
 
@@ -64,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
                             "5..400 on the CPU)", "warm-up calls per case")
     arg_types.add_device(p)
+    arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and router")
 
 
@@ -107,7 +116,7 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
     """Backends down, token counts across (short numeric columns fit a narrow terminal)."""
     rs = [r for r in rows if r.preset == preset]
     tokens = sorted({r.tokens for r in rs})
-    table = Table(title=f"{preset}: median ms per call / % of floor; crossover ≈ "
+    table = Table(title=f"{preset}: median ms per call / % of floor / p20–p80 ms; crossover ≈ "
                         f"{crossover_of(rs[0]):,.0f} tokens")
     table.add_column("backend (mode)")
     for t in tokens:
@@ -122,7 +131,9 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
             if r is None:
                 cells.append("")
             elif r.status == "ok":
-                cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}")
+                noisy = " [yellow]noisy[/yellow]" if is_noisy(r.p20_ms, r.p80_ms) else ""
+                cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}\n[dim]{r.p20_ms:.3g}–{r.p80_ms:.3g}[/dim]"
+                             + noisy)
             else:
                 style = "red" if r.status in ("failed", "error") else "dim"
                 cells.append(f"[{style}]{r.status.replace('_', ' ')}[/{style}]")
@@ -138,23 +149,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return usage_error(PROG, exc)
     options = _options(args, plan.device)
-    ceilings, prov = measure_provenance(
-        plan.device, plan.dtype, console, rep=options.rep,
-        transformers_version=peers.transformers_version() if with_peers else None)
-    out_dir = args.out or RESULTS_ROOT / prov.run_id
+    with arg_types.cpu_threads(plan.device, args.threads) as threads:   # the ceilings too: same threads
+        ceilings, prov = measure_provenance(
+            plan.device, plan.dtype, console, rep=options.rep,
+            transformers_version=peers.transformers_version() if with_peers else None)
+        out_dir = args.out or RESULTS_ROOT / prov.run_id
+        progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console)
+        with progress:
+            task = progress.add_task("sweep", total=plan.num_cases)
 
-    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console)
-    with progress:
-        task = progress.add_task("sweep", total=plan.num_cases)
+            def on_case(what: str, row: ResultRow | None) -> None:
+                if row is None:
+                    progress.update(task, description=what)
+                else:
+                    progress.advance(task)
 
-        def on_case(what: str, row: ResultRow | None) -> None:
-            if row is None:
-                progress.update(task, description=what)
-            else:
-                progress.advance(task)
-
-        rows = run_sweep(plan, ceilings, prov, options, on_case)
+            rows = with_threads(run_sweep(plan, ceilings, prov, options, on_case), threads)
 
     written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
     for preset in plan.presets:

@@ -44,7 +44,15 @@ from moekit.bench.results import Provenance
 from moekit.bench.runner import make_weights
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import SimulatedTimes, shard_experts, simulate_ep
-from moekit.bench.study import CSV_NAME, exit_status, find_results, measure_provenance, redraw, warn_to
+from moekit.bench.study import (
+    CSV_NAME,
+    exit_status,
+    find_results,
+    measure_provenance,
+    redraw,
+    warn_to,
+    with_threads,
+)
 from moekit.bench.timing import TimingStats, sync
 from moekit.experts import BACKENDS, resolve_backend
 from moekit.parallel import disable_nvls
@@ -87,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)  # the older spelling of `moekit report`
     p.add_argument("--timeout", type=arg_types.int_range(1), default=600,
                    help="seconds before a stuck collective fails")
+    arg_types.add_threads(p)
     arg_types.add_seed(p)
 
 
@@ -383,11 +392,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{grp.world} ranks but only {cfg.shape.num_experts} experts")
         except ValueError as exc:
             return _fail(console, exc)
-        prov = measure_provenance(cfg.device, cfg.dtype, console)[1] if grp.rank == 0 else None
-        console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
-                      f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
-                      f"{cfg.backend}")
-        rows = _distributed_rows(cfg, grp, prov, console)
+        with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+            prov = measure_provenance(cfg.device, cfg.dtype, console)[1] if grp.rank == 0 else None
+            console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
+                          f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
+                          f"{cfg.backend}")
+            rows = with_threads(_distributed_rows(cfg, grp, prov, console), threads)
         status = _write(rows, args, args.out or RESULTS_ROOT / f"ep-{prov.run_id}", console) \
             if grp.rank == 0 else 0
         dist.barrier()
@@ -408,8 +418,10 @@ def _run_simulated(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         return _fail(console, exc)
     grp = Group(0, n, "", device)
-    prov = measure_provenance(cfg.device, cfg.dtype, console)[1]
-    console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
-                  f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend {cfg.backend}")
-    rows = _simulated_rows(cfg, grp, prov, console)
+    with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+        prov = measure_provenance(cfg.device, cfg.dtype, console)[1]
+        console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
+                      f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
+                      f"{cfg.backend}")
+        rows = with_threads(_simulated_rows(cfg, grp, prov, console), threads)
     return _write(rows, args, args.out or RESULTS_ROOT / f"ep-sim-{prov.run_id}", console)

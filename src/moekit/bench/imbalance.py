@@ -43,7 +43,7 @@ from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import StepTime, rank_problem
-from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, warn_to
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, warn_to, with_threads
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.experts.padded import capacity, workspace_bytes
 from moekit.placement import PLACEMENTS, assign, rank_loads, rank_weights, replicate_hot_experts
@@ -298,9 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_timing(p, "timed calls per case (default: time_fn's on a GPU, "
                             f"{CPU_OPTIONS.rep} on the CPU)", "warm-up calls per case")
     arg_types.add_device(p)
-    p.add_argument("--threads", type=arg_types.int_range(1, 1024), default=1,
-                   help="CPU runs only: torch intra-op threads (default 1; shapes small enough for the CPU "
-                        "gain nothing from more, and on a shared machine waiting threads cost ms per op)")
+    arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and scenarios")
     arg_types.add_out(p, "imbalance-<UTC timestamp>", STUDY.result_names)
     p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="DIR",
@@ -355,21 +353,13 @@ def run(args: argparse.Namespace) -> int:
         arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
-    threads = torch.get_num_threads()
-    if cfg.device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    try:
-        return _measure(cfg, args, console)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure(cfg: StudyConfig, args: argparse.Namespace, console: Console) -> int:
-    ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console)
+    with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+        ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console)
+        console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
+                      f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each", soft_wrap=True)
+        rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
+    rows = with_threads(rows, threads)
     out_dir = args.out or RESULTS_ROOT / f"imbalance-{prov.run_id}"
-    console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
-                  f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each")
-    rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
     written = STUDY.write(rows, out_dir)
     console.print(summary_table(rows))
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)

@@ -20,7 +20,7 @@ from moekit.bench import results
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow
-from moekit.bench.study import FILES, Files, Study, fmt_number
+from moekit.bench.study import FILES, Files, Study, fmt_number, is_noisy, spread, timing_notes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -73,6 +73,7 @@ class ImbalanceRow(LayerRow):
     capacity: int | None = None
     dropped: int | None = None
     dropped_frac: float = math.nan
+    threads: int | None = None   # torch intra-op threads of a CPU run
 
 
 def check_row(row: ImbalanceRow) -> str:
@@ -209,19 +210,20 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         "- busiest / mean = the busiest expert's pairs over the mean (1 = balanced, E/K = collapse). "
         "Every case passed the fp32-reference gate before it was timed; one that did not is listed "
         "below, never timed.",
+        *timing_notes(rows),
         "",
     ]
     if r0.device_type == "cpu":
         lines += ["> CPU run (Triton interpreted, small T): the flow of the study, not GPU performance.", ""]
-    lines += ["### One device: median ms per call (% of floor)", "",
+    lines += ["### One device: median ms per call (% of floor), p20–p80 ms", "",
               "| scenario | busiest / mean | floor ms | " + " | ".join(backends) + " |",
               "|---|---:|---:|" + "---:|" * len(backends)]
     for s in scen:
         first = next((one[s, b] for b in backends if (s, b) in one), None)
         if first is None:
             continue
-        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%)")
-                 for b in backends]
+        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%), "
+                       f"{spread(r.p20_ms, r.p80_ms)}") for b in backends]
         lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {fmt_number(first.floor_ms)} | "
                      + " | ".join(cells) + " |")
 
@@ -312,7 +314,8 @@ def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
     for col in ("scenario", "busiest/mean", *backends, *(f"EP {p}" for p in _placements(rows))):
         table.add_column(col, justify="left" if col == "scenario" else "right")
     for s in _scenarios(rows):
-        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)) for b in backends]
+        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)
+                       + (" noisy" if is_noisy(r.p20_ms, r.p80_ms) else "")) for b in backends]
         cells += [_cell(steps.get((s, p)), lambda r: f"{fmt_number(r.step_ms)} ({r.slowest_over_mean:.2f})")
                   for p in _placements(rows)]
         table.add_row(s, f"{skew[s]:.2f}", *cells)
