@@ -257,7 +257,7 @@ def _check_table(table: Path, explicit: bool) -> str:
     if not explicit:
         where = "$MOEKIT_CONFIG_DIR" if os.environ.get("MOEKIT_CONFIG_DIR") else "the table's folder"
         try:
-            arg_types.check_out_dir(table.parent, f"{where}")
+            arg_types.check_out_dir(table.parent, where)
         except ValueError as exc:
             return str(exc)
         if table.is_dir():
