@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from moekit.bench import cli
 from moekit.bench.results import read_csv
@@ -70,3 +75,17 @@ def test_tokens_must_be_positive_integers():
     with pytest.raises(SystemExit):
         parser.parse_args(["--tokens", "1,x"])
     assert parser.parse_args(["--tokens", "1, 8"]).tokens == [1, 8]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch is for machines without CUDA")
+def test_the_command_runs_triton_interpreted_on_the_cpu(tmp_path):
+    """`moekit bench` in a fresh process (not under this suite's conftest, which imports moekit.kernels
+    first): Triton must be switched to its interpreter before anything imports it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-m", "moekit", "bench", "--preset", "tiny", "--quick", "--tokens",
+                           "1", "--backends", "triton", "--device", "cpu", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = read_csv(tmp_path / "run" / "results.csv")
+    assert row.status == "ok", row.reason

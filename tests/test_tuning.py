@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
+from moekit import tuning
 from moekit.bench import tune as tuner
 from moekit.cli import build_parser, main
 from moekit.shapes import PRESETS
@@ -375,12 +377,14 @@ def test_python_dash_m_moekit_help():
         assert command in done.stdout
 
 
-def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, capsys):
-    """The study end to end with the GPU stubbed: every timing a row, the winners in the table, the
-    report and plot drawn from the rows (and redrawn by `moekit report`)."""
-    from moekit.bench import study
+STUB_META = {"triton": "9.9.9", "torch": "2.99", "device": "Stub GPU"}
+
+
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """`moekit tune` with the GPU stubbed: provenance, the device's name and meta, and the tuner
+    (stubbed timer, on the CPU). Returns the provenance."""
     from moekit.bench.results import Provenance
-    from moekit.bench.tune_report import STUDY
 
     prov = Provenance("20260101T000000Z", "2026-01-01T00:00:00+00:00", "abc", "cuda", "Stub GPU", "2", "3",
                       "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
@@ -394,6 +398,18 @@ def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, cap
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuner, "measure_provenance", lambda *a, **k: (None, prov))
     monkeypatch.setattr(tuner, "tune_tokens", on_cpu)
+    monkeypatch.setattr(tuner, "device_slug", lambda device=None: "stub_gpu")
+    monkeypatch.setattr(tuner, "running_versions", lambda device=None: dict(STUB_META))
+    return prov
+
+
+def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, capsys, stub_gpu):
+    """The study end to end with the GPU stubbed: every timing a row, the winners in the table, the
+    report and plot drawn from the rows (and redrawn by `moekit report`)."""
+    from moekit.bench import study
+    from moekit.bench.tune_report import STUDY
+
+    prov = stub_gpu
     out, table = tmp_path / "run", tmp_path / "t.json"
     assert main(["tune", "--preset", "tiny", "--tokens", "4,48", "--dtype", "float16", "--seed", "7",
                  "--out", str(out), "--table", str(table)]) == 0
@@ -415,3 +431,133 @@ def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, cap
     assert main(["tune", "--preset", "tiny", "--tokens", "4", "--seed", "7", "--out", str(out),
                  "--table", str(table)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+# Where the table goes, and what it records.
+
+
+def packaged_state() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in PACKAGED_DIR.iterdir()}
+
+
+TUNE_ARGS = ["tune", "--preset", "tiny", "--tokens", "4", "--seed", "7"]
+
+
+def test_tune_never_writes_into_the_package_by_default(tmp_path, monkeypatch, stub_gpu):
+    """Without --table: ./moekit-results/<device>.json, or --out's folder, or $MOEKIT_CONFIG_DIR when
+    set; the installed package's tables are left alone. The table records "_meta"."""
+    before = packaged_state()
+    monkeypatch.delenv("MOEKIT_CONFIG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    key = shape_key(PRESETS["tiny"], torch.bfloat16)
+
+    assert main(TUNE_ARGS) == 0
+    table = tmp_path / "moekit-results" / "stub_gpu.json"
+    raw = json.loads(table.read_text())
+    assert list(raw) == ["_meta", key] and raw["_meta"] == STUB_META
+    assert parse_table(table).meta == STUB_META
+
+    assert main([*TUNE_ARGS, "--out", str(tmp_path / "run")]) == 0
+    assert key in parse_table(tmp_path / "run" / "stub_gpu.json")
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path / "tables"))
+    assert main([*TUNE_ARGS, "--out", str(tmp_path / "run2")]) == 0
+    assert key in parse_table(tmp_path / "tables" / "stub_gpu.json")
+    assert not (tmp_path / "run2" / "stub_gpu.json").exists()
+    assert packaged_state() == before
+
+
+@pytest.mark.parametrize("where", ["env-file", "env-unwritable"])
+def test_tune_refuses_an_unusable_config_dir_before_tuning(tmp_path, monkeypatch, capsys, stub_gpu, where):
+    monkeypatch.setattr(tuner, "tune_tokens", lambda *a, **k: pytest.fail("started tuning"))
+    if where == "env-file":
+        target = tmp_path / "file"
+        target.write_text("x")
+    else:
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o500)
+        if os.access(target, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(target))
+    assert main([*TUNE_ARGS, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moekit tune: error: $MOEKIT_CONFIG_DIR")
+    assert str(target) in err[0]
+
+
+def test_tune_keeps_the_meta_of_a_merged_table_current(tmp_path, monkeypatch, capsys, stub_gpu):
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"_meta": {"triton": "3.0.0", "torch": "2.5", "device": "Stub GPU"},
+                                 KEY: {"1": ExpertsConfig(block_m=16).to_dict()}}))
+    assert main([*TUNE_ARGS, "--out", str(tmp_path / "run"), "--table", str(table)]) == 0
+    assert "was tuned with" in capsys.readouterr().out
+    got = parse_table(table)
+    assert got.meta == STUB_META and sorted(got[KEY]) == [1, 4]     # merged, meta of this run
+
+
+def test_tune_with_a_shape(tmp_path, stub_gpu):
+    out = tmp_path / "run"
+    assert main(["tune", "--shape", "E=8,H=64,I=48,K=2", "--tokens", "4", "--seed", "7", "--out", str(out),
+                 "--table", str(tmp_path / "t.json")]) == 0
+    from moekit.bench.tune_report import STUDY
+
+    assert {r.preset for r in STUDY.read(out / "results.csv")} == {"shape:E=8,H=64,I=48,K=2"}
+    assert (out / "tune_shape_E8_H64_I48_K2.png").exists()
+    assert shape_key(PRESETS["tiny"], torch.bfloat16) in parse_table(tmp_path / "t.json")
+
+
+def test_running_versions_on_the_cpu():
+    import triton
+
+    got = tuning.running_versions("cpu")
+    assert got == {"triton": triton.__version__, "torch": torch.__version__, "device": "cpu"}
+
+
+def test_packaged_table_records_what_it_was_tuned_with():
+    table = parse_table(PACKAGED_DIR / "nvidia_h200.json")
+    assert table.meta == {"triton": "3.6.0", "torch": "2.11.0+cu130", "device": "NVIDIA H200"}
+    assert "_meta" not in table and all(k.startswith("E=") for k in table)
+
+
+BAD_META = [
+    ('{"_meta": [1], "k": {}}', "'_meta' must be an object of strings"),
+    ('{"_meta": {"triton": 3.6}}', "_meta['triton'] must be a string, got 3.6"),
+]
+
+
+@pytest.mark.parametrize("content,message", BAD_META)
+def test_bad_meta_is_a_value_error_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        parse_table(path)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(tuning, "_warned", set())
+
+
+@pytest.mark.parametrize("recorded,warns", [("0.0.1-fake", True), ("running", False), (None, False)])
+def test_get_config_warns_once_when_the_table_s_triton_differs(table_dir, fresh_warnings, recorded, warns):
+    import triton
+
+    shape = PRESETS["tiny"]
+    cfg = ExpertsConfig(block_m=16, block_n1=32)
+    table = {shape_key(shape, torch.float32): {"1": cfg.to_dict()}}
+    if recorded is not None:
+        version = triton.__version__ if recorded == "running" else recorded
+        table = {"_meta": {"triton": version, "torch": "x", "device": "Fake GPU"}, **table}
+    table_dir(table)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert get_config(shape, 1, torch.float32, "cpu") == cfg
+        assert get_config(shape, 4, torch.float32, "cpu") == cfg
+    mine = [w for w in caught if "tuned with Triton" in str(w.message)]
+    assert len(mine) == (1 if warns else 0)
+    if warns:
+        text = str(mine[0].message)
+        assert "0.0.1-fake" in text and triton.__version__ in text
+        assert "cpu.json" in text and "Fake GPU" in text

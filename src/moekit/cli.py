@@ -41,12 +41,25 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return parser
 
 
+# The `bench` extra: the lab's console and plots (the runtime never needs them).
+EXTRA_MODULES = ("rich", "matplotlib")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The top level takes no option with a value, so the first bare word is the subcommand.
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser([command] if command in SUBCOMMANDS else []).parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        args = build_parser([command] if command in SUBCOMMANDS else []).parse_args(argv)
+        return int(args._run(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRA_MODULES:
+            raise
+        prog = f"moekit {command}" if command in SUBCOMMANDS else "moekit"
+        print(f"{prog}: error: {missing} is not installed; the lab needs the bench extra: "
+              "pip install 'moekit[bench]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -23,9 +23,12 @@ The studies (the subcommand, then its rows and report step)
     ep_bench.py         `moekit ep-bench`       ep_report.py          EPRow, report, plot
     tune.py             `moekit tune`           tune_report.py        TuneRow, report, plot
 
-Only the light modules are imported here; plotting pulls in matplotlib when it is used.
+Only the light modules are imported here; plotting pulls in matplotlib when it is used. The lab
+imports `moekit.kernels` first: on a machine without CUDA it switches Triton to its interpreter,
+which must happen before anything imports triton (Triton's own @jit helpers are made at its import).
 """
 
+import moekit.kernels  # noqa: F401  (first: TRITON_INTERPRET before triton is imported)
 from moekit.bench.ceilings import Ceilings, measure_ceilings
 from moekit.bench.roofline import Traffic, crossover_tokens, floor_ms, traffic
 from moekit.bench.timing import NotCapturable, TimingStats, time_fn

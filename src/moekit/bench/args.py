@@ -2,7 +2,11 @@
 
 A flag means the same thing in every study that has it, and is added by the one function here:
 
-    --preset      layer shape preset (`add_preset`; `moekit bench` takes a comma-separated list)
+    --preset      layer shape preset (`add_preset`; `moekit bench` takes a comma-separated list), or
+    --shape       E=..,H=..,I=..,K=..[,norm=0|1], or
+    --config      a Transformers config.json (the three are mutually exclusive; `moekit bench` takes
+                  --shape / --config more than once); a study reads them with `resolve_layers` or
+                  `resolve_layer` (`moekit.bench.layers.Layer`: the rows' preset name and the shape)
     --backends    experts backends, comma-separated (`add_backends`)
     --graph       time CUDA-graph replays; --no-graph: eager calls only (`add_graph`)
     --dtype       weights and activations dtype (`add_dtype`)
@@ -10,6 +14,8 @@ A flag means the same thing in every study that has it, and is added by the one 
     --seed        seed of the weights, tokens and routing (`add_seed`)
     --rep         timed calls (or iterations) per case; --warmup: untimed ones first (`add_timing`)
     --out         the run's folder: results.csv, report.md, plots; --overwrite (`add_out`)
+    --threads     torch intra-op threads while a CPU run measures, default 1 (`add_threads`; the
+                  study measures inside `cpu_threads`, which restores the count after)
 
 Defaults that depend on the machine (`GPU_PRESET` on a GPU, `CPU_PRESET` on a CPU-only machine,
 bfloat16 or float32) are resolved by `resolve_device`, `pick` and `resolve_dtype`.
@@ -27,14 +33,16 @@ failed, errored or was skipped), 2 on a usage error (bad argument, unwritable fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import torch
 
+from moekit.bench.layers import SHAPE_SYNTAX, Layer, parse_shape, preset_layer, read_config
 from moekit.shapes import PRESETS
 
 GPU_PRESET = "qwen3-30b-a3b"     # every study's layer on a GPU
@@ -256,13 +264,82 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name] if name else pick(None, device, torch.bfloat16, torch.float32)
 
 
+def shape_spec(text: str) -> Layer:
+    """--shape E=..,H=..,I=..,K=..[,norm=0|1] (`moekit.bench.layers.parse_shape`)."""
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def model_config(text: str) -> Layer:
+    """--config CONFIG.json: a Transformers config, read offline (`moekit.bench.layers.read_config`)."""
+    try:
+        return read_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_preset(p: argparse.ArgumentParser, *, multiple: bool = False, default: str | None = None) -> None:
-    """--preset: a layer shape preset (a comma-separated list when `multiple`)."""
+    """--preset (a comma-separated list when `multiple`), or --shape, or --config (each may be given
+    more than once when `multiple`): the layer(s) to measure, mutually exclusive. Read them with
+    `resolve_layers` / `resolve_layer`."""
     when = f"default: {default}" if default else \
         f"default: {GPU_PRESET} on a GPU, {CPU_PRESET} on a CPU-only machine"
-    p.add_argument("--preset", type=names(lambda: sorted(PRESETS), "preset") if multiple else preset,
-                   default=default, help=f"layer shape preset{'(s), comma-separated,' if multiple else ''} "
-                                         f"from {', '.join(sorted(PRESETS))} ({when})")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--preset", type=names(lambda: sorted(PRESETS), "preset") if multiple else preset,
+                       default=default,
+                       help=f"layer shape preset{'(s), comma-separated,' if multiple else ''} "
+                            f"from {', '.join(sorted(PRESETS))} ({when})")
+    action, again = ("append", " (may be given more than once)") if multiple else ("store", "")
+    group.add_argument("--shape", type=shape_spec, action=action, dest="layers", default=None,
+                       metavar="E=..,H=..,I=..,K=..",
+                       help=f"a layer shape instead of a preset: {SHAPE_SYNTAX} (norm=0: the top-k weights "
+                            f"are not renormalised){again}")
+    group.add_argument("--config", type=model_config, action=action, dest="layers", default=None,
+                       metavar="CONFIG.json",
+                       help="the MoE layer of a Transformers config.json (Qwen3-MoE, Qwen2-MoE, OLMoE, "
+                            f"Mixtral, DeepSeek-V2/V3, GPT-OSS), read offline, instead of a preset{again}")
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"moekit: warning: {message}", file=sys.stderr)
+
+
+def resolve_layers(args: argparse.Namespace, device: torch.device,
+                   warn: Callable[[str], None] | None = None) -> list[Layer]:
+    """The layers of --shape / --config (in the order given), else of --preset, else the machine's
+    default preset. What a config holds beyond moekit's layer (`Layer.notes`) goes to `warn`
+    (default: stderr). ValueError when two different layers share a name."""
+    given = getattr(args, "layers", None)
+    if given is not None:
+        layers = given if isinstance(given, list) else [given]
+    else:
+        names_ = args.preset if args.preset is not None else pick(None, device, GPU_PRESET, CPU_PRESET)
+        layers = [preset_layer(n) for n in (names_ if isinstance(names_, list) else [names_])]
+    out: dict[str, Layer] = {}
+    for layer in layers:
+        if layer.name in out and out[layer.name].shape != layer.shape:
+            raise ValueError(f"--config: two different layers are named {layer.name!r}; rename one file")
+        out.setdefault(layer.name, layer)
+    for layer in out.values():
+        for note in layer.notes:
+            (warn or _warn_stderr)(note)
+    return list(out.values())
+
+
+def resolve_layer(args: argparse.Namespace, device: torch.device,
+                  warn: Callable[[str], None] | None = None) -> Layer:
+    """The one layer of a study that measures one (`resolve_layers`)."""
+    layers = resolve_layers(args, device, warn)
+    if len(layers) != 1:
+        raise ValueError(f"expected one layer, got {len(layers)}")
+    return layers[0]
+
+
+def layer_given(args: argparse.Namespace) -> bool:
+    """Whether --preset, --shape or --config was given (False: the machine's default preset)."""
+    return getattr(args, "preset", None) is not None or getattr(args, "layers", None) is not None
 
 
 def add_backends(p: argparse.ArgumentParser, known: Callable[[], Collection[str]], default: list[str] | None,
@@ -317,3 +394,26 @@ def check_out(out: Path | None, result_files: Collection[str], overwrite: bool) 
         return
     check_out_dir(out)
     check_no_results(out, result_files, overwrite)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """--threads: torch intra-op threads while a CPU run measures (`cpu_threads`)."""
+    p.add_argument("--threads", type=int_range(1, 1024), default=1,
+                   help="CPU runs only: torch intra-op threads while measuring (default 1: the shapes small "
+                        "enough for the CPU gain nothing from more, and on a shared machine waiting threads "
+                        "cost ms per op and make timings noisy)")
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, threads: int) -> Iterator[int | None]:
+    """torch's intra-op threads set to `threads` while a CPU study measures, restored after; yields
+    the count in effect, which the rows record (None on a GPU, where nothing is changed)."""
+    if device.type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

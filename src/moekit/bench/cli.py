@@ -2,7 +2,7 @@
 
 With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with CUDA graphs on a
 GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
-runs end to end in well under two minutes.
+runs end to end in well under two minutes. --shape and --config measure any other layer.
 
 Every argument is checked while parsing and the output folder before anything is measured; a folder
 that already holds results is refused unless --overwrite is given. All outputs are rendered in
@@ -25,14 +25,21 @@ from rich.table import Table
 
 from moekit.bench import args as arg_types
 from moekit.bench import peers
-from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
-from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts
+from moekit.bench.study import (
+    CSV_NAME,
+    exit_status,
+    is_noisy,
+    measure_provenance,
+    status_counts,
+    warn_to,
+    with_threads,
+)
 from moekit.bench.sweep import Plan, run_sweep
 from moekit.experts import BACKENDS
-from moekit.shapes import PRESETS
 
 PROG = "moekit bench"
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
@@ -65,23 +72,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
                             "5..400 on the CPU)", "warm-up calls per case")
     arg_types.add_device(p)
+    arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and router")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
     device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
-    if args.preset is None:
-        presets = [GPU_PRESET if on_gpu else CPU_PRESET]
-        if not on_gpu:
-            why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
-            console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
-                          "CPU ceilings).[/yellow]", soft_wrap=True)
-    else:
-        presets = args.preset
-    for name in presets:
-        if name not in PRESETS:
-            raise ValueError(f"--preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    layers = arg_types.resolve_layers(args, device, warn_to(console))
+    if not arg_types.layer_given(args) and not on_gpu:
+        why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
+        console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
+                      "CPU ceilings).[/yellow]", soft_wrap=True)
     backends = list(dict.fromkeys(args.backends))
     for b in backends:
         if b not in BACKENDS and not peers.is_peer(b):
@@ -100,7 +102,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
     dtype = arg_types.resolve_dtype(args.dtype, device)
     graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
-    plan = Plan(tuple(presets), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
+    plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
     return plan, with_peers
 
 
@@ -114,7 +116,7 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
     """Backends down, token counts across (short numeric columns fit a narrow terminal)."""
     rs = [r for r in rows if r.preset == preset]
     tokens = sorted({r.tokens for r in rs})
-    table = Table(title=f"{preset}: median ms per call / % of floor; crossover ≈ "
+    table = Table(title=f"{preset}: median ms per call / % of floor / p20–p80 ms; crossover ≈ "
                         f"{crossover_of(rs[0]):,.0f} tokens")
     table.add_column("backend (mode)")
     for t in tokens:
@@ -129,7 +131,9 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
             if r is None:
                 cells.append("")
             elif r.status == "ok":
-                cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}")
+                noisy = " [yellow]noisy[/yellow]" if is_noisy(r.p20_ms, r.p80_ms) else ""
+                cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}\n[dim]{r.p20_ms:.3g}–{r.p80_ms:.3g}[/dim]"
+                             + noisy)
             else:
                 style = "red" if r.status in ("failed", "error") else "dim"
                 cells.append(f"[{style}]{r.status.replace('_', ' ')}[/{style}]")
@@ -145,23 +149,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return usage_error(PROG, exc)
     options = _options(args, plan.device)
-    ceilings, prov = measure_provenance(
-        plan.device, plan.dtype, console, rep=options.rep,
-        transformers_version=peers.transformers_version() if with_peers else None)
-    out_dir = args.out or RESULTS_ROOT / prov.run_id
+    with arg_types.cpu_threads(plan.device, args.threads) as threads:   # the ceilings too: same threads
+        ceilings, prov = measure_provenance(
+            plan.device, plan.dtype, console, rep=options.rep,
+            transformers_version=peers.transformers_version() if with_peers else None)
+        out_dir = args.out or RESULTS_ROOT / prov.run_id
+        progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console)
+        with progress:
+            task = progress.add_task("sweep", total=plan.num_cases)
 
-    progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console)
-    with progress:
-        task = progress.add_task("sweep", total=plan.num_cases)
+            def on_case(what: str, row: ResultRow | None) -> None:
+                if row is None:
+                    progress.update(task, description=what)
+                else:
+                    progress.advance(task)
 
-        def on_case(what: str, row: ResultRow | None) -> None:
-            if row is None:
-                progress.update(task, description=what)
-            else:
-                progress.advance(task)
-
-        rows = run_sweep(plan, ceilings, prov, options, on_case)
+            rows = with_threads(run_sweep(plan, ceilings, prov, options, on_case), threads)
 
     written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
     for preset in plan.presets:

@@ -37,20 +37,28 @@ import torch.distributed as dist
 from rich.console import Console
 
 from moekit.bench import args as arg_types
-from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT
+from moekit.bench.args import RESULTS_ROOT
 from moekit.bench.correctness import Check, expected_output
 from moekit.bench.ep_report import PHASES, STEP, STUDY, EPRow
 from moekit.bench.results import Provenance
 from moekit.bench.runner import make_weights
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import SimulatedTimes, shard_experts, simulate_ep
-from moekit.bench.study import CSV_NAME, exit_status, find_results, measure_provenance, redraw
+from moekit.bench.study import (
+    CSV_NAME,
+    exit_status,
+    find_results,
+    measure_provenance,
+    redraw,
+    warn_to,
+    with_threads,
+)
 from moekit.bench.timing import TimingStats, sync
 from moekit.experts import BACKENDS, resolve_backend
 from moekit.parallel import disable_nvls
 from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
-from moekit.shapes import PRESETS, MoEShape
+from moekit.shapes import MoEShape
 
 PROG = "moekit ep-bench"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
@@ -87,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)  # the older spelling of `moekit report`
     p.add_argument("--timeout", type=arg_types.int_range(1), default=600,
                    help="seconds before a stuck collective fails")
+    arg_types.add_threads(p)
     arg_types.add_seed(p)
 
 
@@ -116,9 +125,9 @@ class Group:
     device: torch.device
 
 
-def _config(args: argparse.Namespace, device: torch.device) -> Config:
-    preset = arg_types.pick(args.preset, device, GPU_PRESET, CPU_PRESET)
-    shape = PRESETS[preset]
+def _config(args: argparse.Namespace, device: torch.device, console: Console | None = None) -> Config:
+    layer = arg_types.resolve_layer(args, device, warn_to(console) if console is not None else None)
+    preset, shape = layer.name, layer.shape
     tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
     scenarios = tuple(args.scenarios)
     for name in scenarios:  # fail on a bad name or trace before any group-wide work
@@ -378,16 +387,17 @@ def run(args: argparse.Namespace) -> int:
         if grp.rank != 0:
             console = Console(quiet=True)
         try:  # every rank sees the same arguments, so every rank stops here together
-            cfg = _config(args, grp.device)
+            cfg = _config(args, grp.device, console)
             if grp.world > cfg.shape.num_experts:
                 raise ValueError(f"{grp.world} ranks but only {cfg.shape.num_experts} experts")
         except ValueError as exc:
             return _fail(console, exc)
-        prov = measure_provenance(cfg.device, cfg.dtype, console)[1] if grp.rank == 0 else None
-        console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
-                      f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
-                      f"{cfg.backend}")
-        rows = _distributed_rows(cfg, grp, prov, console)
+        with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+            prov = measure_provenance(cfg.device, cfg.dtype, console)[1] if grp.rank == 0 else None
+            console.print(f"ep-bench: {cfg.preset}, {grp.world} ranks ({grp.dist_backend}), {cfg.tokens} "
+                          f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
+                          f"{cfg.backend}")
+            rows = with_threads(_distributed_rows(cfg, grp, prov, console), threads)
         status = _write(rows, args, args.out or RESULTS_ROOT / f"ep-{prov.run_id}", console) \
             if grp.rank == 0 else 0
         dist.barrier()
@@ -402,14 +412,16 @@ def _run_simulated(args: argparse.Namespace, console: Console) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     try:
-        cfg = _config(args, device)
+        cfg = _config(args, device, console)
         if n > cfg.shape.num_experts:
             raise ValueError(f"--simulate {n}: more ranks than the preset's {cfg.shape.num_experts} experts")
     except ValueError as exc:
         return _fail(console, exc)
     grp = Group(0, n, "", device)
-    prov = measure_provenance(cfg.device, cfg.dtype, console)[1]
-    console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
-                  f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend {cfg.backend}")
-    rows = _simulated_rows(cfg, grp, prov, console)
+    with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+        prov = measure_provenance(cfg.device, cfg.dtype, console)[1]
+        console.print(f"ep-bench (simulated): {cfg.preset}, {n} virtual ranks on {device}, {cfg.tokens} "
+                      f"tokens per rank, {str(cfg.dtype).removeprefix('torch.')}, experts backend "
+                      f"{cfg.backend}")
+        rows = with_threads(_simulated_rows(cfg, grp, prov, console), threads)
     return _write(rows, args, args.out or RESULTS_ROOT / f"ep-sim-{prov.run_id}", console)

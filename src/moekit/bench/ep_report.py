@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
+from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import Provenance, check_provenance, check_shape_columns, positive_problem
 from moekit.bench.study import CSV_NAME as CSV_NAME
-from moekit.bench.study import FILES, Files, Study
+from moekit.bench.study import FILES, Files, Study, is_noisy, timing_notes
 from moekit.bench.study import REPORT_NAME as REPORT_NAME
 
 PHASES = ("dispatch", "experts", "wait", "combine")
@@ -67,6 +68,7 @@ class EPRow(Provenance):
     rows_sent: int
     rows_recv: int
     pairs_recv: int
+    threads: int | None = None   # torch intra-op threads of a CPU run (each rank's)
 
 
 def check_row(row: EPRow) -> str:
@@ -127,7 +129,7 @@ def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"ep-bench {r0.preset} ({r0.mode}, {r0.dist_backend or 'loopback'}, N={n}, "
                  f"T={r0.tokens_per_rank}/rank, {r0.dtype}, {r0.backend}), {r0.device_name}", fontsize=9)
-    return f"ep_{r0.preset}.png", png_bytes(fig)
+    return f"ep_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
 def _ms(v: float) -> str:
@@ -147,6 +149,7 @@ def render(rows: Sequence[EPRow], plot_name: str | None = None) -> str:
         f"- ceilings (rank 0's device): copy {r0.copy_gbps:.1f} GB/s, matmul {r0.matmul_tflops:.3g} TFLOP/s",
         f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; "
         f"{r0.tokens_per_rank} tokens per rank; {r0.dtype}; experts backend {r0.backend}",
+        *timing_notes(rows),
         "",
         "Per iteration every rank starts together (barrier), then: dispatch (count exchange, the host "
         "sync, and the row all-to-all), experts, wait (a barrier: idle until the slowest rank's experts "
@@ -178,10 +181,11 @@ def render(rows: Sequence[EPRow], plot_name: str | None = None) -> str:
 
         base = balanced.get(placement, math.nan)
         ratio = "–" if math.isnan(base) or base <= 0 else f"{step.median_ms / base:.2f}"
+        noisy = " noisy" if is_noisy(step.p20_ms, step.p80_ms) else ""
         lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
                      f"{step.rank_busiest_over_mean:.2f} | {_ms(step.median_ms)} "
-                     f"({_ms(step.p20_ms)}–{_ms(step.p80_ms)}) | {ratio} | {experts} | {worst('dispatch')} | "
-                     f"{worst('combine')} | ok |")
+                     f"({_ms(step.p20_ms)}–{_ms(step.p80_ms)}){noisy} | {ratio} | {experts} | "
+                     f"{worst('dispatch')} | {worst('combine')} | ok |")
     if plot_name:
         lines += ["", f"![per-rank phases]({plot_name})"]
     return "\n".join(lines) + "\n"

@@ -33,7 +33,7 @@ from rich.console import Console
 from moekit._memory import MEMORY_HEADROOM, fits
 from moekit.align import sort_pairs
 from moekit.bench import args as arg_types
-from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.correctness import expected_output
 from moekit.bench.imbalance_report import STUDY, ImbalanceRow, summary_table
@@ -43,7 +43,7 @@ from moekit.bench.roofline import traffic
 from moekit.bench.runner import Measurement, Options, Weights, Workload, make_weights, run_case
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
 from moekit.bench.simulate import StepTime, rank_problem
-from moekit.bench.study import CSV_NAME, exit_status, measure_provenance
+from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, warn_to, with_threads
 from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.experts.padded import capacity, workspace_bytes
 from moekit.placement import PLACEMENTS, assign, rank_loads, rank_weights, replicate_hot_experts
@@ -59,7 +59,8 @@ class StudyConfig:
     """What `study_rows` measures.
 
     Attributes:
-        preset, tokens, dtype, device: the layer and batch.
+        preset, tokens, dtype, device: the layer and batch (`layer_shape`: the shape of a layer given by
+            --shape or --config, `preset` its name).
         scenarios: names for `moekit.bench.scenarios.make_scenario`; "file" replays `trace`.
         backends: one-GPU backends.
         ep_ranks: N simulated ranks (0: no EP and no replication part).
@@ -88,10 +89,12 @@ class StudyConfig:
     trace: str | None = None
     memory_limit_bytes: int | None = None
     options: Options = Options()
+    layer_shape: MoEShape | None = None
 
     @property
     def shape(self) -> MoEShape:
-        return PRESETS[self.preset]
+        """`layer_shape` (a --shape or --config layer, named `preset`), else the preset's."""
+        return self.layer_shape or PRESETS[self.preset]
 
 
 def padded_refusal(shape: MoEShape, cap: int, dtype: torch.dtype, device: torch.device,
@@ -295,9 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_timing(p, "timed calls per case (default: time_fn's on a GPU, "
                             f"{CPU_OPTIONS.rep} on the CPU)", "warm-up calls per case")
     arg_types.add_device(p)
-    p.add_argument("--threads", type=arg_types.int_range(1, 1024), default=1,
-                   help="CPU runs only: torch intra-op threads (default 1; shapes small enough for the CPU "
-                        "gain nothing from more, and on a shared machine waiting threads cost ms per op)")
+    arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and scenarios")
     arg_types.add_out(p, "imbalance-<UTC timestamp>", STUDY.result_names)
     p.add_argument("--redraw", type=arg_types.existing_path, default=None, metavar="DIR",
@@ -308,12 +309,12 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
     """Resolve the defaults that depend on the machine; ValueError on a bad combination."""
     device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
-    preset = arg_types.pick(args.preset, device, GPU_PRESET, CPU_PRESET)
+    layer = arg_types.resolve_layer(args, device, warn_to(console) if console is not None else None)
+    preset, shape = layer.name, layer.shape
     tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
-    if not on_gpu and console is not None and (args.preset is None or args.tokens is None):
+    if not on_gpu and console is not None and (not arg_types.layer_given(args) or args.tokens is None):
         console.print(f"[yellow]No CUDA device: {preset} at T={tokens} on the CPU (the GPU default is "
-                      f"{GPU_PRESET} at T={GPU_TOKENS}); Triton runs interpreted.[/yellow]")
-    shape = PRESETS[preset]
+                      f"{GPU_PRESET} at T={GPU_TOKENS}); Triton runs interpreted.[/yellow]", soft_wrap=True)
     scenarios = list(dict.fromkeys(args.scenarios))
     if args.trace is not None and "file" not in scenarios:
         scenarios.append("file")
@@ -340,7 +341,7 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
                        ep_ranks=ep, placement=args.placement, spare_slots=spare, ep_backend=args.ep_backend,
                        capacity_factors=tuple(args.capacity_factors), mode="graph" if args.graph else "eager",
                        seed=args.seed, trace=str(args.trace) if args.trace else None,
-                       memory_limit_bytes=limit, options=options)
+                       memory_limit_bytes=limit, options=options, layer_shape=shape)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,21 +353,13 @@ def run(args: argparse.Namespace) -> int:
         arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
-    threads = torch.get_num_threads()
-    if cfg.device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    try:
-        return _measure(cfg, args, console)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure(cfg: StudyConfig, args: argparse.Namespace, console: Console) -> int:
-    ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console)
+    with arg_types.cpu_threads(cfg.device, args.threads) as threads:
+        ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console)
+        console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
+                      f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each", soft_wrap=True)
+        rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
+    rows = with_threads(rows, threads)
     out_dir = args.out or RESULTS_ROOT / f"imbalance-{prov.run_id}"
-    console.print(f"{cfg.preset}, T={cfg.tokens}, {str(cfg.dtype).removeprefix('torch.')}, {cfg.mode}; "
-                  f"EP {cfg.ep_ranks} ranks with {cfg.spare_slots} spare slot(s) each")
-    rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
     written = STUDY.write(rows, out_dir)
     console.print(summary_table(rows))
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)

@@ -12,14 +12,18 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
-from rich.table import Table
 
 from moekit.bench import results
+from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow
-from moekit.bench.study import FILES, Files, Study, fmt_number
+from moekit.bench.study import FILES, Files, Study, fmt_number, is_noisy, spread, timing_notes
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
@@ -69,6 +73,7 @@ class ImbalanceRow(LayerRow):
     capacity: int | None = None
     dropped: int | None = None
     dropped_frac: float = math.nan
+    threads: int | None = None   # torch intra-op threads of a CPU run
 
 
 def check_row(row: ImbalanceRow) -> str:
@@ -132,7 +137,7 @@ def plot_one_gpu(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes]:
         ax.set_yscale("log")
     ax.set_ylabel("median time per call (ms)")
     ax.set_title(f"one device, whole layer, by routing scenario\n{_subtitle(rows[0])}", fontsize=9)
-    return f"imbalance_one_gpu_{rows[0].preset}.png", png_bytes(fig)
+    return f"imbalance_one_gpu_{file_stem(rows[0].preset)}.png", png_bytes(fig)
 
 
 def plot_ep(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
@@ -158,7 +163,7 @@ def plot_ep(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
     ax.set_title(f"simulated EP: {r0.ep_ranks} ranks, {r0.backend}, before / after replicating hot experts "
                  f"({r0.spare_slots} spare slots per rank); labels: slowest / mean rank\n"
                  f"{_subtitle(r0)}", fontsize=9)
-    return f"imbalance_ep_{r0.preset}.png", png_bytes(fig)
+    return f"imbalance_ep_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
 def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
@@ -180,7 +185,7 @@ def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
         ax.grid(True, alpha=0.3)
     ax_drop.legend(fontsize=7)
     fig.suptitle(f"capacity factor: pairs dropped vs time\n{_subtitle(rs[0])}", fontsize=9)
-    return f"imbalance_capacity_{rs[0].preset}.png", png_bytes(fig)
+    return f"imbalance_capacity_{file_stem(rs[0].preset)}.png", png_bytes(fig)
 
 
 def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
@@ -205,19 +210,20 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         "- busiest / mean = the busiest expert's pairs over the mean (1 = balanced, E/K = collapse). "
         "Every case passed the fp32-reference gate before it was timed; one that did not is listed "
         "below, never timed.",
+        *timing_notes(rows),
         "",
     ]
     if r0.device_type == "cpu":
         lines += ["> CPU run (Triton interpreted, small T): the flow of the study, not GPU performance.", ""]
-    lines += ["### One device: median ms per call (% of floor)", "",
+    lines += ["### One device: median ms per call (% of floor), p20–p80 ms", "",
               "| scenario | busiest / mean | floor ms | " + " | ".join(backends) + " |",
               "|---|---:|---:|" + "---:|" * len(backends)]
     for s in scen:
         first = next((one[s, b] for b in backends if (s, b) in one), None)
         if first is None:
             continue
-        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%)")
-                 for b in backends]
+        cells = [_cell(one.get((s, b)), lambda r: f"{fmt_number(r.median_ms)} ({r.pct_floor:.0f}%), "
+                       f"{spread(r.p20_ms, r.p80_ms)}") for b in backends]
         lines.append(f"| {s} | {first.busiest_over_mean:.2f} | {fmt_number(first.floor_ms)} | "
                      + " | ".join(cells) + " |")
 
@@ -296,6 +302,9 @@ def output_files(rows: Sequence[ImbalanceRow], files: Files = FILES) -> dict[str
 
 
 def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
+    """The console's summary (rich is imported here: the report and plots do without it)."""
+    from rich.table import Table
+
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
     steps = {(r.scenario, r.placement): r for r in _pick(rows, experiment="ep_step")}
     backends = list(dict.fromkeys(b for _, b in one))
@@ -305,7 +314,8 @@ def summary_table(rows: Sequence[ImbalanceRow]) -> Table:
     for col in ("scenario", "busiest/mean", *backends, *(f"EP {p}" for p in _placements(rows))):
         table.add_column(col, justify="left" if col == "scenario" else "right")
     for s in _scenarios(rows):
-        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)) for b in backends]
+        cells = [_cell(one.get((s, b)), lambda r: fmt_number(r.median_ms)
+                       + (" noisy" if is_noisy(r.p20_ms, r.p80_ms) else "")) for b in backends]
         cells += [_cell(steps.get((s, p)), lambda r: f"{fmt_number(r.step_ms)} ({r.slowest_over_mean:.2f})")
                   for p in _placements(rows)]
         table.add_row(s, f"{skew[s]:.2f}", *cells)

@@ -1,4 +1,5 @@
-"""PNG plots drawn from result rows alone (never from live measurements), one set per preset:
+"""PNG plots drawn from result rows alone (never from live measurements), one set per preset
+(<preset>: the layer's name as a file name carries it, `moekit.bench.layers.file_stem`):
 
     time_<preset>.png       median time vs tokens, log-log, p20-p80 band, the floor dashed
     floor_pct_<preset>.png  % of floor vs tokens
@@ -17,6 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
+from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, shape_label
 
 MODE_STYLE = {"eager": "-", "graph": "--"}
@@ -110,7 +112,7 @@ def plot_time(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
     if floor:
         ax.plot([t for t, _ in floor], [f for _, f in floor], color="k", ls=":", lw=2, label="floor")
     _legend(ax)
-    return f"time_{preset}.png", png_bytes(fig)
+    return f"time_{file_stem(preset)}.png", png_bytes(fig)
 
 
 def plot_floor_pct(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
@@ -121,7 +123,7 @@ def plot_floor_pct(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
     ax.axhline(100, color="k", ls=":", lw=1.5)
     ax.set_ylim(bottom=0)
     _legend(ax)
-    return f"floor_pct_{preset}.png", png_bytes(fig)
+    return f"floor_pct_{file_stem(preset)}.png", png_bytes(fig)
 
 
 def plot_launches(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
@@ -132,7 +134,7 @@ def plot_launches(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], **styles[key])
     _legend(ax)
-    return f"launches_{preset}.png", png_bytes(fig)
+    return f"launches_{file_stem(preset)}.png", png_bytes(fig)
 
 
 def presets_of(rows: Sequence[ResultRow]) -> list[str]:

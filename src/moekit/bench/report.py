@@ -15,9 +15,10 @@ import torch
 
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
-from moekit.bench.study import FILES, Files, Study, fmt_number
+from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
 from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
@@ -65,7 +66,8 @@ def fmt_pct(v: float) -> str:
 def _time_cell(r: ResultRow) -> str:
     if r.status != "ok":
         return r.status.replace("_", " ")
-    return f"{fmt_number(r.median_ms)} ({fmt_pct(r.pct_floor)})"
+    noisy = " noisy" if is_noisy(r.p20_ms, r.p80_ms) else ""
+    return f"{fmt_number(r.median_ms)} ({fmt_pct(r.pct_floor)}){noisy}"
 
 
 def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
@@ -90,6 +92,8 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     ]
     floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms")
+    out += ["", f"### Spread of the timed calls: p20–p80 ms (noisy: p80 / p20 > {NOISY_RATIO})", ""]
+    out += _pivot(rs, lambda r: spread(r.p20_ms, r.p80_ms) if r.status == "ok" else "")
     out += ["", "### Kernel launches per call", ""]
     out += _pivot(rs, lambda r: fmt_number(r.kernels) if r.status == "ok" else "")
     if any(not math.isnan(r.idle_pct) for r in rs):
@@ -113,10 +117,11 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
         out += ["", "### Not timed", ""]
         out += [f"- T={r.tokens} {r.backend} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
                 for r in untimed]
+    stem = file_stem(preset)
     out += ["", "### Plots", "",
-            f"![time per call](time_{preset}.png)", "",
-            f"![% of floor](floor_pct_{preset}.png)", "",
-            f"![kernel launches per call](launches_{preset}.png)", ""]
+            f"![time per call](time_{stem}.png)", "",
+            f"![% of floor](floor_pct_{stem}.png)", "",
+            f"![kernel launches per call](launches_{stem}.png)", ""]
     return out
 
 
@@ -139,6 +144,7 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         "hit + input + output + routing. % of floor = floor / time (100% = at the roof).",
         "- every backend was checked against the fp32 reference before timing; one that failed is "
         "listed under *Not timed*, never timed.",
+        *timing_notes(rows),
         "",
     ]
     if r0.device_type == "cpu":

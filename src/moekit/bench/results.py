@@ -94,6 +94,7 @@ class ResultRow(LayerRow):
     experts_hit: int
     experts_hit_mean: float
     experts_expected: float
+    threads: int | None = None   # torch intra-op threads of a CPU run (empty on a GPU, or before --threads)
 
 
 _KINDS = ("str", "float", "int", "int | None")

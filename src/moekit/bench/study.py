@@ -25,7 +25,7 @@ import importlib
 import math
 import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -156,6 +156,13 @@ def measure_provenance(device: torch.device, dtype: torch.dtype, console, *, rep
                                         transformers_version=transformers_version)
 
 
+def warn_to(console) -> Callable[[str], None]:
+    """A `warn` for `args.resolve_layers`: one yellow line on the study's console, printed as is
+    (a path or key in brackets is not taken for markup)."""
+    return lambda message: console.print(f"warning: {message}", style="yellow", markup=False, highlight=False,
+                                         soft_wrap=True)
+
+
 def fmt_number(v: float | int | None, digits: int = 3) -> str:
     """A table cell: "–" for a missing value, integers with thousands separators, numbers from 100
     up without decimals, smaller ones to `digits` significant digits."""
@@ -168,6 +175,45 @@ def fmt_number(v: float | int | None, digits: int = 3) -> str:
     if abs(v) >= 100:
         return f"{v:,.0f}"
     return f"{v:.{digits}g}"
+
+
+NOISY_RATIO = 1.5   # p80 / p20 above this: the timed calls spread too widely to trust the median
+
+
+def is_noisy(p20_ms: float, p80_ms: float) -> bool:
+    """Whether a timing's p80 / p20 exceeds `NOISY_RATIO` (False when it was not timed)."""
+    return p20_ms > 0 and p80_ms / p20_ms > NOISY_RATIO     # NaN compares False
+
+
+def spread(p20_ms: float, p80_ms: float) -> str:
+    """A table cell "p20–p80" in ms, " noisy" appended when p80 / p20 > `NOISY_RATIO`."""
+    return f"{fmt_number(p20_ms)}–{fmt_number(p80_ms)}" + (" noisy" if is_noisy(p20_ms, p80_ms) else "")
+
+
+def with_threads(rows: Sequence, threads: int | None) -> list:
+    """The rows with the torch intra-op thread count they were measured with (`args.cpu_threads`;
+    None on a GPU: the rows' `threads` stays empty)."""
+    return [replace(r, threads=threads) for r in rows] if threads is not None else list(rows)
+
+
+def timing_notes(rows: Sequence) -> list[str]:
+    """Report lines on how trustworthy the timings are: the CPU's intra-op threads, and how many
+    timed rows are noisy (p80 / p20 > `NOISY_RATIO`)."""
+    lines = []
+    r0 = rows[0]
+    if r0.device_type == "cpu":
+        n = getattr(r0, "threads", None)
+        lines.append(f"- CPU timing with {n} torch intra-op thread{'' if n == 1 else 's'} (`--threads`; "
+                     "restored after the run)" if n else
+                     "- CPU timing: the intra-op thread count was not recorded (a run before `--threads`)")
+    timed = [r for r in rows if r.status == "ok" and not math.isnan(r.p20_ms)]
+    noisy = sum(is_noisy(r.p20_ms, r.p80_ms) for r in timed)
+    if timed:
+        lines.append(f"- {noisy} of {len(timed)} timed rows **noisy** (p80 / p20 > {NOISY_RATIO}: the calls' "
+                     "times spread widely, from a busy machine or too few calls; rerun before trusting "
+                     "their medians)" if noisy else
+                     f"- every timed row's p80 / p20 ≤ {NOISY_RATIO} (none noisy)")
+    return lines
 
 
 def status_counts(rows: Sequence) -> dict[str, int]:

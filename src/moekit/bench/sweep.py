@@ -1,4 +1,4 @@
-"""The sweep: every preset x tokens x backend x mode through `run_case`, as long-format rows."""
+"""The sweep: every layer x tokens x backend x mode through `run_case`, as long-format rows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.layers import Layer
 from moekit.bench.results import Provenance, ResultRow
 from moekit.bench.runner import (
     DEFAULT_OPTIONS,
@@ -20,12 +21,14 @@ from moekit.bench.runner import (
     make_workload,
     run_case,
 )
-from moekit.shapes import get_shape
 
 
 @dataclass(frozen=True)
 class Plan:
-    presets: tuple[str, ...]
+    """layers: presets, --shape or --config layers (`moekit.bench.layers`); each one's name is its
+    rows' preset column."""
+
+    layers: tuple[Layer, ...]
     tokens: tuple[int, ...]
     backends: tuple[str, ...]
     modes: tuple[str, ...]
@@ -34,7 +37,7 @@ class Plan:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("presets", "tokens", "backends", "modes"):
+        for name in ("layers", "tokens", "backends", "modes"):
             if not getattr(self, name):
                 raise ValueError(f"Plan.{name} must not be empty")
         if any(t < 1 for t in self.tokens):
@@ -44,8 +47,13 @@ class Plan:
             raise ValueError(f"modes must be in {MODES}, got {bad}")
 
     @property
+    def presets(self) -> tuple[str, ...]:
+        """The layers' names (the rows' preset column)."""
+        return tuple(layer.name for layer in self.layers)
+
+    @property
     def num_cases(self) -> int:
-        return len(self.presets) * len(self.tokens) * len(self.backends) * len(self.modes)
+        return len(self.layers) * len(self.tokens) * len(self.backends) * len(self.modes)
 
 
 def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement) -> ResultRow:
@@ -80,8 +88,8 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
               on_case: Callable[[str, ResultRow | None], None] | None = None) -> list[ResultRow]:
     """Run every case of `plan`; `on_case(description, row)` is called before (row None) and after each."""
     rows: list[ResultRow] = []
-    for preset in plan.presets:
-        shape = get_shape(preset)
+    for layer in plan.layers:
+        preset, shape = layer.name, layer.shape
         weights = make_weights(shape, plan.dtype, plan.device, plan.seed)
         for tokens in plan.tokens:
             work = make_workload(preset, shape, tokens, weights, plan.dtype, plan.device, seed=plan.seed,

@@ -10,9 +10,13 @@ Candidate tiles are those whose pipelined operands fit in the device's shared me
 
 A study on the scaffold (`moekit.bench.study`): every timing is a row (`moekit.bench.tune_report.
 TuneRow`, with provenance) in --out's results.csv, with report.md and a plot drawn from them. The
-winners are merged into a JSON table in the format `moekit.tuning` loads (--table, default the
-packaged `tuning/configs/<device>.json`; checked before any tuning, rewritten atomically after each
-token count). The kernels' launchers come from the runtime (`moekit.experts.triton`).
+winners are merged into a JSON table in the format `moekit.tuning` loads, `<device>.json` in
+$MOEKIT_CONFIG_DIR when it is set (where `moekit.tuning` looks first), else in --out, else in
+./moekit-results/ (--table names another file); never into the installed package unless --table
+says so. The table is checked before any tuning, rewritten atomically after each token count, and
+records what it was tuned with in "_meta" (Triton and torch versions, the device's name;
+`moekit.tuning.get_config` warns when the running Triton differs). The kernels' launchers come from
+the runtime (`moekit.experts.triton`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -34,19 +39,22 @@ from moekit.align import align_block_size
 from moekit.bench import args as arg_types
 from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
-from moekit.bench.study import measure_provenance
+from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
 from moekit.bench.tune_report import STUDY, tune_rows
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
-from moekit.shapes import MoEShape, get_shape
+from moekit.shapes import MoEShape
 from moekit.tuning import (
+    META_KEY,
     PACKAGED_DIR,
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
+    TuningTable,
     default_config,
     device_slug,
     parse_table,
     pipeline_bytes,
+    running_versions,
     shape_key,
     shared_memory_limit,
 )
@@ -187,20 +195,24 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     return best_cfg, records
 
 
-def merged_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> dict:
+def merged_table(path: Path, key: str, found: dict[int, ExpertsConfig],
+                 meta: dict[str, str] | None = None) -> dict:
     """The table in `path` (checked by `parse_table`; empty when absent) with `found` merged into
-    `key`; token counts in increasing order."""
-    old = parse_table(path) if path.is_file() else {}
+    `key`; token counts in increasing order; "_meta" first: `meta` when given, else the file's."""
+    old = parse_table(path) if path.is_file() else TuningTable()
     table = {k: {str(t): c.to_dict() for t, c in entry.items()} for k, entry in old.items()}
     entry = table.setdefault(key, {})
     entry.update({str(t): c.to_dict() for t, c in found.items()})
     table[key] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
-    return table
+    meta = meta if meta is not None else old.meta
+    return {META_KEY: dict(meta), **table} if meta else table
 
 
-def write_table(path: Path, key: str, found: dict[int, ExpertsConfig]) -> None:
-    """Merge `found` into the table file, through a temporary file and a rename."""
-    atomic_write_text(path, json.dumps(merged_table(Path(path), key, found), indent=1) + "\n")
+def write_table(path: Path, key: str, found: dict[int, ExpertsConfig],
+                meta: dict[str, str] | None = None) -> None:
+    """Merge `found` into the table file (with `meta` as its "_meta"), through a temporary file and a
+    rename."""
+    atomic_write_text(path, json.dumps(merged_table(Path(path), key, found, meta), indent=1) + "\n")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,10 +229,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_out(p, "tune-<UTC timestamp>", STUDY.result_names,
                       " (an older `--out TABLE.json` means --table TABLE.json)")
     p.add_argument("--table", type=arg_types.out_file, default=None,
-                   help="JSON table to write or merge the winners into (default: the packaged "
-                        "tuning/configs/<device>.json); an existing file must be a valid table")
+                   help="JSON table to write or merge the winners into (default: <device>.json in "
+                        "$MOEKIT_CONFIG_DIR when set, else in --out, else in ./moekit-results/; never the "
+                        "installed package's); an existing file must be a valid table")
     p.add_argument("--records", type=arg_types.out_file, default=None,
                    help="also write every timing as JSON lines (results.csv holds them too)")
+
+
+def default_table(out: Path | None, device: torch.device) -> Path:
+    """Where the table goes without --table: <device>.json in $MOEKIT_CONFIG_DIR (where
+    `moekit.tuning` looks first) when set, else in --out, else in ./moekit-results/."""
+    env = os.environ.get("MOEKIT_CONFIG_DIR")
+    folder = Path(env) if env else (out if out is not None else RESULTS_ROOT)
+    return folder / f"{device_slug(device)}.json"
 
 
 def _paths(args: argparse.Namespace, device: torch.device) -> tuple[Path | None, Path]:
@@ -228,7 +249,24 @@ def _paths(args: argparse.Namespace, device: torch.device) -> tuple[Path | None,
     out, table = args.out, args.table
     if out is not None and out.suffix == ".json" and not out.is_dir() and table is None:
         out, table = None, out
-    return out, table or PACKAGED_DIR / f"{device_slug(device)}.json"
+    return out, table or default_table(out, device)
+
+
+def _check_table(table: Path, explicit: bool) -> str:
+    """"" when the table can be written and merged into; else the one-line problem."""
+    if not explicit:
+        where = "$MOEKIT_CONFIG_DIR" if os.environ.get("MOEKIT_CONFIG_DIR") else "the table's folder"
+        try:
+            arg_types.check_out_dir(table.parent, where)
+        except ValueError as exc:
+            return str(exc)
+        if table.is_dir():
+            return f"{table}: is a folder, expected the table file"
+    try:
+        merged_table(table, "", {})     # a bad table is reported before any tuning
+    except ValueError as exc:
+        return f"--table: {exc}" if explicit else str(exc)
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,22 +274,31 @@ def run(args: argparse.Namespace) -> int:
     if device is None or device.type != "cuda":
         return usage_error(PROG, "needs a CUDA GPU; the packaged defaults serve CPU runs")
     console = Console()
-    shape = get_shape(args.preset)
+    try:
+        layer = arg_types.resolve_layer(args, device, warn_to(console))
+    except ValueError as exc:
+        return usage_error(PROG, exc)
+    shape = layer.shape
     dtype = getattr(torch, args.dtype)
     out, table = _paths(args, device)
-    try:
-        merged_table(table, shape_key(shape, dtype), {})   # a bad table is reported before any tuning
-    except ValueError as exc:
-        return usage_error(PROG, f"--table: {exc}")
+    problem = _check_table(table, explicit=args.table is not None or out != args.out)
+    if problem:
+        return usage_error(PROG, problem)
     try:
         arg_types.check_out(out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
+    meta = running_versions(device)
+    if table.is_file():
+        tuned = parse_table(table).meta
+        if tuned and tuned != meta:
+            console.print(f"{table} was tuned with {tuned}; its _meta now records this run's {meta}",
+                          highlight=False, markup=False, style="yellow", soft_wrap=True)
     _, prov = measure_provenance(device, dtype, console)
     out_dir = out or RESULTS_ROOT / f"tune-{prov.run_id}"
     timer = functools.partial(graph_time_ms, reps=args.rep, device=device)
     rows, records, status = [], [], 0
-    for t in args.tokens:
+    for t in dict.fromkeys(args.tokens):
         rot = args.rotations or (8 if t <= 16 else 2 if t <= 256 else 1)
         try:
             best, rec = tune_tokens(shape, t, dtype, rot, lambda m: console.print(m, highlight=False),
@@ -261,11 +308,15 @@ def run(args: argparse.Namespace) -> int:
             status = 1
             break
         records += rec
-        rows += tune_rows(prov, args.preset, shape, rot, rec, best)
-        write_table(table, shape_key(shape, dtype), {t: best})
+        rows += tune_rows(prov, layer.name, shape, rot, rec, best)
+        write_table(table, shape_key(shape, dtype), {t: best}, meta)
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
     if rows:   # the token counts tuned before a failure are kept, in the table and in the results
         written = STUDY.write(rows, out_dir)
         console.print(f"Wrote {table}; {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
+        looked_in = Path(os.environ.get("MOEKIT_CONFIG_DIR", PACKAGED_DIR)).resolve()
+        if table.name == f"{device_slug(device)}.json" and table.parent.resolve() != looked_in:
+            console.print(f"moekit uses this table when MOEKIT_CONFIG_DIR={table.parent}", highlight=False,
+                          soft_wrap=True)
     return status

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 from matplotlib.figure import Figure
 
+from moekit.bench.layers import file_stem
 from moekit.bench.plots import plain_log_y, png_bytes, token_axis
 from moekit.bench.results import (
     LayerRow,
@@ -119,7 +120,7 @@ def plot(rows: Sequence[TuneRow]) -> tuple[str, bytes]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"moekit tune: {shape_label(r0)}, {r0.dtype}, {r0.device_name}", fontsize=9)
-    return f"tune_{r0.preset}.png", png_bytes(fig)
+    return f"tune_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
 def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str:

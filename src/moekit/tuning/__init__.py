@@ -2,13 +2,19 @@
 
 Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cased, spaces -> '_'):
 
-    {"E=128,H=2048,I=768,K=8,dtype=bfloat16": {"1": {"block_m": 16, ...}, "64": {...}}}
+    {"_meta": {"triton": "3.6.0", "torch": "2.11.0+cu130", "device": "NVIDIA H200"},
+     "E=128,H=2048,I=768,K=8,dtype=bfloat16": {"1": {"block_m": 16, ...}, "64": {...}}}
 
 The entry whose token count is nearest to T (in log scale) is used. A shape with no table entry
-gets `default_config` and one warning per shape; the untuned path is always correct.
-Environment: MOEKIT_CONFIG_DIR adds a directory searched before the packaged tables.
+gets `default_config` and one warning per shape; the untuned path is always correct. "_meta"
+(optional; `moekit tune` writes it) records what the table was tuned with: `get_config` warns once
+per table when the running Triton's version differs from the recorded one (its tiles may no longer
+be the fastest; they stay correct).
+Environment: MOEKIT_CONFIG_DIR adds a directory searched before the packaged tables (and is where
+`moekit tune` writes its table when set).
 A table file that cannot be used (not UTF-8, not JSON, nested absurdly deep, a token count that is
-not a positive integer, a bad config) raises ValueError naming the file and the problem.
+not a positive integer, a bad config, a "_meta" that is not an object of strings) raises ValueError
+naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -27,6 +33,19 @@ import torch
 from moekit.shapes import MoEShape
 
 PACKAGED_DIR = Path(__file__).parent / "configs"
+META_KEY = "_meta"
+META_FIELDS = ("triton", "torch", "device")
+
+
+class TuningTable(dict):
+    """{shape_key: {tokens: ExpertsConfig}}, with the file's `path` and its "_meta" record (`meta`:
+    str -> str; empty when the file has none)."""
+
+    def __init__(self, entries: dict | None = None, *, path: Path | None = None,
+                 meta: dict[str, str] | None = None):
+        super().__init__(entries or {})
+        self.path = path
+        self.meta = dict(meta or {})
 
 
 @dataclass(frozen=True)
@@ -161,13 +180,14 @@ def _config_dirs() -> list[Path]:
 
 
 @functools.lru_cache(maxsize=64)
-def load_table(slug: str) -> dict[str, dict[int, ExpertsConfig]]:
-    """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug`."""
+def load_table(slug: str) -> TuningTable:
+    """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug` (empty when
+    there is none)."""
     for d in _config_dirs():
         path = d / f"{slug}.json"
         if path.is_file():
             return parse_table(path)
-    return {}
+    return TuningTable()
 
 
 _TOKENS_KEY = re.compile(r"[1-9][0-9]*")
@@ -182,8 +202,19 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return seen
 
 
-def parse_table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
-    """{shape_key: {tokens: ExpertsConfig}} of a table file; ValueError naming the file and the problem."""
+def _parse_meta(raw: object, where: str) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {META_KEY!r} must be an object of strings ({', '.join(META_FIELDS)}), "
+                         f"got {type(raw).__name__}")
+    bad = [k for k, v in raw.items() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"{where}: {META_KEY}[{bad[0]!r}] must be a string, got {json.dumps(raw[bad[0]])}")
+    return dict(raw)
+
+
+def parse_table(path: Path) -> TuningTable:
+    """{shape_key: {tokens: ExpertsConfig}} of a table file, its "_meta" in `.meta`; ValueError naming
+    the file and the problem."""
     where = f"tuning table {path}"
     try:
         text = Path(path).read_bytes().decode("utf-8")
@@ -199,7 +230,8 @@ def parse_table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
         raise ValueError(f"{where}: cannot read JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object of shape keys, got {type(raw).__name__}")
-    table: dict[str, dict[int, ExpertsConfig]] = {}
+    meta = _parse_meta(raw.pop(META_KEY), where) if META_KEY in raw else {}
+    table = TuningTable(path=Path(path), meta=meta)
     for key, by_tokens in raw.items():
         if not isinstance(by_tokens, dict):
             raise ValueError(f"{where}: entry {key!r} must map token counts to configs, "
@@ -217,7 +249,40 @@ def parse_table(path: Path) -> dict[str, dict[int, ExpertsConfig]]:
     return table
 
 
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, ...]] = set()
+
+
+def running_versions(device: torch.device | str | None = None) -> dict[str, str]:
+    """What a table tuned now would record in its "_meta": the Triton and torch versions and the
+    device's name."""
+    import triton  # here: `import moekit.tuning` loads no Triton
+
+    dev = torch.device(device) if device is not None else None
+    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    return {"triton": triton.__version__, "torch": torch.__version__, "device": name}
+
+
+def _running_triton() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(triton, "__version__", None)
+
+
+def check_table_versions(table: TuningTable) -> None:
+    """Warn once per table when it records a Triton version other than the running one."""
+    tuned, running = table.meta.get("triton"), _running_triton()
+    if not tuned or not running or tuned == running:
+        return
+    key = ("triton", str(table.path), tuned, running)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"moekit: the tuning table {table.path} was tuned with Triton {tuned}"
+                      f"{' on ' + table.meta['device'] if table.meta.get('device') else ''}; this is Triton "
+                      f"{running}: its tiles stay correct but may no longer be the fastest (re-tune with "
+                      "`moekit tune`)", stacklevel=4)
 
 
 def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
@@ -225,12 +290,14 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
     """The tuned config nearest to num_tokens for this shape and device, else the default."""
     slug = device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
     key = shape_key(shape, dtype)
-    entry = load_table(slug).get(key)
+    table = load_table(slug)
+    entry = table.get(key)
     if not entry:
         if slug != "cpu" and (slug, key) not in _warned:
             _warned.add((slug, key))
             warnings.warn(f"moekit: no tuned config for {key} on {slug}; using defaults", stacklevel=3)
         return default_config(shape, num_tokens, dtype.itemsize, device)
+    check_table_versions(table)
     t = max(1, num_tokens)
     best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
     return entry[best]
