@@ -22,10 +22,16 @@ The studies (the subcommand, then its rows and report step)
     imbalance.py        `moekit imbalance`      imbalance_report.py   ImbalanceRow, report, plots
     ep_bench.py         `moekit ep-bench`       ep_report.py          EPRow, report, plot
     tune.py             `moekit tune`           tune_report.py        TuneRow, report, plot
+    ablate.py           `moekit ablate`         ablate_report.py      AblateRow, the catalogue, report
+    ablate_variants.py  the variants it times   ablate_plots.py       one figure per ablation
+    ablate_bytes.py     Nsight Compute DRAM bytes (a child process under ncu)
 
-Only the light modules are imported here; plotting pulls in matplotlib when it is used.
+Only the light modules are imported here; plotting pulls in matplotlib when it is used. The
+kernels' package comes first: on a machine without CUDA it switches Triton to its interpreter, which
+must happen before anything imports Triton (`moekit.align` and the other launchers do at the top).
 """
 
+import moekit.kernels  # noqa: F401  (the interpreter switch; see above)
 from moekit.bench.ceilings import Ceilings, measure_ceilings
 from moekit.bench.roofline import Traffic, crossover_tokens, floor_ms, traffic
 from moekit.bench.timing import NotCapturable, TimingStats, time_fn
