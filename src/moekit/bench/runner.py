@@ -115,7 +115,7 @@ class Measurement:
         return max(0.0, 100.0 * (1.0 - self.launches.busy_ms / self.median_ms))
 
     def columns(self) -> dict:
-        """The row columns the studies share (`imbalance`, `ablate`): NaN / None where not timed."""
+        """`results.MeasuredColumns` of this measurement (`imbalance` and `ablate` rows)."""
         t = self.timing
         return {"status": self.status, "reason": self.reason, "max_err": self.max_err,
                 "floor_ms": self.floor_ms, "median_ms": self.median_ms, "pct_floor": self.pct_floor,
