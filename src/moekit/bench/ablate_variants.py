@@ -182,9 +182,12 @@ def padding_fraction(counts: Sequence[int], block_m: int) -> float:
 
 def tile_config(base: ExpertsConfig, block_m: int, pair_blocks: int, itemsize: int,
                 device: torch.device) -> ExpertsConfig:
-    """base with these tile rows, its pipelined tiles shrunk to fit the device's shared memory."""
-    return fit_shared_memory(replace(base, block_m=block_m, pair_blocks=pair_blocks), itemsize,
-                             shared_memory_budget(device))
+    """base with these tile rows, its pipelined tiles shrunk to fit the device's shared memory, and
+    8 warps for tiles of 128 rows or more (as `moekit.tuning.default_config` gives 128-row tiles)."""
+    cfg = replace(base, block_m=block_m, pair_blocks=pair_blocks)
+    if block_m * pair_blocks >= 128:
+        cfg = replace(cfg, warps1=max(cfg.warps1, 8), warps2=max(cfg.warps2, 8))
+    return fit_shared_memory(cfg, itemsize, shared_memory_budget(device))
 
 
 class Setup:
