@@ -290,3 +290,27 @@ def test_redraw_refuses_a_bad_row_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{CSV_NAME}:3:" in err and "variant" in err
     assert not (tmp_path / REPORT_NAME).exists()
+
+
+def test_a_gpu_run_renders_graph_speed_ups_and_dram_bytes(run, tmp_path):
+    """The GPU-only branches of the report, from the CPU run's rows made to look like a GPU's: graph
+    rows at half the time, busy time, and Nsight Compute rows for two kernels at T = 1."""
+    _, out = run
+    cpu = STUDY.read(out / CSV_NAME)
+    gpu = [replace(r, device_type="cuda", device_name="NVIDIA H200") for r in cpu
+           if r.variant != BYTES_VARIANT]
+    gpu += [replace(r, mode="graph", median_ms=r.median_ms / 2, p20_ms=r.p20_ms / 2, p80_ms=r.p80_ms / 2,
+                    busy_ms=r.median_ms / 4, idle_pct=50.0) for r in gpu]
+    byte_rows = [r for r in cpu if r.variant == BYTES_VARIANT]
+    kernels = (("moe_gemm1_swiglu_kernel", 4000), ("moe_gemm2_kernel", 2000))
+    gpu += [replace(byte_rows[0], device_type="cuda", status="ok", reason="", kernel=k, dram_read_bytes=n,
+                    dram_write_bytes=n // 8) for k, n in kernels]
+    gpu += [replace(byte_rows[1], device_type="cuda", reason="ncu: ERR_NVGPUCTRPERM, counters restricted")]
+    write_csv(gpu, tmp_path / CSV_NAME, AblateRow)
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / REPORT_NAME).read_text()
+    assert "| 1 | " in report and "2×" in report                      # the graph speed-up column
+    assert "(interpreter timings" not in report and "at T = 5 (graph)" in report
+    assert "- T = 1: 6,000 bytes read from DRAM" in report and "moe_gemm2_kernel 2,000 B read" in report
+    assert "- T = 64: **skipped**: ncu: ERR_NVGPUCTRPERM" in report
+    assert (tmp_path / "ablate_bytes_tiny.png").read_bytes()[:8] == PNG

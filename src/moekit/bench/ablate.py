@@ -33,7 +33,9 @@ import torch
 from rich.console import Console
 
 from moekit.bench import args as arg_types
+from moekit.bench.ablate_bytes import find_ncu, profile_layer
 from moekit.bench.ablate_report import ABLATIONS, BYTES_VARIANT, STUDY, AblateRow
+from moekit.bench.ablate_variants import MEASURED, Setup, build
 from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.results import Provenance
@@ -77,8 +79,6 @@ class AblateConfig:
 
     def variants_at(self, tokens: int) -> list[str]:
         """The timed variants of the chosen ablations at T, each once, in report order."""
-        from moekit.bench.ablate_variants import MEASURED
-
         wanted = {v for a in self.ablations if a != "masked" or tokens <= self.masked_max_tokens
                   for v in ABLATIONS[a][1]}
         return [v for v in MEASURED if v in wanted]
@@ -91,10 +91,8 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(work: Workload, name: str, setup, cfg: AblateConfig, ceilings: Ceilings) -> list[dict]:
+def _measure(work: Workload, name: str, setup: Setup, cfg: AblateConfig, ceilings: Ceilings) -> list[dict]:
     """Columns of one variant's rows, one per mode (a variant that cannot be built is an error row)."""
-    from moekit.bench.ablate_variants import build
-
     try:
         case = build(name, setup)
     except Exception as exc:   # e.g. tiles that cannot be built here: one row lost, not the study
@@ -116,12 +114,9 @@ def _measure(work: Workload, name: str, setup, cfg: AblateConfig, ceilings: Ceil
     return rows
 
 
-def bytes_rows(cfg: AblateConfig, work: Workload, setup) -> list[dict]:
+def bytes_rows(cfg: AblateConfig, work: Workload, setup: Setup) -> list[dict]:
     """The bytes ablation at work's T: one row per profiled kernel, or one skipped row with the reason.
     The profiled layer passes the fp32 gate here first, as every timed variant does."""
-    from moekit.bench.ablate_bytes import find_ncu, profile_layer
-    from moekit.bench.ablate_variants import build
-
     head = {"variant": BYTES_VARIANT, "mode": "eager", "floor_bytes": work.traffic.bytes,
             "pairs": work.topk_ids.numel()}
     ncu = find_ncu(cfg.ncu) if cfg.device.type == "cuda" and cfg.ncu != "" else None
@@ -147,8 +142,6 @@ def bytes_rows(cfg: AblateConfig, work: Workload, setup) -> list[dict]:
 def study_rows(cfg: AblateConfig, ceilings: Ceilings, prov: Provenance,
                progress: Callable[[str], None] | None = None) -> list[AblateRow]:
     """Every chosen ablation at every T (see the module doc)."""
-    from moekit.bench.ablate_variants import Setup
-
     shape = PRESETS[cfg.preset]
     weights = make_weights(shape, cfg.dtype, cfg.device, cfg.seed)
     head = {**asdict(prov), "preset": cfg.preset, "num_experts": shape.num_experts,

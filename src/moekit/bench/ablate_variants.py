@@ -250,6 +250,7 @@ def _separate_passes(unpermute: Callable[[torch.Tensor, Permutation, int], torch
     def build(s: Setup) -> Case:
         x, gate_up, down, _, _ = s.args
         p, t = s.perm, s.work.tokens
+
         def call() -> torch.Tensor:
             return unpermute(grouped_gemms(permute(x, p), gate_up, down, p.rows, 1, s.config, None), p, t)
 
