@@ -421,8 +421,8 @@ def render(rows: Sequence[AblateRow], plots: dict[str, str], files: Files = FILE
         f"{r0.matmul_tflops:,.3g} TFLOP/s",
         "- every variant was checked against the fp32 reference (largest error at most 2× plain PyTorch's "
         "in the same dtype) before it was timed; one that failed is listed under *Not timed*, never timed. "
-        "Each call is timed alone after a cache flush (`moekit.bench.timing`); *graph* rows replay a CUDA "
-        "graph of the call.",
+        "Each call is timed alone, on a GPU after an L2 flush (`moekit.bench.timing`); *graph* rows replay "
+        "a CUDA graph of the call.",
         "- the article's numbers come from an RTX 4060 laptop GPU in bf16 (Qwen3-30B-A3B's shape): compare "
         "ratios, not times.",
         "",
