@@ -124,8 +124,9 @@ def check_row(row: AblateRow) -> str:
     if row.status != "ok":
         return ""
     if row.variant == BYTES_VARIANT:
+        counts = (row.dram_read_bytes, row.dram_write_bytes)
         return results.positive_problem(row, "floor_bytes") or (
-            "" if row.kernel and (row.dram_read_bytes or 0) >= 0 and (row.dram_write_bytes or 0) >= 0
+            "" if row.kernel and all(n is not None and n >= 0 for n in counts)
             else "a dram_bytes row needs a kernel name and byte counts >= 0")
     return results.positive_problem(row, "median_ms", "p20_ms", "p80_ms")
 
@@ -160,7 +161,7 @@ def pct(v: float) -> str:
     """A signed percentage ("+13%", "−4%"; "±0%" below half a percent; "–" for NaN)."""
     if math.isnan(v):
         return "–"
-    return "±0%" if round(100 * v) == 0 else f"{100 * v:+.0f}%".replace("-", "−")
+    return "±0%" if round(100 * v) == 0 else f"{100 * v:+,.0f}%".replace("-", "−")
 
 
 def _cell(r: AblateRow | None, value: Callable[[AblateRow], str]) -> str:
@@ -214,7 +215,7 @@ ARTICLE: dict[str, str] = {
               "tokens (+11%), 10.8 and 10.0 ms at 2,048 (+8%), and within 0.1 ms of each other up to 64 "
               "tokens, where reading the weights dominates.",
     "weight": "The article saw the fused versions' largest errors at 0.4× to 0.8× the others' (the weight "
-              "and SwiGLU applied in fp32 before one rounding); in fp32 both versions round alike.",
+              "and SwiGLU applied in fp32 before one rounding).",
     "graph": "The article's one-token layer took 0.98 ms eager and 0.46 ms in a graph (34 kernels replayed, "
              "most of them its PyTorch align step). Idle % = 1 − device busy time / wall time (GPU only).",
     "tile": "The article found 1% to 24% extra rows at tile heights of 16 to 64 (up to 8,192 tokens), and "
@@ -272,7 +273,8 @@ def _here_weight(rows: Sequence[AblateRow]) -> str:
     return (f"{_at(rows, ABLATIONS['weight'][1])}, the layer with a separate multiply took "
             f"{_rel(rows, 'weight_separate', 'layer')} against the fused epilogue, and at every T the fused "
             "weight's largest error "
-            f"against fp32 was {_spread(ratios, '×')} the separate multiply's.")
+            f"against fp32 was {_spread(ratios, '×')} the separate multiply's"
+            + (" (in fp32 both round alike)." if rows[0].dtype == "float32" else "."))
 
 
 def _here_graph(rows: Sequence[AblateRow]) -> str:
