@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|imbalance|transformers]...
+# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|imbalance|ablate|transformers]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -46,6 +46,8 @@ for step in $steps; do
                      | tee "$OUT/bench.log" | tail -60 ;;
         imbalance) timeout ${IMBALANCE_TIMEOUT:-300} python3 -m moekit imbalance ${IMBALANCE_ARGS:-} --out "$OUT/imbalance" 2>&1 \
                      | tee "$OUT/imbalance.log" | tail -40 ;;
+        ablate)  timeout ${ABLATE_TIMEOUT:-570} python3 -m moekit ablate ${ABLATE_ARGS:-} --out "$OUT/ablate" 2>&1 \
+                     | tee "$OUT/ablate.log" | tail -40 ;;
         transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 scripts/gpu_transformers.py "$OUT/transformers" ${TRANSFORMERS_ARGS:-} \
                      2>&1 | tee "$OUT/transformers.log" | tail -40 ;;
     esac

@@ -81,3 +81,28 @@ def test_padding_rows_of_h_are_zero(cfg):
     live = int(align.num_padded)
     padding = align.sorted_ids[:live] == ids.numel()
     assert padding.any() and torch.equal(h[:live][padding], torch.zeros_like(h[:live][padding]))
+
+
+@pytest.mark.parametrize("cfg", [CFG, PAIRED], ids=["blocks", "paired"])
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_epilogues_switched_off_match_their_twins(case, cfg):
+    """GEMM1 with swiglu=False stores [gate | up] (L, 2I); GEMM2 without weights stores the rows
+    unweighted: the two unfused halves `moekit ablate` times, each against its twin and against
+    the fused kernel once the left-out step is applied by hand."""
+    x, gate_up, down, w, ids = make(*case, invalid=True)
+    num_experts, inter, top_k = case[1], case[3], case[4]
+    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
+    live = int(align.num_padded)
+    placed = torch.zeros(ids.numel(), dtype=torch.bool)
+    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    with poisoning():
+        pre = gemm1_swiglu(x, gate_up, align, top_k, cfg, swiglu=False)
+        h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
+        y = gemm2_weighted(h, down, None, align, cfg)
+    assert pre.shape == (align.sorted_ids.numel(), 2 * inter)
+    assert rel_err(pre[:live], gemm1_swiglu_torch(x, gate_up, align, top_k, swiglu=False)[:live]) <= 1e-5
+    swiglu = torch.nn.functional.silu(pre[:live, :inter]) * pre[:live, inter:]
+    assert rel_err(swiglu, h[:live]) <= 1e-5
+    assert rel_err(y[placed], gemm2_weighted_torch(h, down, None, align)[placed]) <= 1e-5
+    weighted = gemm2_weighted(h, down, w, align, cfg)
+    assert rel_err(y[placed] * w.reshape(-1, 1)[placed], weighted[placed]) <= 1e-5

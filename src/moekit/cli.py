@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "imbalance": ("moekit.bench.imbalance", "skewed routing: one GPU, simulated EP, capacity, replication"),
     "ep-bench": ("moekit.bench.ep_bench", "expert parallelism over torch.distributed (use torchrun)"),
     "tune": ("moekit.bench.tune", "search tile configs for a shape on this GPU, write a JSON table"),
+    "ablate": ("moekit.bench.ablate", "what each design choice of the triton path buys, against the article"),
 }
 
 

@@ -35,11 +35,13 @@ def twin_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
-                 cfg: ExpertsConfig) -> torch.Tensor:
-    """h (L, I): silu(x_tok @ gate_e^T) * (x_tok @ up_e^T) at each sorted row; padding rows 0."""
+                 cfg: ExpertsConfig, *, swiglu: bool = True) -> torch.Tensor:
+    """h (L, I): silu(x_tok @ gate_e^T) * (x_tok @ up_e^T) at each sorted row; padding rows 0.
+    swiglu=False: the epilogue left out, h (L, 2I) holds the [gate | up] pre-activations."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
-    h = _workspace.empty(align.sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    h = _workspace.empty(align.sorted_ids.numel(), inter * (1 if swiglu else 2), dtype=x.dtype,
+                         device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
     moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
         x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
@@ -47,24 +49,27 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
         x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=cfg.warps1, num_stages=cfg.stages1,
+        DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return h
 
 
-def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,
                    align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
-    """y (S, H): (h_row @ down_e^T) * routing weight, stored at each pair's own row."""
+    """y (S, H): (h_row @ down_e^T) * routing weight, stored at each pair's own row (topk_weights
+    None: the rows unweighted)."""
     num_experts, hidden, inter = down_proj.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
     moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
-        h, down_proj, y, topk_weights, align.sorted_ids, align.expert_ids, align.block_codes,
-        align.num_padded, align.num_pairs, hidden, inter, n_tiles,
+        h, down_proj, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
+        align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
+        hidden, inter, n_tiles,
         h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
-        DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.warps2, num_stages=cfg.stages2,
+        DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, num_warps=cfg.warps2,
+        num_stages=cfg.stages2,
     )
     return y
 
@@ -92,29 +97,31 @@ def _placed_rows(align: Alignment) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment,
-                       top_k: int) -> torch.Tensor:
-    """Twin of `gemm1_swiglu` in fp32: h (L, I), padding rows 0."""
-    inter = gate_up_proj.shape[1] // 2
+                       top_k: int, *, swiglu: bool = True) -> torch.Tensor:
+    """Twin of `gemm1_swiglu` in fp32: h (L, I), or (L, 2I) pre-activations; padding rows 0."""
+    two_i = gate_up_proj.shape[1]
     acc = twin_dtype(x)
-    h = torch.zeros(align.sorted_ids.numel(), inter, dtype=acc, device=x.device)
+    h = torch.zeros(align.sorted_ids.numel(), two_i // 2 if swiglu else two_i, dtype=acc, device=x.device)
     rows, pair, expert = _placed_rows(align)
     for e in expert.unique().tolist():
         sel = expert == e
-        gate, up = (x[pair[sel] // top_k].to(acc) @ gate_up_proj[e].to(acc).T).chunk(2, dim=-1)
-        h[rows[sel]] = F.silu(gate) * up
+        pre = x[pair[sel] // top_k].to(acc) @ gate_up_proj[e].to(acc).T
+        gate, up = pre.chunk(2, dim=-1)
+        h[rows[sel]] = F.silu(gate) * up if swiglu else pre
     return h
 
 
-def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,
                          align: Alignment) -> torch.Tensor:
     """Twin of `gemm2_weighted` in fp32: y (S, H), rows of unplaced pairs 0."""
     acc = twin_dtype(h)
     y = torch.zeros(align.num_pairs, down_proj.shape[1], dtype=acc, device=h.device)
     rows, pair, expert = _placed_rows(align)
-    w = topk_weights.reshape(-1).to(acc)
+    w = None if topk_weights is None else topk_weights.reshape(-1).to(acc)
     for e in expert.unique().tolist():
         sel = expert == e
-        y[pair[sel]] = (h[rows[sel]].to(acc) @ down_proj[e].to(acc).T) * w[pair[sel], None]
+        rows_e = h[rows[sel]].to(acc) @ down_proj[e].to(acc).T
+        y[pair[sel]] = rows_e if w is None else rows_e * w[pair[sel], None]
     return y
 
 

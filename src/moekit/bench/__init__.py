@@ -22,6 +22,9 @@ The studies (the subcommand, then its rows and report step)
     imbalance.py        `moekit imbalance`      imbalance_report.py   ImbalanceRow, report, plots
     ep_bench.py         `moekit ep-bench`       ep_report.py          EPRow, report, plot
     tune.py             `moekit tune`           tune_report.py        TuneRow, report, plot
+    ablate.py           `moekit ablate`         ablate_report.py      AblateRow, the catalogue, report
+    ablate_variants.py  the variants it times   ablate_plots.py       one figure per ablation
+    ablate_bytes.py     Nsight Compute DRAM bytes (a child process under ncu)
 
 Only the light modules are imported here; plotting pulls in matplotlib when it is used. The lab
 imports `moekit.kernels` first: on a machine without CUDA it switches Triton to its interpreter,

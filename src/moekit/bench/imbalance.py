@@ -126,14 +126,6 @@ def _workload(cfg: StudyConfig, shape: MoEShape, weights: Weights, x: torch.Tens
                     traffic=traffic(shape, x.shape[0], ids, cfg.dtype), experts_hit_mean=math.nan)
 
 
-def _timing_cols(m: Measurement) -> dict:
-    t = m.timing
-    return {"status": m.status, "reason": m.reason, "max_err": m.max_err, "floor_ms": m.floor_ms,
-            "median_ms": m.median_ms, "pct_floor": m.pct_floor, "p20_ms": t.p20_ms if t else math.nan,
-            "p80_ms": t.p80_ms if t else math.nan, "n_rep": t.n if t else None,
-            "kernels": m.launches.kernels if m.launches else None}
-
-
 def _run(cfg: StudyConfig, work: Workload, backend: str, ceilings: Ceilings, factory=None) -> Measurement:
     m = run_case(work, backend, cfg.mode, ceilings, cfg.options, factory)
     if cfg.device.type == "cuda":
@@ -170,7 +162,7 @@ def study_rows(cfg: StudyConfig, ceilings: Ceilings, prov: Provenance,
             if reason:
                 rows.append(ImbalanceRow(**row, status="skipped", reason=reason))
                 continue
-            rows.append(ImbalanceRow(**row, **_timing_cols(_run(cfg, work, b, ceilings))))
+            rows.append(ImbalanceRow(**row, **_run(cfg, work, b, ceilings).columns()))
         if cfg.ep_ranks:
             rows += ep_rows(cfg, base, weights, work, loads, ceilings, progress)
         rows += capacity_rows(cfg, base, work, loads, ceilings)
@@ -202,7 +194,7 @@ def capacity_rows(cfg: StudyConfig, base: dict, work: Workload, loads: torch.Ten
             return lambda: moe_experts(wk.x, wt.gate_up_proj, wt.down_proj, wk.topk_weights, wk.topk_ids,
                                        backend="padded", capacity_factor=c, stats=stats)
 
-        cols = _timing_cols(_run(cfg, capped, "padded", ceilings, factory))
+        cols = _run(cfg, capped, "padded", ceilings, factory).columns()
         if cols["status"] == "ok" and int(stats["dropped"]) != host_dropped:
             got = int(stats["dropped"])
             cols = {**cols, "status": "failed", "median_ms": math.nan,
@@ -238,7 +230,7 @@ def ep_rows(cfg: StudyConfig, base: dict, weights: Weights, work: Workload, load
                 return lambda: moe_experts(wk.x, wt.gate_up_proj, wt.down_proj, wk.topk_weights,
                                            wk.topk_ids, backend=backend, ignore_invalid_ids=True)
 
-            cols = _timing_cols(_run(cfg, rank_work, backend, ceilings, factory))
+            cols = _run(cfg, rank_work, backend, ceilings, factory).columns()
             if cols["status"] == "ok" and p.num_pairs != predicted[r]:
                 cols = {**cols, "status": "failed", "median_ms": math.nan,
                         "reason": f"rank runs {p.num_pairs} pairs, the placement predicts {predicted[r]}"}

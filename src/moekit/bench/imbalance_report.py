@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from moekit.bench import results
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
-from moekit.bench.results import LayerRow
+from moekit.bench.results import LayerRow, MeasuredColumns
 from moekit.bench.study import FILES, Files, Study, fmt_number, is_noisy, spread, timing_notes
 
 if TYPE_CHECKING:
@@ -29,14 +29,10 @@ EXPERIMENTS = ("one_gpu", "ep", "ep_step", "capacity")
 
 
 @dataclass(frozen=True)
-class ImbalanceRow(LayerRow):
-    """One measurement of the study: the run's `Provenance` and layer columns (as in `moekit
-    bench`), then the case. NaN / None where a column does not apply to the experiment.
+class ImbalanceCase(LayerRow):
+    """The run's `Provenance` and layer columns (as in `moekit bench`), then the case.
 
     experiment: "one_gpu" | "ep" (one simulated rank) | "ep_step" (a placement's step) | "capacity".
-    placement: the starting placement ("contiguous", "strided"), or "replicated" (ep rows).
-    pairs: pairs of the case (the whole layer, or the rank's share).
-    status, reason: as in `moekit bench` (ok, failed, error, skipped, ...).
     """
 
     seed: int
@@ -45,16 +41,17 @@ class ImbalanceRow(LayerRow):
     experiment: str
     backend: str
     mode: str
-    status: str
-    reason: str = ""
-    max_err: float = math.nan
-    median_ms: float = math.nan
-    p20_ms: float = math.nan
-    p80_ms: float = math.nan
-    n_rep: int | None = None
-    floor_ms: float = math.nan
-    pct_floor: float = math.nan
-    kernels: int | None = None
+
+
+@dataclass(frozen=True)
+class ImbalanceRow(MeasuredColumns, ImbalanceCase):
+    """One measurement of the study: its case (`ImbalanceCase`), the measurement (`MeasuredColumns`),
+    then the experiment's own columns. NaN / None where a column does not apply to the experiment.
+
+    placement: the starting placement ("contiguous", "strided"), or "replicated" (ep rows).
+    pairs: pairs of the case (the whole layer, or the rank's share).
+    """
+
     pairs: int | None = None
     placement: str = ""
     ep_ranks: int | None = None

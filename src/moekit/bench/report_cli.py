@@ -1,8 +1,8 @@
 """`moekit report DIR`: redraw any study's plots and report from its results CSV alone (no device).
 
 The study is found from the CSV's columns (`moekit.bench.study.find_results`): a folder of `moekit
-bench`, `imbalance`, `ep-bench` or `tune`, including folders written before the studies shared one
-scaffold (imbalance.csv, ep_results.csv). The whole CSV is read and every row checked before
+bench`, `imbalance`, `ep-bench`, `tune` or `ablate`, including folders written before the studies shared
+one scaffold (imbalance.csv, ep_results.csv). The whole CSV is read and every row checked before
 anything is drawn; the plots and the report are rendered in memory, then written, each atomically.
 A bad file or an unwritable --out gives one error line naming it and exit status 2.
 """

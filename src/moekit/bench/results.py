@@ -97,6 +97,29 @@ class ResultRow(LayerRow):
     threads: int | None = None   # torch intra-op threads of a CPU run (empty on a GPU, or before --threads)
 
 
+@dataclass(frozen=True)
+class MeasuredColumns:
+    """The columns of one `run_case` measurement that the studies on one row type per case share
+    (`imbalance`, `ablate`), filled by `moekit.bench.runner.Measurement.columns()`. A mixin: a row
+    type lists it before its case's dataclass (`class Row(MeasuredColumns, Case)`), so these columns
+    follow the case's (fields are collected in reverse method-resolution order).
+
+    status, reason: as in `moekit bench` (ok, failed, error, skipped, ...). Times in ms; NaN / None
+    when the case was not timed.
+    """
+
+    status: str
+    reason: str = ""
+    max_err: float = math.nan
+    median_ms: float = math.nan
+    p20_ms: float = math.nan
+    p80_ms: float = math.nan
+    n_rep: int | None = None
+    floor_ms: float = math.nan
+    pct_floor: float = math.nan
+    kernels: int | None = None
+
+
 _KINDS = ("str", "float", "int", "int | None")
 
 

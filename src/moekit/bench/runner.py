@@ -114,6 +114,14 @@ class Measurement:
             return math.nan
         return max(0.0, 100.0 * (1.0 - self.launches.busy_ms / self.median_ms))
 
+    def columns(self) -> dict:
+        """`results.MeasuredColumns` of this measurement (`imbalance` and `ablate` rows)."""
+        t = self.timing
+        return {"status": self.status, "reason": self.reason, "max_err": self.max_err,
+                "floor_ms": self.floor_ms, "median_ms": self.median_ms, "pct_floor": self.pct_floor,
+                "p20_ms": t.p20_ms if t else math.nan, "p80_ms": t.p80_ms if t else math.nan,
+                "n_rep": t.n if t else None, "kernels": self.launches.kernels if self.launches else None}
+
 
 def make_weights(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Weights:
     """Random weights scaled by 1/sqrt(fan_in), as an untrained layer; drawn on the device."""

@@ -1,4 +1,4 @@
-"""The one scaffold every study stands on: `moekit bench`, `imbalance`, `ep-bench` and `tune`.
+"""The one scaffold every study stands on: `moekit bench`, `imbalance`, `ep-bench`, `tune` and `ablate`.
 
 A study is arguments -> measure -> rows -> render; only the measuring is its own:
 
@@ -12,10 +12,11 @@ A study is arguments -> measure -> rows -> render; only the measuring is its own
     report      `moekit report DIR` finds which study a folder holds, by its CSV's columns, and
                 redraws it (`find_results`, `redraw`)
 
-Each study's report module (`report`, `imbalance_report`, `ep_report`, `tune_report`) defines its
-`STUDY`: the name, the row type, the row check and the render function. Folders written before the
-scaffold keep their file names when redrawn: imbalance.csv -> imbalance.md, ep_results.csv ->
-ep_report.md (the 2026-11-29 bench folder already has results.csv and report.md).
+Each study's report module (`report`, `imbalance_report`, `ep_report`, `tune_report`,
+`ablate_report`) defines its `STUDY`: the name, the row type, the row check and the render function.
+Folders written before the scaffold keep their file names when redrawn: imbalance.csv ->
+imbalance.md, ep_results.csv -> ep_report.md (the 2026-11-29 bench folder already has results.csv
+and report.md).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ CSV_NAME = "results.csv"
 REPORT_NAME = "report.md"
 RESULT_FILES = (CSV_NAME, REPORT_NAME)
 REPORT_MODULES = ("moekit.bench.report", "moekit.bench.imbalance_report", "moekit.bench.ep_report",
-                  "moekit.bench.tune_report")
+                  "moekit.bench.tune_report", "moekit.bench.ablate_report")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Study:
     """One study's results: how its rows are read, checked and drawn.
 
     Attributes:
-        name: the subcommand ("bench", "imbalance", "ep-bench", "tune").
+        name: the subcommand ("bench", "imbalance", "ep-bench", "tune", "ablate").
         row_type: a frozen dataclass on `Provenance`; its fields are the CSV's columns.
         render: (rows, files) -> {file name: text or PNG bytes}, the plots, then the report last;
             from the rows alone (`files` names the CSV and the report the text refers to).

@@ -40,14 +40,15 @@ from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 
 
-def _align(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> Alignment:
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> Alignment:
+    """The triton backend's align step: the Triton kernels up to their expert limit, else torch."""
     return align_block_size(topk_ids, num_experts, config.block_m,
                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
 
 
 def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor) -> Alignment:
-    align = _align(topk_ids, gate_up_proj.shape[0], config)
+    align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
     h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config)
     y = gemm2_weighted(h, down_proj, topk_weights, align, config)
     moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
@@ -155,6 +156,6 @@ def experts_triton_grads(
     """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
     `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
     config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
-    align = _align(ids, gate_up_proj.shape[0], config)
+    align = align_pairs(ids, gate_up_proj.shape[0], config)
     return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
                                    config, needs)

@@ -14,6 +14,9 @@ expert, from expert_ids) and one BN-column tile; programs past num_padded return
 grid can be sized from the fixed upper bound and the launch captured in a CUDA graph. With PAIRED,
 experts are padded to BM rows but computed in tiles of 2 * BM where two of an expert's blocks
 follow each other (`Alignment.block_codes`): big tiles for the bulk, padding bounded by BM.
+The epilogues can be switched off (constexpr SWIGLU, MUL_W; the lab's `moekit ablate` measures
+what fusing them saves): GEMM1 then stores [gate | up] pre-activations, h (L, 2I), and GEMM2 the
+unweighted rows.
 """
 
 import triton
@@ -92,8 +95,9 @@ def k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_ak, stride_bk,
 def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature)."""
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
+    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature).
+    SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N)."""
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
     pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
     valid = pair < S
@@ -109,28 +113,33 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n,
     acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
                                  M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
 
-    h = acc_g * tl.sigmoid(acc_g) * acc_u                              # silu(gate) * up, fp32
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+    if SWIGLU:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+    else:
+        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+        tl.store(h_ptrs + N * stride_hn, acc_u.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
 
 
 @triton.jit
 def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w_ptr, o_ptr,
             aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, TOP_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr, EPILOGUE: tl.constexpr):
     """Run TILE (`_gemm1_tile` or `_gemm2_tile`) for row block pid_m: a lone block of BLOCK_M rows,
     or, when PAIRED, per `Alignment.block_codes`: 2 = a tile of this and the next block, 1 = this
-    block alone, 0 = nothing (the block before covers it)."""
+    block alone, 0 = nothing (the block before covers it). EPILOGUE: the tile's fused epilogue
+    switch (SWIGLU of GEMM1, MUL_W of GEMM2)."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     row0 = pid_m * BLOCK_M
     code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
     if code == 2:
         TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+             s6, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, EPILOGUE)
     elif code == 1:
         TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+             s6, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, EPILOGUE)
 
 
 @triton.jit
@@ -140,6 +149,7 @@ def moe_gemm1_swiglu_kernel(
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
@@ -147,16 +157,16 @@ def moe_gemm1_swiglu_kernel(
     if live:
         _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w_ptr, h_ptr, x_ptr,
                 sorted_ids_ptr, S, N, K, stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                stride_hn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED)
+                stride_hn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, SWIGLU)
 
 
 @triton.jit
 def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MUL_W: tl.constexpr):
     """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows
-    (`_paired`'s signature; TOP_K unused)."""
+    (`_paired`'s signature; TOP_K unused), times the routing weight when MUL_W."""
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -170,8 +180,9 @@ def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, 
     acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, M, BLOCK_N, BLOCK_K, EVEN_K,
                  DOT_PRECISION, False)   # padding rows of h hold zeros: no row mask needed
 
-    wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-    acc = acc * wt[:, None]
+    if MUL_W:
+        wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
 
@@ -183,13 +194,15 @@ def moe_gemm2_kernel(
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
+    MUL_W: tl.constexpr,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
         _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w_ptr, y_ptr,
                 topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm, stride_hk, stride_we, stride_wn,
-                stride_wk, stride_ym, stride_yn, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED)
+                stride_wk, stride_ym, stride_yn, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
+                MUL_W)
 
 
 @triton.jit
