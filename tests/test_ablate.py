@@ -314,3 +314,10 @@ def test_a_gpu_run_renders_graph_speed_ups_and_dram_bytes(run, tmp_path):
     assert "- T = 1: 6,000 bytes read from DRAM" in report and "moe_gemm2_kernel 2,000 B read" in report
     assert "- T = 64: **skipped**: ncu: ERR_NVGPUCTRPERM" in report
     assert (tmp_path / "ablate_bytes_tiny.png").read_bytes()[:8] == PNG
+
+
+def test_ablate_refuses_a_shape_it_cannot_measure(capsys):
+    from moekit.cli import main
+
+    assert main(["ablate", "--shape", "E=8,H=64,I=48,K=2", "--out", "/tmp/moekit-ablate-shape"]) != 0
+    assert "--preset" in capsys.readouterr().err
