@@ -141,7 +141,8 @@ def pack_fixed(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan, cap
     kept = plan.hit & (pos < c)
     slot = torch.where(kept, torch.arange(n, device=dev) * c + pos, rows)   # rows: nowhere
     token = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
-    token.scatter_(0, slot.reshape(-1), torch.arange(num_tokens, device=dev).repeat_interleave(n))
+    each = torch.arange(num_tokens, device=dev)[:, None].expand(-1, n)   # (T, N): t in every column
+    token.scatter_(0, slot.reshape(-1), each.reshape(-1))
     token = token[:rows]
     t_safe = torch.where(token >= 0, token, num_tokens)         # row T of the padded tables: nowhere
     dest = torch.cat([plan.dest, plan.dest.new_full((1, top_k), n)])
