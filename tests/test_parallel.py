@@ -298,20 +298,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -
         dist.destroy_process_group()
 
 
-def _spawn_world(world: int, out_dir: Path, dist_backend: str = "gloo", worker=None) -> list[dict]:
+def _spawn_world(world: int, out_dir: Path, dist_backend: str = "gloo", worker=None,
+                 timeout_s: float = WORLD_TIMEOUT_S) -> list[dict]:
     """Run `worker(rank, world, port, out_dir, dist_backend)` (default `_worker`) in `world` spawned
-    processes; each saves rank{r}.pt in out_dir, loaded here in rank order."""
+    processes, killed after timeout_s; each saves rank{r}.pt in out_dir, loaded here in rank order."""
     disable_nvls()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+                          timeout=datetime.timedelta(seconds=timeout_s))
     ctx = mp.start_processes(worker or _worker, args=(world, store.port, str(out_dir), dist_backend),
                              nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{dist_backend} world of {world} did not finish in {WORLD_TIMEOUT_S} s")
+                raise TimeoutError(f"{dist_backend} world of {world} did not finish in {timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -18,13 +18,14 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import moekit
+from helpers import rel_err
 from moekit.bench.scenarios import expert_loads, make_scenario
 from moekit.parallel import (
     CapacityOverflow,
@@ -54,6 +55,7 @@ disable_nvls()
 
 CFG = default_config(moekit.MoEShape(1, 64, 48, 1), 16, 4)   # the masked kernels' tiles, everywhere
 PHASES_CASES = ("router", "both-overflow-replicated", "overflow-raise")   # phases called one by one
+GPU_WORLD_TIMEOUT_S = 480    # the GPU worlds compile their kernels first
 COUNTERS = ("dropped", "dropped_rows", "dropped_pairs", "expert_dropped", "recv_counts", "expert_counts")
 
 
@@ -74,7 +76,7 @@ class Case:
 
 
 def _cases(world: int) -> list[Case]:
-    tokens, idle = ((9, 4), (0, 6)) if world == 2 else ((5, 0, 11, 3), (4, 0, 7, 0))
+    tokens, idle = {1: ((13,), (0,)), 2: ((9, 4), (0, 6)), 4: ((5, 0, 11, 3), (4, 0, 7, 0))}[world]
     return [
         Case("router", tokens),
         Case("random", tokens, routing="random_router"),
@@ -533,7 +535,7 @@ def test_nccl_low_latency_cases(world, tmp_path):
     """The gloo cases on GPUs over NCCL (world 2 needs two GPUs), against the fp32 reference."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = _spawn_world(world, tmp_path, "nccl", worker=_worker)
+    results = _spawn_world(world, tmp_path, "nccl", worker=_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
     for case in _cases(world):
         _, ref_kept, _, count = _expected(case, world)
         key = "again" if case.overflow == "raise" and count.dropped else "out"
@@ -546,7 +548,7 @@ def test_nccl_low_latency_cases(world, tmp_path):
 def test_nccl_low_latency_layer_in_cuda_graphs(world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = _spawn_world(world, tmp_path, "nccl", worker=_capture_worker)
+    results = _spawn_world(world, tmp_path, "nccl", worker=_capture_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
     for r in range(world):
         for step in results[r]:
             assert torch.equal(step["out"], step["eager"]), (r, step["t"])
@@ -561,3 +563,68 @@ def test_low_latency_makes_no_host_read(ll_world):
     for r in range(world):
         assert results[r]["_checks"]["host_read"] is None, results[r]["_checks"]["host_read"]
     assert sum(results[r]["_checks"]["host_read_dropped"] for r in range(world)) > 0
+
+
+DECODE_TOKENS = (1, 8, 32, 128)
+
+
+def _median_ms(fn, device: torch.device, iters: int = 30) -> float:
+    """Median of `iters` calls, each timed alone between a barrier and a device sync (collective)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _latency_worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+    """Qwen3-30B-A3B in bfloat16 at decode sizes: the captured low-latency layer, the same eager, and
+    the normal mode; outputs compared, per-call medians recorded (every rank times the same calls)."""
+    device = join_group(rank, world, port, dist_backend)
+    try:
+        shape = moekit.PRESETS["qwen3-30b-a3b"]
+        torch.manual_seed(SEED)                     # the same weights on every rank
+        layer = moekit.MoELayer(shape, dtype=torch.bfloat16, device=device)
+        ll = ExpertParallelMoE.from_layer(layer, mode="low_latency", capacity=max(DECODE_TOKENS))
+        normal = ExpertParallelMoE.from_layer(layer)
+        captured = ll.capture(max(DECODE_TOKENS), buckets=DECODE_TOKENS)
+        gen = torch.Generator().manual_seed(SEED + rank)
+        rows = []
+        with torch.no_grad():
+            for t in DECODE_TOKENS:
+                x = torch.randn(t, shape.hidden_size, generator=gen).to(device, torch.bfloat16)
+                err = rel_err(captured(x).clone(), normal(x))
+                for name, fn in (("low_latency graph", captured), ("low_latency eager", ll),
+                                 ("normal eager", normal)):
+                    rows.append({"t": t, "path": name, "ms": _median_ms(partial(fn, x), device),
+                                 "rel_err": err, "dropped": int(captured.stats["dropped"])})
+        torch.save(rows, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_low_latency_decode_latency(world, tmp_path):
+    """Qwen3-30B-A3B, bf16, T = 1..128 per rank: the captured low-latency layer agrees with the normal
+    mode (both bf16 paths, so a loose bound) and drops nothing at capacity 128; the medians are
+    printed (run with -s), not asserted."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = _spawn_world(world, tmp_path, "nccl", worker=_latency_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
+    print(f"\nEP decode latency, Qwen3-30B-A3B bf16, {world} rank(s), median ms per call:")
+    for r in range(world):
+        for row in results[r]:
+            print(f"  rank {r}  T={row['t']:4d}  {row['path']:<18} {row['ms']:8.3f} ms  "
+                  f"rel_err {row['rel_err']:.2e}")
+            assert row["rel_err"] <= 2e-2 and row["dropped"] == 0
+            assert 0 < row["ms"] < 1e4
