@@ -21,7 +21,7 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=benchmarks/results/ep-${NPROC}xgpu-${STAMP}
 
 echo "== GPU tests of moekit.parallel (NVLS off)"
-python -m pytest -m gpu tests/test_parallel.py -q
+python -m pytest -m gpu tests/test_parallel.py tests/test_parallel_low_latency.py -q -s
 
 echo "== moekit ep-bench on ${NPROC} GPU(s) -> ${OUT}"
 torchrun --standalone --nproc-per-node "${NPROC}" -m moekit ep-bench --spare-slots 2 --out "${OUT}" "$@"

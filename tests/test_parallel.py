@@ -266,7 +266,8 @@ def _run_bench(out_dir: Path) -> int:
     return ep_bench.run(args)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+def join_group(rank: int, world: int, port: int, dist_backend: str) -> torch.device:
+    """In a spawned child: join the parent's store and start the process group; this rank's device."""
     disable_nvls()  # NVLink multicast off, before any process group starts
     torch.set_num_threads(1)  # 4 processes on a 2-core machine: no oversubscription
     timeout = datetime.timedelta(seconds=WORLD_TIMEOUT_S)
@@ -278,6 +279,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    return device
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+    device = join_group(rank, world, port, dist_backend)
     try:
         cases = _cases(world) if dist_backend == "gloo" else _gpu_cases(world)
         results = {c.name: _run_case(c, rank, world, device) for c in cases}
@@ -292,18 +298,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -
         dist.destroy_process_group()
 
 
-def _spawn_world(world: int, out_dir: Path, dist_backend: str = "gloo") -> list[dict]:
+def _spawn_world(world: int, out_dir: Path, dist_backend: str = "gloo", worker=None,
+                 timeout_s: float = WORLD_TIMEOUT_S) -> list[dict]:
+    """Run `worker(rank, world, port, out_dir, dist_backend)` (default `_worker`) in `world` spawned
+    processes, killed after timeout_s; each saves rank{r}.pt in out_dir, loaded here in rank order."""
     disable_nvls()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
-    ctx = mp.start_processes(_worker, args=(world, store.port, str(out_dir), dist_backend), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.start_processes(worker or _worker, args=(world, store.port, str(out_dir), dist_backend),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{dist_backend} world of {world} did not finish in {WORLD_TIMEOUT_S} s")
+                raise TimeoutError(f"{dist_backend} world of {world} did not finish in {timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():

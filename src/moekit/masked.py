@@ -6,6 +6,7 @@ per-expert row counts stay on the device, and the dispatch / combine that build 
     masked_layout    topk_ids (T, K) -> MaskedLayout (each pair's row in the (E * C) buffer, counts)
     masked_dispatch  x (T, H) -> x_masked (E, C, H)         (DeepEP's low-latency dispatch, one GPU)
     masked_combine   y (E, C, H), topk_weights (T, K) -> (T, H), fp32 weighted sum in slot order
+    masked_moe       the four in a row after the layout: x (T, H) -> (T, H) (the `masked` backend)
 
 Expert e owns rows [0, counts[e]) of its C rows; the kernels read and write only those (programs
 past a count exit at once), so the host never needs the counts: one graph-capturable launch per GEMM
@@ -165,6 +166,25 @@ def masked_combine(y: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Te
             TOP_K=topk_weights.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
         )
     return out
+
+
+def masked_moe(x: torch.Tensor, layout: MaskedLayout, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+               topk_weights: torch.Tensor, cfg: ExpertsConfig,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The masked path after the layout: dispatch into (E, C, H), GEMM1 + SwiGLU, GEMM2 written over
+    x_masked (dead once GEMM1 has run: launches on one stream run in order), weighted combine.
+
+    x (T, H) and topk_weights (T, K) as given to `masked_layout`'s ids; out (T, H) or None (a fresh
+    buffer). Every size follows from (T, K, E, C): no host sync. Shared by the `masked` backend and
+    the expert-parallel low-latency mode (`moekit.parallel.low_latency`).
+    """
+    num_experts = gate_up_proj.shape[0]
+    x_masked = masked_dispatch(x, layout, num_experts, topk_weights.shape[1])
+    h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, cfg)
+    y = masked_gemm2(h, layout.counts, down_proj, None, cfg, out=x_masked)
+    if out is None:
+        out = _workspace.empty_like(x)
+    return masked_combine(y, layout, topk_weights, out)
 
 
 def check_masked_args(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from moekit import _workspace
 from moekit._memory import fits
 from moekit._validation import check_triton_device
 from moekit.experts.padded import PaddedWorkspaceTooLarge, capacity
-from moekit.masked import masked_combine, masked_dispatch, masked_gemm1_swiglu, masked_gemm2, masked_layout
+from moekit.masked import masked_layout, masked_moe
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 
@@ -64,10 +63,4 @@ def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     if stats is not None:
         stats["capacity"] = cap
         stats["dropped"] = layout.dropped                                # device scalar, no sync
-    x_masked = masked_dispatch(hidden_states, layout, num_experts, top_k)
-    h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, config)
-    # x_masked is dead once GEMM1 has run (launches on one stream run in order): y reuses it.
-    y = masked_gemm2(h, layout.counts, down_proj, None, config, out=x_masked)
-    if out is None:
-        out = _workspace.empty_like(hidden_states)
-    return masked_combine(y, layout, topk_weights, out)
+    return masked_moe(hidden_states, layout, gate_up_proj, down_proj, topk_weights, config, out)

@@ -16,7 +16,7 @@ Dataflow on one rank of N (T local tokens, K top_k, H hidden; S rows sent, R row
 The sync point: all_to_all_single takes its split sizes as host integers, so the counts are copied
 to the host once per layer call (send and receive together, one device-to-host copy). Every other
 step is sized from those integers and runs without a sync. Avoiding it needs fixed-size buffers
-(DeepEP's low-latency mode, DeepGEMM's masked layout): not done here.
+(DeepEP's low-latency mode, DeepGEMM's masked layout): `moekit.parallel.low_latency`.
 
 Metadata (one rank):
     send meta (S, 2K) int32: [:, :K] local expert ids or -1; [:, K:] the fp32 routing weights' bits
@@ -103,6 +103,18 @@ def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
     if x.device.type == "cpu" and not ignore_invalid_ids:
         check_expert_ids_in_range(topk_ids, num_experts)
+
+
+def check_group(x: torch.Tensor, placement: Placement,
+                group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world) of the group; the placement must be for the group's size, gloo takes CPU tensors."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if placement.num_ranks != world:
+        raise ValueError(f"placement is for {placement.num_ranks} ranks, the process group has {world}")
+    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        raise ValueError(f"hidden_states is on {x.device}, but gloo's all-to-all takes CPU tensors only; "
+                         "use an nccl process group for GPU tensors")
+    return rank, world
 
 
 def plan_routes(topk_ids: torch.Tensor, placement: Placement, rank: int,
@@ -194,12 +206,7 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     Returns:
         (DispatchedTokens for this rank's experts, DispatchHandle for `combine`).
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if placement.num_ranks != world:
-        raise ValueError(f"placement is for {placement.num_ranks} ranks, the process group has {world}")
-    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
-        raise ValueError(f"hidden_states is on {x.device}, but gloo's all-to-all takes CPU tensors only; "
-                         "use an nccl process group for GPU tensors")
+    rank, _ = check_group(x, placement, group)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
     send_counts, recv_counts = exchange_counts(plan.send_counts, group)

@@ -1,16 +1,25 @@
 """The expert-parallel MoE layer: each rank routes its own tokens, holds E_r of the E experts, and
-exchanges token rows with the other ranks through `dispatch` and `combine`.
+exchanges token rows with the other ranks, in one of two modes:
 
-    route (local) -> dispatch (counts, then rows) -> moe_experts on local experts -> combine -> (T, H)
+    normal       route (local) -> dispatch (counts, then rows; one host sync) -> moe_experts on the
+                 local experts -> combine -> (T, H)                        (`moekit.parallel.dispatch`)
+    low_latency  route -> fixed blocks of `capacity` rows to every rank (no host sync) -> masked
+                 (E_r, C_e, H) experts -> combine -> (T, H); `ExpertParallelMoE.capture` records the
+                 whole layer in CUDA graphs                           (`moekit.parallel.low_latency`)
 
-The output on every rank equals the single-device `MoELayer` on that rank's tokens (up to fp32
-summation order: each token's partial sums from different ranks are added in rank order).
-Forward only: the all-to-alls carry no autograd, so the layer refuses to run with gradients on.
+Both split a replicated expert's pairs among its copies as `moekit.placement.assign` does (pass a
+placement from `replicate_hot_experts`). The output on every rank equals the single-device
+`MoELayer` on that rank's tokens (up to fp32 summation order: each token's partial sums from
+different ranks are added in rank order); in the low-latency mode, pairs past a capacity are dropped
+and counted (or refused), never silently. Forward only: the all-to-alls carry no autograd, so the
+layer refuses to run with gradients on.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,11 +27,16 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from moekit._validation import FLOAT_DTYPES, check_shape, check_tensor, needs_grad
-from moekit.layer import MoELayer
+from moekit.graphs import capture_graph
+from moekit.layer import MoELayer, default_buckets
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
+from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights
 from moekit.routing import route
 from moekit.shapes import MoEShape, get_shape
+
+MODES = ("normal", "low_latency")
+LOW_LATENCY_BACKENDS = ("auto", "masked")   # the low-latency mode runs the masked kernels
 
 
 def _check_no_grad(*tensors: torch.Tensor) -> None:
@@ -31,12 +45,36 @@ def _check_no_grad(*tensors: torch.Tensor) -> None:
                            "gradient); run it under torch.no_grad() or torch.inference_mode()")
 
 
+def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, overflow: str,
+               backend: str) -> None:
+    """The mode's arguments, before any collective (every rank fails alike)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "normal":
+        if capacity is not None or expert_capacity is not None or overflow != "drop":
+            raise ValueError("capacity, expert_capacity and overflow apply to mode='low_latency' (the "
+                             "normal mode sizes its buffers from the exchanged counts and drops nothing)")
+        return
+    if capacity is None:
+        raise ValueError("mode='low_latency' needs capacity= (token rows each rank sends each rank, "
+                         "e.g. the most tokens a rank holds in one call)")
+    check_capacity("capacity", capacity)
+    if expert_capacity is not None:
+        check_capacity("expert_capacity", expert_capacity)
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    if backend not in LOW_LATENCY_BACKENDS:
+        raise ValueError(f"mode='low_latency' runs the masked kernels: backend must be one of "
+                         f"{LOW_LATENCY_BACKENDS}, got {backend!r}")
+
+
 def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, placement: Placement,
                    group: dist.ProcessGroup | None = None, backend: str = "auto",
                    ignore_invalid_ids: bool = False,
-                   tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   **experts_opts) -> torch.Tensor:
+                   tables: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "normal",
+                   capacity: int | None = None, expert_capacity: int | None = None,
+                   overflow: str = "drop", **experts_opts) -> torch.Tensor:
     """`moekit.moe_experts` over an expert-parallel group (collective: every rank calls it).
 
     Args:
@@ -50,7 +88,14 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
         backend: experts backend on each rank ("auto" or one of `moekit.BACKENDS`).
         ignore_invalid_ids: pairs with ids outside [0, E) contribute 0 instead of raising.
         tables: `placement.copy_table(device)`, to reuse across calls.
-        experts_opts: passed on to `moe_experts` (e.g. config for triton).
+        mode: "normal" (counts exchanged, one host sync, nothing dropped) or "low_latency" (fixed
+            blocks, no host sync, CUDA-graph capturable; `moekit.parallel.low_latency`).
+        capacity: low_latency: C, token rows each rank sends each rank (the same on every rank).
+        expert_capacity: low_latency: C_e, rows per local expert (default N * C).
+        overflow: low_latency: "drop" (pairs past a capacity contribute 0, counted in stats) or
+            "raise" (every rank raises `CapacityOverflow` if any pair was dropped; one sync).
+        experts_opts: normal: passed on to `moe_experts` (e.g. config for triton); low_latency:
+            config (the masked kernels' tiles) and stats (a dict filled with the drop counters).
 
     Returns:
         (T, H) in the dtype of hidden_states: sum_k w[t,k] * expert_{ids[t,k]}(x_t).
@@ -72,6 +117,12 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     check_shape("gate_up_proj", gate_up_proj, (num_local, two_i - two_i % 2, hidden), "(E_r, 2I, H)")
     check_shape("down_proj", down_proj, (num_local, hidden, two_i // 2), "(E_r, H, I)")
     _check_no_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
+    check_mode(mode, capacity, expert_capacity, overflow, backend)
+    if mode == "low_latency":
+        return low_latency_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                               placement=placement, capacity=capacity, expert_capacity=expert_capacity,
+                               overflow=overflow, group=group, ignore_invalid_ids=ignore_invalid_ids,
+                               tables=tables, **experts_opts)
     tokens, handle = dispatch(hidden_states, topk_weights, topk_ids, placement, group=group,
                               ignore_invalid_ids=ignore_invalid_ids, tables=tables)
     partial = run_local_experts(tokens, gate_up_proj, down_proj, backend=backend, **experts_opts)
@@ -88,6 +139,8 @@ class ExpertParallelMoE(nn.Module):
         group: the process group (default: the world); must be initialised.
         backend: experts backend on each rank; router_backend: "auto", "torch" or "triton".
         dtype, device: of the parameters.
+        mode: "normal" or "low_latency" (see the module docstring); capacity, expert_capacity,
+            overflow: the low-latency mode's (`ep_moe_experts`).
 
     Parameters:
         router_weight (E, H), the same on every rank; gate_up_proj (E_r, 2I, H) and down_proj
@@ -97,8 +150,12 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, shape: MoEShape | str, *, placement: Placement | None = None,
                  group: dist.ProcessGroup | None = None, backend: str = "auto",
                  router_backend: str = "auto", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, mode: str = "normal",
+                 capacity: int | None = None, expert_capacity: int | None = None, overflow: str = "drop"):
         super().__init__()
+        check_mode(mode, capacity, expert_capacity, overflow, backend)
+        self.mode, self.capacity = mode, capacity
+        self.expert_capacity, self.overflow = expert_capacity, overflow
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE needs torch.distributed initialised "
                                "(init_process_group, e.g. under torchrun)")
@@ -142,11 +199,15 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_layer(cls, layer: MoELayer, *, placement: Placement | None = None,
-                   group: dist.ProcessGroup | None = None, backend: str | None = None) -> ExpertParallelMoE:
-        """This rank's share of a full `MoELayer` (its router and its experts' weights, copied)."""
+                   group: dist.ProcessGroup | None = None, backend: str | None = None,
+                   **mode_opts) -> ExpertParallelMoE:
+        """This rank's share of a full `MoELayer` (its router and its experts' weights, copied).
+        mode_opts: mode, capacity, expert_capacity, overflow (the constructor's)."""
         p = layer.gate_up_proj
-        ep = skip_init(cls, layer.shape, placement=placement, group=group, backend=backend or layer.backend,
-                       router_backend=layer.router_backend, dtype=p.dtype, device=p.device)
+        if backend is None:
+            backend = "auto" if mode_opts.get("mode") == "low_latency" else layer.backend
+        ep = skip_init(cls, layer.shape, placement=placement, group=group, backend=backend,
+                       router_backend=layer.router_backend, dtype=p.dtype, device=p.device, **mode_opts)
         gate_up, down = rank_weights(layer.gate_up_proj, layer.down_proj, ep.placement, ep.rank)
         ep.router_weight.copy_(layer.router_weight)
         ep.gate_up_proj.copy_(gate_up)
@@ -157,7 +218,8 @@ class ExpertParallelMoE(nn.Module):
         s = self.shape
         return (f"experts={s.num_experts}, local={list(self.local_experts)}, rank={self.rank}, "
                 f"hidden={s.hidden_size}, intermediate={s.intermediate_size}, top_k={s.top_k}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}, mode={self.mode!r}"
+                + (f", capacity={self.capacity}" if self.mode == "low_latency" else ""))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
@@ -166,12 +228,17 @@ class ExpertParallelMoE(nn.Module):
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 **experts_opts) -> torch.Tensor:
         """The expert path for given routing: (T, H) -> (T, H) (collective)."""
+        return ep_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                              placement=self.placement, group=self.group, backend=self.backend,
+                              tables=self.tables(), mode=self.mode, capacity=self.capacity,
+                              expert_capacity=self.expert_capacity, overflow=self.overflow, **experts_opts)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`placement.copy_table` on the parameters' device, built once."""
         dev = self.gate_up_proj.device
         if dev not in self._tables:
             self._tables[dev] = self.placement.copy_table(dev)
-        return ep_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                              placement=self.placement, group=self.group, backend=self.backend,
-                              tables=self._tables[dev], **experts_opts)
+        return self._tables[dev]
 
     def forward(self, x: torch.Tensor, **experts_opts) -> torch.Tensor:
         """x (..., H) -> (..., H), routed on this rank (collective: every rank calls it)."""
@@ -180,3 +247,78 @@ class ExpertParallelMoE(nn.Module):
         flat = x.reshape(-1, self.shape.hidden_size)
         weights, ids = self.route(flat)
         return self.experts(flat, weights, ids, **experts_opts).view(x.shape)
+
+    def forward_padded(self, x: torch.Tensor, num_valid_tokens: torch.Tensor,
+                       stats: dict | None = None, **experts_opts) -> torch.Tensor:
+        """Low-latency mode on a padded batch, the body `capture` records: x (T, H), of which rows
+        >= num_valid_tokens (int32 device scalar) are padding; the triton router gives them id -1,
+        so they are never sent. Returns (T, H); padding rows are 0. Collective."""
+        if self.mode != "low_latency":
+            raise ValueError("forward_padded and capture need mode='low_latency'")
+        weights, ids = route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
+                             backend="triton", num_valid_tokens=num_valid_tokens)
+        return ep_moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, placement=self.placement,
+                              group=self.group, backend=self.backend, ignore_invalid_ids=True,
+                              tables=self.tables(), mode="low_latency", capacity=self.capacity,
+                              expert_capacity=self.expert_capacity, overflow=self.overflow, stats=stats,
+                              **experts_opts)
+
+    def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedEP:
+        """Record the whole layer (router, dispatch, experts, combine) in CUDA graphs for any
+        T <= max_tokens (collective: every rank, with the same max_tokens and buckets)."""
+        return CapturedEP(self, max_tokens, buckets)
+
+
+class CapturedEP:
+    """Callable replaying a low-latency `ExpertParallelMoE` captured in CUDA graphs, one per token
+    bucket (powers of two up to max_tokens, and max_tokens, as `MoELayer.capture`).
+
+    Every rank must build it with the same buckets (the captures run the all-to-alls) and call it
+    once per step. The all-to-alls' sizes follow from the capacity, not from T, so ranks may serve
+    different T in a step, T = 0 included (the smallest bucket replays with no valid row).
+    The returned tensor is a view into a static buffer, overwritten by the next call: clone it to
+    keep it. `stats` is the last replay's counters (static device tensors, rewritten each replay).
+    """
+
+    def __init__(self, ep: ExpertParallelMoE, max_tokens: int, buckets: Sequence[int] | None = None):
+        p = ep.gate_up_proj
+        if not p.is_cuda:
+            raise ValueError("ExpertParallelMoE.capture needs the layer on a CUDA device")
+        if ep.mode != "low_latency" or ep.overflow != "drop":
+            raise ValueError("ExpertParallelMoE.capture needs mode='low_latency' and overflow='drop' "
+                             "(the normal mode and overflow='raise' sync the host)")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        self.ep, self.max_tokens = ep, max_tokens
+        self.buckets = sorted(set(buckets or default_buckets(max_tokens)))
+        if self.buckets[-1] != max_tokens or self.buckets[0] < 1:
+            raise ValueError(f"buckets must lie in [1, max_tokens] and include max_tokens, got {buckets}")
+        self.x = torch.zeros(max_tokens, ep.shape.hidden_size, dtype=p.dtype, device=p.device)
+        self.out = torch.zeros_like(self.x)
+        self.num_valid = torch.full((), max_tokens, dtype=torch.int32, device=p.device)
+        self.bucket_stats: dict[int, dict] = {}
+        self.stats: dict = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for b in reversed(self.buckets):   # the largest first: the others reuse its pool memory
+                self.graphs[b], _ = capture_graph(functools.partial(self._body, b), p.device, pool=pool)
+
+    def _body(self, bucket: int) -> None:
+        stats: dict = {}
+        self.out[:bucket].copy_(self.ep.forward_padded(self.x[:bucket], self.num_valid, stats=stats))
+        self.bucket_stats[bucket] = stats       # the capture's call is the last: its tensors replay
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H) with 0 <= T <= max_tokens -> (T, H) view of the static output (collective)."""
+        if x.dim() != 2 or x.shape[1] != self.ep.shape.hidden_size:
+            raise ValueError(f"x must have shape (T, H={self.ep.shape.hidden_size}), got {tuple(x.shape)}")
+        num_tokens = x.shape[0]
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens; this capture serves at most {self.max_tokens}")
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        self.x[:num_tokens].copy_(x)
+        self.num_valid.fill_(num_tokens)
+        self.graphs[bucket].replay()
+        self.stats = self.bucket_stats[bucket]
+        return self.out[:num_tokens]
