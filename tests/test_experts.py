@@ -195,6 +195,9 @@ def test_grouped_mm_alignment_error():
     with pytest.raises(ValueError, match="16 bytes"):
         moe_experts(torch.randn(3, 37), gate_up, down, torch.rand(3, 1),
                     torch.zeros(3, 1, dtype=torch.int32), backend="grouped_mm")
+    with pytest.raises(ValueError, match="16 bytes"):      # the custom op runs the same check
+        torch.ops.moekit.experts(torch.randn(3, 37), gate_up, down, torch.rand(3, 1),
+                                 torch.zeros(3, 1, dtype=torch.int32), "grouped_mm", None)
 
 
 def _good():

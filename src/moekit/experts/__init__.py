@@ -211,12 +211,15 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     read back (no host sync); K may exceed E."""
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
+    impl = get_backend(backend)
+    if impl.check_layout is not None:       # the same layout check as moe_experts, for direct calls
+        impl.check_layout(hidden_states, gate_up_proj, down_proj)
     x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
     cfg = _config_of(config)
     with torch.no_grad():   # the op's own autograd (below) records this call, not the backend
-        result = get_backend(backend).run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+        result = impl.run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                           ExpertsOptions(config=cfg), None)
     return result.contiguous()
 

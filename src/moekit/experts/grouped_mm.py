@@ -46,7 +46,7 @@ def experts_grouped_mm(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    check_grouped_mm_layout(hidden_states, gate_up_proj, down_proj)
+    # The layout was checked by the caller (the registry's `check_layout`, in moe_experts and the op).
     gate_up_proj, down_proj = _aligned_weight(gate_up_proj), _aligned_weight(down_proj)
     num_tokens, hidden = hidden_states.shape
     num_experts = gate_up_proj.shape[0]
