@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import moekit
 from helpers import rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit.bench import ep_bench
-from moekit.bench.ep_report import CSV_NAME, REPORT_NAME, STEP, read_csv
+from moekit.bench.ep_report import A2A_PEAK, CSV_NAME, PHASES, REPORT_NAME, STEP, STEPS, read_csv
 from moekit.bench.scenarios import expert_loads, make_scenario
 from moekit.bench.simulate import shard_experts, simulate_ep
 from moekit.parallel import (
@@ -262,7 +262,8 @@ def _run_bench(out_dir: Path) -> int:
     parser = argparse.ArgumentParser()
     ep_bench.add_arguments(parser)
     args = parser.parse_args(["--preset", "tiny", "--tokens", "16", "--scenarios", "balanced,collapse",
-                              "--spare-slots", "1", "--warmup", "1", "--iters", "3", "--out", str(out_dir)])
+                              "--spare-slots", "1", "--warmup", "1", "--iters", "3", "--out", str(out_dir),
+                              "--modes", "normal,low_latency", "--ll-tokens", "3", "--a2a-mib", "1"])
     return ep_bench.run(args)
 
 
@@ -492,22 +493,38 @@ def test_gloo_ep_bench(gloo_world):
         pytest.skip("the bench smoke run uses the world of 2")
     assert [results[r]["_bench_rc"] for r in range(world)] == [0, 0]
     rows = read_csv(out_dir / "bench" / CSV_NAME)
-    assert (out_dir / "bench" / REPORT_NAME).exists() and (out_dir / "bench" / "ep_tiny.png").exists()
-    # 2 scenarios x 2 placements x (2 ranks x 4 phases + the step)
-    assert len(rows) == 2 * 2 * (world * 4 + 1)
-    assert all(r.status == "ok" and r.n_rep == 3 and r.median_ms >= 0 for r in rows)
+    bench = out_dir / "bench"
+    assert all((bench / n).exists() for n in (REPORT_NAME, "ep_tiny.png", "ep_low_latency_tiny.png"))
+    report = (bench / REPORT_NAME).read_text()
+    assert all(part in report for part in ("## All-to-all peak", "## Low-latency mode", "| 3 | contiguous |"))
+    peak = [r for r in rows if r.scenario == A2A_PEAK]
+    # the peak: 2 ranks + the step; each sends half of 1 MiB (bf16, an even split) to the other rank
+    assert len(peak) == world + 1 and {r.bytes_sent for r in peak} == {2**20 // 2}
+    ep_phases = (*PHASES, *STEPS)
+    for mode, tokens in (("normal", 16), ("low_latency", 3)):
+        sel = [r for r in rows if r.ep_mode == mode and r.scenario != A2A_PEAK]
+        # 2 scenarios x 2 placements x (2 ranks x (4 phases + 6 steps) + the step); no CUDA graph on CPU
+        assert len(sel) == 2 * 2 * (world * len(ep_phases) + 1), mode
+        assert {r.tokens_per_rank for r in sel} == {tokens}
+        assert {r.capacity for r in sel} == ({None} if mode == "normal" else {3})
+        assert all(r.status == "ok" and r.n_rep == 3 and r.median_ms >= 0 for r in sel)
+        for (scenario, placement) in {(r.scenario, r.placement) for r in sel}:
+            group = [r for r in sel if r.scenario == scenario and r.placement == placement]
+            step = next(r for r in group if r.rank == STEP)
+            # step_i >= every rank's experts_i in every iteration, so the medians keep that order
+            assert all(step.median_ms >= r.median_ms for r in group if r.phase == "experts")
+            for k in range(world):
+                mine = {r.phase: r for r in group if r.rank == k}
+                # dispatch is the sum of its steps in every iteration: its median is at least theirs
+                assert mine["dispatch"].median_ms >= mine["rows"].median_ms
+            pairs = [next(r for r in group if r.rank == k and r.phase == "experts").pairs_recv
+                     for k in range(2)]
+            assert sum(pairs) == 2 * tokens * 2  # N * T * K: every pair runs exactly once
+            if (scenario, placement) == ("collapse", "contiguous"):
+                assert pairs[1] == 0 and step.rank_busiest_over_mean == 2.0
+            if (scenario, placement) == ("collapse", "replicated"):
+                assert step.replicas > 0 and step.rank_busiest_over_mean < 2.0
     assert {r.dist_backend for r in rows} == {"gloo"} and {r.world_size for r in rows} == {2}
-    for (scenario, placement) in {(r.scenario, r.placement) for r in rows}:
-        group = [r for r in rows if r.scenario == scenario and r.placement == placement]
-        step = next(r for r in group if r.rank == STEP)
-        # step_i >= every rank's experts_i in every iteration, so the medians keep that order
-        assert all(step.median_ms >= r.median_ms for r in group if r.phase == "experts")
-        pairs = [next(r for r in group if r.rank == k and r.phase == "experts").pairs_recv for k in range(2)]
-        assert sum(pairs) == 2 * 16 * 2  # N * T * K: every pair runs exactly once
-        if (scenario, placement) == ("collapse", "contiguous"):
-            assert pairs[1] == 0 and step.rank_busiest_over_mean == 2.0
-        if (scenario, placement) == ("collapse", "replicated"):
-            assert step.replicas > 0 and step.rank_busiest_over_mean < 2.0
 
 
 def test_ep_bench_simulated_and_redraw(tmp_path, capsys):

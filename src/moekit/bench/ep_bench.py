@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,7 +41,19 @@ from rich.console import Console
 from moekit.bench import args as arg_types
 from moekit.bench.args import RESULTS_ROOT
 from moekit.bench.correctness import Check, expected_output
-from moekit.bench.ep_report import PHASES, STEP, STUDY, EPRow
+from moekit.bench.ep_report import (
+    A2A_PEAK,
+    COMBINE_STEPS,
+    DISPATCH_STEPS,
+    GRAPH,
+    MODES,
+    PHASES,
+    SINGLE,
+    STEP,
+    STEPS,
+    STUDY,
+    EPRow,
+)
 from moekit.bench.results import Provenance
 from moekit.bench.runner import make_weights
 from moekit.bench.scenarios import SCENARIOS, busiest_over_mean, expert_loads, make_scenario
@@ -54,9 +68,16 @@ from moekit.bench.study import (
     with_threads,
 )
 from moekit.bench.timing import TimingStats, sync
-from moekit.experts import BACKENDS, resolve_backend
+from moekit.experts import BACKENDS, moe_experts, resolve_backend
+from moekit.graphs import NotCapturable, capture_graph
 from moekit.parallel import disable_nvls
 from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
+from moekit.parallel.low_latency import (
+    low_latency_combine,
+    low_latency_dispatch,
+    low_latency_experts,
+    low_latency_moe,
+)
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.shapes import MoEShape
 
@@ -64,6 +85,9 @@ PROG = "moekit ep-bench"
 GPU_TOKENS, CPU_TOKENS = 4096, 64
 GPU_WARMUP, CPU_WARMUP = 10, 3
 GPU_REP, CPU_REP = 50, 10
+LL_GPU_TOKENS, LL_CPU_TOKENS = (1, 4, 16, 64, 128), (1, 4)
+A2A_GPU_MIB, A2A_CPU_MIB = (16, 256), (1,)
+GRAPH_REPLAYS = 20  # a graph sample: this many back-to-back replays (decode runs layer after layer)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +108,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_timing(p, f"timed iterations (default: {CPU_REP} CPU, {GPU_REP} GPU)",
                          f"untimed iterations first (default: {CPU_WARMUP} CPU, {GPU_WARMUP} GPU)",
                          rep_aliases=("--iters",))
+    p.add_argument("--modes", type=arg_types.csv_list, default=None,
+                   help="EP modes, comma-separated: normal, low_latency (default: both on GPUs, normal on "
+                        "the CPU)")
+    p.add_argument("--ll-tokens", type=arg_types.int_list(1), default=None,
+                   help="low_latency: tokens per rank, each its own case with capacity = tokens (default: "
+                        f"{','.join(map(str, LL_GPU_TOKENS))} on GPUs, {','.join(map(str, LL_CPU_TOKENS))} "
+                        "on the CPU)")
+    p.add_argument("--a2a-mib", type=arg_types.int_list(1), default=None,
+                   help="all-to-all peak: MiB each rank sends in a plain equal-split all-to-all "
+                        f"(default: {','.join(map(str, A2A_GPU_MIB))} on GPUs, "
+                        f"{','.join(map(str, A2A_CPU_MIB))} on the CPU)")
     p.add_argument("--simulate", type=arg_types.int_range(1), default=None, metavar="N",
                    help="no process group: N virtual ranks in this process, on one device")
     arg_types.add_out(p, "ep-<UTC timestamp>", STUDY.result_names,
@@ -113,6 +148,9 @@ class Config:
     iters: int
     seed: int
     device: torch.device
+    modes: tuple[str, ...] = ("normal",)
+    ll_tokens: tuple[int, ...] = LL_CPU_TOKENS
+    a2a_mib: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,8 +179,14 @@ def _config(args: argparse.Namespace, device: torch.device, console: Console | N
     iters = arg_types.pick(args.rep, device, GPU_REP, CPU_REP)
     if warmup < 0 or iters < 1:
         raise ValueError("--warmup must be >= 0 and --rep >= 1")
+    modes = tuple(getattr(args, "modes", None) or (MODES if device.type == "cuda" else ("normal",)))
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
+    ll_tokens = tuple(arg_types.pick(getattr(args, "ll_tokens", None), device, LL_GPU_TOKENS, LL_CPU_TOKENS))
+    a2a_mib = tuple(arg_types.pick(getattr(args, "a2a_mib", None), device, A2A_GPU_MIB, A2A_CPU_MIB))
     return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
-                  iters, args.seed, device)
+                  iters, args.seed, device, modes, ll_tokens, a2a_mib)
 
 
 def _routing(cfg: Config, name: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +219,36 @@ def _base(prov: Provenance, cfg: Config, grp: Group, mode: str, scenario: str, e
             "placement": label, "replicas": placement.num_replicas}
 
 
-def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...]) -> list[EPRow]:
-    """EPRows from each rank's {"check", "samples" (iters x phases ms), "rows_sent", ...}."""
+class Clock:
+    """A `moekit.parallel.dispatch.Probe` that syncs the device and records each step's ms."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.ms = device, {}
+
+    def start(self) -> None:
+        sync(self.device)
+        self.ms, self.last = {}, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        self.ms[name], self.last = (now - self.last) * 1e3, now
+
+
+def timed_sample(clock: Clock, steps: tuple[str, ...]) -> list[float]:
+    """One iteration's columns: the PHASES (dispatch and combine = the sums of their steps), then
+    the steps (0 for a step the mode does not have)."""
+    ms = clock.ms
+    dispatch = sum(ms.get(k, 0.0) for k in DISPATCH_STEPS)
+    combine = sum(ms.get(k, 0.0) for k in COMBINE_STEPS)
+    return [dispatch, ms["experts"], ms["wait"], combine, *(ms.get(k, 0.0) for k in steps)]
+
+
+def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...],
+          step_phases: int | None = None) -> list[EPRow]:
+    """EPRows from each rank's {"check", "samples" (iters x phases ms), "rows_sent", ...}; the step
+    of an iteration is the slowest rank's sum of its first `step_phases` columns (default: all).
+    A rank's optional "bytes" {phase: bytes sent to other ranks} fills bytes_sent."""
     pairs = [p["pairs_recv"] for p in per_rank]
     mean = sum(pairs) / len(pairs)
     base = {**base, "rank_busiest_over_mean": max(pairs) / mean if mean else 1.0}
@@ -187,9 +259,10 @@ def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...]) -> list[EPR
     tol = min(c.tol for c in checks)
     nan = float("nan")
     untimed = {"median_ms": nan, "p20_ms": nan, "p80_ms": nan, "n_rep": 0}
+    k = len(phases) if step_phases is None else step_phases
 
     def stats(samples: list[float]) -> dict:
-        if failed:
+        if failed or not samples:
             return untimed
         st = TimingStats.from_samples(samples)
         return {"median_ms": st.median_ms, "p20_ms": st.p20_ms, "p80_ms": st.p80_ms, "n_rep": st.n}
@@ -201,55 +274,97 @@ def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...]) -> list[EPR
             rows.append(EPRow(**base, rank=rank, phase=phase, status=status, reason=reason,
                               max_err=p["check"].max_err, tol=p["check"].tol, **stats(col),
                               rows_sent=p["rows_sent"], rows_recv=p["rows_recv"],
-                              pairs_recv=p["pairs_recv"]))
+                              pairs_recv=p["pairs_recv"], bytes_sent=p.get("bytes", {}).get(phase)))
     iters = 0 if failed else len(per_rank[0]["samples"])
-    steps = [max(sum(p["samples"][i]) for p in per_rank) for i in range(iters)]
+    steps = [max(sum(p["samples"][i][:k]) for p in per_rank) for i in range(iters)]
     busiest = max(range(len(per_rank)), key=lambda r: pairs[r])
-    rows.append(EPRow(**base, rank=STEP, phase="step", status=status, reason=reason, max_err=max_err,
-                      tol=tol, **stats(steps), rows_sent=per_rank[busiest]["rows_sent"],
-                      rows_recv=per_rank[busiest]["rows_recv"], pairs_recv=pairs[busiest]))
+    step_row = partial(EPRow, **base, rank=STEP, status=status, reason=reason, max_err=max_err, tol=tol,
+                       rows_sent=per_rank[busiest]["rows_sent"], rows_recv=per_rank[busiest]["rows_recv"],
+                       pairs_recv=pairs[busiest])
+    rows.append(step_row(phase="step", **stats(steps)))
+    # Whole-call timings every rank took (CUDA graphs): the slowest rank's, per iteration.
+    for name in (GRAPH, SINGLE):
+        whole = [p.get(name, []) for p in per_rank]
+        if all(whole):
+            rows.append(step_row(phase=name, **stats([max(w[i] for w in whole)
+                                                      for i in range(len(whole[0]))])))
+        elif any(p.get(name + "_error") for p in per_rank):
+            reason_ = next(p[name + "_error"] for p in per_rank if p.get(name + "_error"))
+            rows.append(replace(step_row(phase=name, **untimed), status="failed", reason=reason_))
     return rows
+
+
+def _cross_bytes(counts: list[int], rank: int, row_bytes: int) -> int:
+    """Bytes of the rows in `counts` (per rank) that leave this rank."""
+    return (sum(counts) - counts[rank]) * row_bytes
 
 
 def _measure_rank(cfg: Config, grp: Group, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                   placement: Placement, full: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """This rank's check and timings for one scenario and placement (collective)."""
+    """This rank's check and timings for one scenario and placement (collective), normal mode."""
     gate_up, down = rank_weights(*full, placement, grp.rank)
     tables = placement.copy_table(cfg.device)
     with torch.inference_mode():
         tokens, handle = dispatch(x, w, ids, placement, tables=tables)
         out = combine(run_local_experts(tokens, gate_up, down, backend=cfg.backend), handle)
         check = expected_output(x, *full, w, ids).check(out)
+        row_bytes = x.shape[1] * x.element_size()
+        meta_bytes = 2 * ids.shape[1] * 4
         info = {"check": check, "rows_sent": sum(handle.send_counts),
-                "rows_recv": sum(tokens.recv_counts), "pairs_recv": int((tokens.topk_ids >= 0).sum())}
-        ok = torch.tensor([int(check.ok)], device=cfg.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                "rows_recv": sum(tokens.recv_counts), "pairs_recv": int((tokens.topk_ids >= 0).sum()),
+                "bytes": {"rows": _cross_bytes(handle.send_counts, grp.rank, row_bytes + meta_bytes),
+                          "back": _cross_bytes(handle.recv_counts, grp.rank, row_bytes)}}
         samples = []
-        if ok.item():
-            for i in range(cfg.warmup + cfg.iters):
-                dist.barrier()
-                sync(cfg.device)
-                t0 = time.perf_counter()
-                tokens, handle = dispatch(x, w, ids, placement, tables=tables)
-                sync(cfg.device)
-                t1 = time.perf_counter()
-                partial = run_local_experts(tokens, gate_up, down, backend=cfg.backend)
-                sync(cfg.device)
-                t2 = time.perf_counter()
-                dist.barrier()
-                sync(cfg.device)
-                t3 = time.perf_counter()
-                combine(partial, handle)
-                sync(cfg.device)
-                t4 = time.perf_counter()
-                if i >= cfg.warmup:
-                    samples.append([(b - a) * 1e3 for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))])
+        if _all_ok(check.ok, cfg.device):
+            samples = _time_steps(cfg, partial(dispatch, x, w, ids, placement, tables=tables),
+                                  partial(run_local_experts, gate_up_proj=gate_up, down_proj=down,
+                                          backend=cfg.backend), combine)
     return {**info, "samples": samples}
+
+
+def _time_steps(cfg: Config, send, compute, back) -> list[list[float]]:
+    """Per iteration (after cfg.warmup untimed): barrier, send(probe) -> (tokens, handle),
+    compute(tokens) -> partial, barrier, back(partial, handle, probe); each step synced and timed
+    (`timed_sample` columns). Collective."""
+    clock = Clock(cfg.device)
+    samples = []
+    for i in range(cfg.warmup + cfg.iters):
+        dist.barrier()
+        clock.start()
+        tokens, handle = send(probe=clock)
+        partial_ = compute(tokens)
+        clock("experts")
+        dist.barrier()
+        clock("wait")
+        back(partial_, handle, probe=clock)
+        if i >= cfg.warmup:
+            samples.append(timed_sample(clock, STEPS))
+    return samples
+
+
+def _all_ok(ok: bool, device: torch.device) -> bool:
+    """True on every rank when `ok` is true on every rank (collective)."""
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _distributed_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console) -> list[EPRow]:
     weights = make_weights(cfg.shape, cfg.dtype, cfg.device, cfg.seed)
     full = (weights.gate_up_proj, weights.down_proj)
+    rows: list[EPRow] = []
+    if cfg.a2a_mib:
+        rows += _a2a_peak_rows(cfg, grp, prov, console)
+    if "normal" in cfg.modes:
+        rows += _normal_rows(cfg, grp, prov, console, full)
+    if "low_latency" in cfg.modes:
+        for tokens in cfg.ll_tokens:
+            rows += _low_latency_rows(replace(cfg, tokens=tokens), grp, prov, console, full)
+    return rows
+
+
+def _normal_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console,
+                 full: tuple[torch.Tensor, torch.Tensor]) -> list[EPRow]:
     x = _tokens(cfg, grp.rank)
     mine = slice(grp.rank * cfg.tokens, (grp.rank + 1) * cfg.tokens)
     rows: list[EPRow] = []
@@ -262,11 +377,129 @@ def _distributed_rows(cfg: Config, grp: Group, prov: Provenance | None, console:
             dist.all_gather_object(gathered, mine_info)
             if grp.rank == 0:
                 base = _base(prov, cfg, grp, "distributed", name, skew, label, placement)
-                new = _rows(base, gathered, PHASES)
+                new = _rows(base, gathered, (*PHASES, *STEPS), len(PHASES))
                 rows += new
-                step = new[-1]
-                console.print(f"  {name:<14} {label:<10} step {step.median_ms:8.3f} ms  "
+                step = next(r for r in new if r.rank == STEP)
+                console.print(f"  normal {name:<14} {label:<10} step {step.median_ms:8.3f} ms  "
                               f"ranks busiest/mean {step.rank_busiest_over_mean:.2f}  {step.status}")
+    return rows
+
+
+def _time_replays(graph: torch.cuda.CUDAGraph, cfg: Config) -> list[float]:
+    """ms per replay: each sample GRAPH_REPLAYS back-to-back replays after a barrier (collective)."""
+    out = []
+    for i in range(cfg.warmup + cfg.iters):
+        dist.barrier()
+        sync(cfg.device)
+        t0 = time.perf_counter()
+        for _ in range(GRAPH_REPLAYS):
+            graph.replay()
+        sync(cfg.device)
+        if i >= cfg.warmup:
+            out.append((time.perf_counter() - t0) * 1e3 / GRAPH_REPLAYS)
+    return out
+
+
+def _graph_timings(cfg: Config, name: str, fn) -> dict:
+    """{name: samples} when every rank captured `fn` in a CUDA graph, else {name + "_error": why}
+    (collective: the ranks agree before any replay, so none waits in a collective alone)."""
+    if cfg.device.type != "cuda":
+        return {}
+    try:
+        graph, _ = capture_graph(fn, cfg.device)
+        error = ""
+    except NotCapturable as exc:
+        graph, error = None, str(exc).splitlines()[0][:200]
+    if not _all_ok(not error, cfg.device):
+        return {name + "_error": error or "another rank could not capture"}
+    return {name: _time_replays(graph, cfg)}
+
+
+def _low_latency_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console,
+                      full: tuple[torch.Tensor, torch.Tensor]) -> list[EPRow]:
+    """The low-latency mode at cfg.tokens per rank, capacity = cfg.tokens (nothing can overflow a
+    destination): eager with its steps timed, the whole call replayed from a CUDA graph, and the
+    same tokens through all experts on this rank's GPU alone (a graph too)."""
+    x = _tokens(cfg, grp.rank)
+    mine = slice(grp.rank * cfg.tokens, (grp.rank + 1) * cfg.tokens)
+    cap = cfg.tokens
+    rows: list[EPRow] = []
+    for name in cfg.scenarios:
+        w_all, ids_all = _routing(cfg, name, grp.world)
+        w, ids = w_all[mine], ids_all[mine]
+        skew = busiest_over_mean(expert_loads(ids_all, cfg.shape.num_experts).cpu())
+        for label, placement in _placements(cfg, ids_all, grp.world):
+            gate_up, down = rank_weights(*full, placement, grp.rank)
+            tables = placement.copy_table(cfg.device)
+            layer = partial(low_latency_moe, x, gate_up, down, w, ids, placement=placement, capacity=cap,
+                            tables=tables)
+            with torch.inference_mode():
+                stats: dict = {}
+                check = expected_output(x, *full, w, ids).check(layer(stats=stats))
+                counts = stats["recv_counts"].tolist()
+                dropped = int(stats["dropped"])
+                if dropped:  # capacity = tokens per rank: a destination's block cannot overflow
+                    check = replace(check, ok=False, reason=f"{dropped} pairs dropped")
+                row_bytes = x.shape[1] * x.element_size()
+                info = {"check": check, "rows_sent": grp.world * cap, "rows_recv": sum(counts),
+                        "pairs_recv": int(stats["expert_counts"].sum()),
+                        "bytes": {"rows": (grp.world - 1) * cap * (row_bytes + (2 * ids.shape[1] + 1) * 4),
+                                  "back": (grp.world - 1) * cap * row_bytes}}
+                samples = []
+                if _all_ok(check.ok, cfg.device):
+                    samples = _time_steps(cfg, partial(low_latency_dispatch, x, w, ids, placement, cap,
+                                                       tables=tables),
+                                          partial(low_latency_experts, gate_up_proj=gate_up, down_proj=down),
+                                          low_latency_combine)
+                    info.update(_graph_timings(cfg, GRAPH, layer))
+                    info.update(_graph_timings(cfg, SINGLE, partial(
+                        moe_experts, x, *full, w, ids, backend=cfg.backend)))
+            gathered: list[dict | None] = [None] * grp.world
+            dist.all_gather_object(gathered, {**info, "samples": samples})
+            if grp.rank == 0:
+                base = _base(prov, cfg, grp, "distributed", name, skew, label, placement)
+                new = [replace(r, ep_mode="low_latency", capacity=cap)
+                       for r in _rows(base, gathered, (*PHASES, *STEPS), len(PHASES))]
+                rows += new
+                us = {r.phase: r.median_ms * 1e3 for r in new if r.rank == STEP}
+                status = next(r for r in new if r.rank == STEP).status
+                console.print(f"  low_latency T={cfg.tokens:<4} {name:<14} {label:<10} eager "
+                              f"{us['step']:8.1f} us  graph {us.get(GRAPH, math.nan):8.1f} us"
+                              f"  one GPU {us.get(SINGLE, math.nan):8.1f} us  {status}")
+    return rows
+
+
+def _a2a_peak_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console) -> list[EPRow]:
+    """A plain all-to-all of equal splits, each size in cfg.a2a_mib (MiB sent per rank, to all ranks
+    with itself): the peak the dispatch and combine all-to-alls are compared with, in this run."""
+    rows = []
+    for mib in cfg.a2a_mib:
+        n = mib * 2**20 // (2 * grp.world) * grp.world  # bf16 elements, a multiple of the world
+        send = torch.ones(n, dtype=torch.bfloat16, device=cfg.device)
+        recv = torch.empty_like(send)
+        samples = []
+        for i in range(cfg.warmup + cfg.iters):
+            dist.barrier()
+            sync(cfg.device)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send)
+            sync(cfg.device)
+            if i >= cfg.warmup:
+                samples.append([(time.perf_counter() - t0) * 1e3])
+        crossing = n * 2 * (grp.world - 1) // grp.world
+        info = {"check": Check(True, 0.0, 0.0), "samples": samples, "rows_sent": 0, "rows_recv": 0,
+                "pairs_recv": 0, "bytes": {"a2a": crossing}}
+        gathered: list[dict | None] = [None] * grp.world
+        dist.all_gather_object(gathered, info)
+        if grp.rank == 0:
+            base = _base(prov, cfg, grp, "distributed", A2A_PEAK, 1.0, f"{mib} MiB",
+                         contiguous_placement(cfg.shape.num_experts, grp.world))
+            new = _rows(base, gathered, ("a2a",))
+            step = new[-1]
+            rows += [replace(r, bytes_sent=crossing) for r in new]
+            gbps = crossing / step.median_ms / 1e6 if step.median_ms > 0 else math.nan
+            console.print(f"  all-to-all {mib:>4} MiB per rank: {step.median_ms:8.3f} ms, "
+                          f"{gbps:7.1f} GB/s leaving each rank")
     return rows
 
 

@@ -24,7 +24,18 @@ from moekit.bench.study import FILES, Files, Study, is_noisy, timing_notes
 from moekit.bench.study import REPORT_NAME as REPORT_NAME
 
 PHASES = ("dispatch", "experts", "wait", "combine")
+# The steps inside dispatch and combine (`moekit.parallel.dispatch.Probe`): rows of their own, not
+# summed into the step (their phase's row holds their sum). The low-latency mode has no "counts".
+DISPATCH_STEPS = ("plan", "counts", "pack", "rows")
+COMBINE_STEPS = ("back", "reduce")
+STEPS = (*DISPATCH_STEPS, *COMBINE_STEPS)
+COMM_STEPS = ("rows", "back")  # the all-to-alls of token rows: bytes_sent says how much crossed
 STEP = -1  # the rank value of step rows
+# Rank -1 rows of the low-latency mode besides "step" (eager): the whole layer replayed from a CUDA
+# graph, and the same tokens through all experts on one GPU (also a graph), each the slowest rank's.
+GRAPH, SINGLE = "graph", "single"
+A2A_PEAK = "a2a-peak"  # the scenario of the all-to-all peak rows (phase "a2a", rank -1)
+MODES = ("normal", "low_latency")
 STATUSES = ("ok", "failed")
 
 
@@ -38,6 +49,9 @@ class EPRow(Provenance):
     or "replicated" (hot experts copied into spare slots). Loads: expert_busiest_over_mean of the
     scenario's pairs per expert; rank_busiest_over_mean of pairs per rank under the placement;
     rows_sent / rows_recv / pairs_recv of this rank (on step rows: the busiest rank's).
+    ep_mode "normal" (count exchange, exact sizes) or "low_latency" (fixed blocks of `capacity` rows,
+    no host sync); phases also the steps inside dispatch and combine (`STEPS`), and on rank -1 of
+    the low-latency mode `GRAPH` and `SINGLE`; scenario `A2A_PEAK` rows time a plain all-to-all.
     """
 
     mode: str
@@ -69,6 +83,9 @@ class EPRow(Provenance):
     rows_recv: int
     pairs_recv: int
     threads: int | None = None   # torch intra-op threads of a CPU run (each rank's)
+    ep_mode: str = "normal"      # "normal" or "low_latency" (older files: normal)
+    capacity: int | None = None  # low-latency rows per destination rank (C)
+    bytes_sent: int | None = None  # bytes this rank sent to other ranks in this phase (rows, back, a2a)
 
 
 def check_row(row: EPRow) -> str:
@@ -94,6 +111,14 @@ def _step(rows: Sequence[EPRow], placement: str, scenario: str) -> EPRow:
 def _phase(rows: Sequence[EPRow], placement: str, scenario: str, rank: int, phase: str) -> EPRow | None:
     return next((r for r in rows if r.placement == placement and r.scenario == scenario
                  and r.rank == rank and r.phase == phase), None)
+
+
+def _normal(rows: Sequence[EPRow]) -> list[EPRow]:
+    return [r for r in rows if r.ep_mode == "normal" and r.scenario != A2A_PEAK]
+
+
+def _low_latency(rows: Sequence[EPRow]) -> list[EPRow]:
+    return [r for r in rows if r.ep_mode == "low_latency"]
 
 
 def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
@@ -132,11 +157,157 @@ def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
     return f"ep_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
+def plot_low_latency(rows: Sequence[EPRow]) -> tuple[str, bytes]:
+    """Low-latency mode, balanced routing (else the first scenario), contiguous placement: the
+    graph-replayed step, the eager step and one GPU's time for the same tokens, against T per rank;
+    the target (2x one GPU) dashed."""
+    r0 = rows[0]
+    scenario = "balanced" if any(r.scenario == "balanced" for r in rows) else r0.scenario
+    placement = r0.placement
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
+    sel = sorted((r for r in rows if r.scenario == scenario and r.placement == placement and r.rank == STEP),
+                 key=lambda r: r.tokens_per_rank)
+    for phase, style, label in ((GRAPH, "o-", "EP step, CUDA graph"), ("step", "s:", "EP step, eager"),
+                                (SINGLE, "^-", "one GPU, all experts (graph)")):
+        pts = [(r.tokens_per_rank, r.median_ms * 1e3) for r in sel if r.phase == phase
+               and not math.isnan(r.median_ms)]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+            if phase == SINGLE:
+                ax.plot([t for t, _ in pts], [2 * v for _, v in pts], "k--", lw=0.8,
+                        label="target: 2x one GPU")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank (capacity = tokens)")
+    ax.set_ylabel("us per layer call (median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"low-latency EP, {r0.preset}, N={r0.world_size}, {scenario}, {placement}, {r0.dtype}, "
+                 f"{r0.device_name}", fontsize=8)
+    return f"ep_low_latency_{file_stem(r0.preset)}.png", png_bytes(fig)
+
+
 def _ms(v: float) -> str:
     return "–" if math.isnan(v) else f"{v:.3g}"
 
 
-def render(rows: Sequence[EPRow], plot_name: str | None = None) -> str:
+def _us(v: float) -> str:
+    return "–" if math.isnan(v) else f"{v * 1e3:.1f}"
+
+
+def _gbps(row: EPRow | None) -> str:
+    if row is None or not row.bytes_sent or math.isnan(row.median_ms) or row.median_ms <= 0:
+        return "–"
+    return f"{row.bytes_sent / row.median_ms / 1e6:.3g}"
+
+
+def _worst(rows: Sequence[EPRow], placement: str, scenario: str, phase: str) -> EPRow | None:
+    """The rank whose `phase` took longest (median), or None."""
+    found = [r for r in (_phase(rows, placement, scenario, k, phase) for k in range(rows[0].world_size))
+             if r is not None and not math.isnan(r.median_ms)]
+    return max(found, key=lambda r: r.median_ms) if found else None
+
+
+def _worst_ms(rows: Sequence[EPRow], placement: str, scenario: str, phase: str) -> float:
+    r = _worst(rows, placement, scenario, phase)
+    return math.nan if r is None else r.median_ms
+
+
+def _a2a_lines(rows: Sequence[EPRow]) -> list[str]:
+    peak = [r for r in rows if r.scenario == A2A_PEAK and r.rank == STEP and r.status == "ok"]
+    if not peak:
+        return []
+    lines = ["## All-to-all peak (this run)", "",
+             "A plain `all_to_all_single` of equal splits (bf16), slowest rank; GB/s = bytes leaving "
+             "each rank per second.", "", "| MiB per rank | ms | GB/s |", "|---:|---:|---:|"]
+    lines += [f"| {r.placement.removesuffix(' MiB')} | {_ms(r.median_ms)} | {_gbps(r)} |" for r in peak]
+    return [*lines, ""]
+
+
+def _normal_lines(rows: Sequence[EPRow]) -> list[str]:
+    n = rows[0].world_size
+    lines = [f"## Normal mode: {rows[0].tokens_per_rank} tokens per rank", "",
+             "Per iteration every rank starts together (barrier), then: dispatch (plan, the count "
+             "exchange with its host sync, pack, the row all-to-all), experts, wait (a barrier: idle until "
+             "the slowest rank's experts are done), combine (reverse all-to-all, the per-token sum). Each "
+             "step ends with a device sync (so the steps add a little). Step = the slowest rank's total, per "
+             "iteration; medians over iterations. Comm = the slowest rank's dispatch + combine as a share "
+             "of the step; step ÷ experts = the step over the slowest rank's experts phase (the same "
+             "per-rank expert work alone on its GPU). Timings of a placement that failed the correctness "
+             "check are withheld.", ""]
+    balanced = {p: _step(rows, p, "balanced").median_ms for p, s in _groups(rows) if s == "balanced"}
+    lines += ["| placement | scenario | experts busiest/mean | ranks busiest/mean | step ms | × balanced "
+              "| experts ms per rank | max dispatch ms | max combine ms | comm % of step | step ÷ experts "
+              "| status |",
+              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    steps_table = []
+    for placement, scenario in _groups(rows):
+        step = _step(rows, placement, scenario)
+        if step.status != "ok":
+            lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
+                         f"{step.rank_busiest_over_mean:.2f} | – | – | – | – | – | – | – | failed: "
+                         f"{step.reason} |")
+            continue
+        per_rank = [_phase(rows, placement, scenario, r, "experts") for r in range(n)]
+        experts = ", ".join(_ms(r.median_ms) if r else "–" for r in per_rank)
+        disp, comb = (_worst_ms(rows, placement, scenario, p) for p in ("dispatch", "combine"))
+        worst_experts = _worst_ms(rows, placement, scenario, "experts")
+        base = balanced.get(placement, math.nan)
+        ratio = "–" if math.isnan(base) or base <= 0 else f"{step.median_ms / base:.2f}"
+        comm = (disp + comb) / step.median_ms * 100 if step.median_ms > 0 else math.nan
+        over = step.median_ms / worst_experts if worst_experts > 0 else math.nan
+        noisy = " noisy" if is_noisy(step.p20_ms, step.p80_ms) else ""
+        lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
+                     f"{step.rank_busiest_over_mean:.2f} | {_ms(step.median_ms)} "
+                     f"({_ms(step.p20_ms)}–{_ms(step.p80_ms)}){noisy} | {ratio} | {experts} | "
+                     f"{_ms(disp)} | {_ms(comb)} | {_ms(comm)} | {_ms(over)} | ok |")
+        if _worst(rows, placement, scenario, "plan") is not None:
+            cells = [_ms(_worst_ms(rows, placement, scenario, k)) for k in STEPS]
+            rate = [_gbps(_worst(rows, placement, scenario, k)) for k in COMM_STEPS]
+            steps_table.append(f"| {placement} | {scenario} | {' | '.join(cells)} | {' | '.join(rate)} |")
+    if steps_table:
+        lines += ["", "Inside dispatch and combine: each step's slowest rank (ms), and the all-to-alls' "
+                  "rate (GB/s leaving that rank, to compare with the peak above).", "",
+                  f"| placement | scenario | {' | '.join(STEPS)} | rows GB/s | back GB/s |",
+                  "|---|---|" + "---:|" * (len(STEPS) + 2), *steps_table]
+    return [*lines, ""]
+
+
+def _low_latency_lines(rows: Sequence[EPRow]) -> list[str]:
+    lines = ["## Low-latency mode", "",
+             "Fixed blocks of C = tokens-per-rank rows to every rank (nothing can overflow), the experts "
+             "on the masked layout, no host sync. graph = the whole call (dispatch, experts, combine) "
+             "replayed from a CUDA graph, 20 replays back to back per sample; one GPU = the same tokens "
+             "through all experts on one GPU (`moe_experts`, a CUDA graph too); target: graph ≤ 2× one "
+             "GPU. Eager = the same call with each step synced and timed (steps: slowest rank). Times in "
+             "µs; the slowest rank's.", "",
+             "| T/rank | placement | scenario | graph µs | one GPU µs | graph ÷ one GPU | eager step µs "
+             "| dispatch | experts | wait | combine | rows GB/s | status |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for tokens in sorted({r.tokens_per_rank for r in rows}):
+        sub = [r for r in rows if r.tokens_per_rank == tokens]
+        for placement, scenario in _groups(sub):
+            at = {r.phase: r for r in sub if r.rank == STEP and r.placement == placement
+                  and r.scenario == scenario}
+            step = at["step"]
+            if step.status != "ok":
+                lines.append(f"| {tokens} | {placement} | {scenario} | – | – | – | – | – | – | – | – | – | "
+                             f"failed: {step.reason} |")
+                continue
+            graph, single = at.get(GRAPH), at.get(SINGLE)
+            g = graph.median_ms if graph is not None else math.nan
+            one = single.median_ms if single is not None else math.nan
+            ratio = g / one if one > 0 else math.nan
+            notes = "; ".join(f"{k}: {r.reason}" for k, r in at.items() if r.status != "ok")
+            phases = " | ".join(_us(_worst_ms(sub, placement, scenario, p)) for p in PHASES)
+            rate = _gbps(_worst(sub, placement, scenario, "rows"))
+            lines.append(f"| {tokens} | {placement} | {scenario} | {_us(g)} | {_us(one)} | {_ms(ratio)} | "
+                         f"{_us(step.median_ms)} | {phases} | {rate} | {notes or 'ok'} |")
+    return [*lines, ""]
+
+
+def render(rows: Sequence[EPRow], plot_names: Sequence[str] = ()) -> str:
     r0 = rows[0]
     n = r0.world_size
     lines = [
@@ -148,54 +319,32 @@ def render(rows: Sequence[EPRow], plot_name: str | None = None) -> str:
         f"moekit {r0.moekit_version}",
         f"- ceilings (rank 0's device): copy {r0.copy_gbps:.1f} GB/s, matmul {r0.matmul_tflops:.3g} TFLOP/s",
         f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; "
-        f"{r0.tokens_per_rank} tokens per rank; {r0.dtype}; experts backend {r0.backend}",
+        f"{r0.dtype}; experts backend {r0.backend}",
         *timing_notes(rows),
-        "",
-        "Per iteration every rank starts together (barrier), then: dispatch (count exchange, the host "
-        "sync, and the row all-to-all), experts, wait (a barrier: idle until the slowest rank's experts "
-        "are done), combine (reverse all-to-all and the per-token sum). Step = the slowest rank's total, "
-        "per iteration; medians over iterations. Timings of a placement that failed the correctness "
-        "check are withheld.",
         "",
     ]
     if r0.mode == "simulated":
         lines += ["Simulated: ranks ran one after the other on one device; no communication is timed "
                   "(dispatch = plan + pack, combine = the per-token sum, wait = none).", ""]
-    balanced = {p: _step(rows, p, "balanced").median_ms for p, s in _groups(rows) if s == "balanced"}
-    lines += ["| placement | scenario | experts busiest/mean | ranks busiest/mean | step ms | × balanced "
-              "| experts ms per rank | max dispatch ms | max combine ms | status |",
-              "|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
-    for placement, scenario in _groups(rows):
-        step = _step(rows, placement, scenario)
-        if step.status != "ok":
-            lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
-                         f"{step.rank_busiest_over_mean:.2f} | – | – | – | – | – | failed: {step.reason} |")
-            continue
-        per_rank = [_phase(rows, placement, scenario, r, "experts") for r in range(n)]
-        experts = ", ".join(_ms(r.median_ms) if r else "–" for r in per_rank)
-
-        def worst(phase: str, placement=placement, scenario=scenario) -> str:
-            vals = [r.median_ms for r in (_phase(rows, placement, scenario, k, phase) for k in range(n))
-                    if r is not None and not math.isnan(r.median_ms)]
-            return _ms(max(vals)) if vals else "–"
-
-        base = balanced.get(placement, math.nan)
-        ratio = "–" if math.isnan(base) or base <= 0 else f"{step.median_ms / base:.2f}"
-        noisy = " noisy" if is_noisy(step.p20_ms, step.p80_ms) else ""
-        lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
-                     f"{step.rank_busiest_over_mean:.2f} | {_ms(step.median_ms)} "
-                     f"({_ms(step.p20_ms)}–{_ms(step.p80_ms)}){noisy} | {ratio} | {experts} | "
-                     f"{worst('dispatch')} | {worst('combine')} | ok |")
-    if plot_name:
-        lines += ["", f"![per-rank phases]({plot_name})"]
+    lines += _a2a_lines(rows)
+    normal, low = _normal(rows), _low_latency(rows)
+    if normal:
+        lines += _normal_lines(normal)
+    if low:
+        lines += _low_latency_lines(low)
+    lines += [f"![{name.removesuffix('.png')}]({name})" for name in plot_names]
     return "\n".join(lines) + "\n"
 
 
 def output_files(rows: Sequence[EPRow], files: Files = FILES) -> dict[str, str | bytes]:
-    """The plot and the report of the latest run in `rows`, rendered in memory (the report last)."""
+    """The plots and the report of the latest run in `rows`, rendered in memory (the report last)."""
     rows = latest_run(rows)
-    name, png = plot(rows)
-    return {name: png, files.report: render(rows, name)}
+    out: dict[str, str | bytes] = {}
+    for sel, draw in ((_normal(rows), plot), (_low_latency(rows), plot_low_latency)):
+        if sel:
+            name, png = draw(sel)
+            out[name] = png
+    return {**out, files.report: render(rows, list(out))}
 
 
 STUDY = Study("ep-bench", EPRow, output_files, check=check_row, statuses=STATUSES,

@@ -28,6 +28,7 @@ Metadata (one rank):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,15 @@ import torch.distributed as dist
 from moekit._validation import FLOAT_DTYPES, ID_DTYPES, check_expert_ids_in_range, check_shape, check_tensor
 from moekit.experts import moe_experts
 from moekit.placement import Placement, assign
+
+Probe = Callable[[str], None]
+"""Called with a step's name as each step of a dispatch or combine is issued (`ep-bench` passes one
+that syncs the device and reads the clock, to time the steps; the layer passes none: no sync)."""
+
+
+def mark(probe: Probe | None, name: str) -> None:
+    if probe is not None:
+        probe(name)
 
 
 @dataclass(frozen=True)
@@ -190,7 +200,7 @@ def exchange_counts(send_counts: torch.Tensor,
 
 def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
              *, group: dist.ProcessGroup | None = None, ignore_invalid_ids: bool = False,
-             tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+             tables: tuple[torch.Tensor, torch.Tensor] | None = None, probe: Probe | None = None,
              ) -> tuple[DispatchedTokens, DispatchHandle]:
     """Send every token row to the ranks holding its experts (collective: every rank calls it).
 
@@ -202,6 +212,7 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         group: the process group (default: the world).
         ignore_invalid_ids: pairs with ids outside [0, E) are not sent (contribute 0).
         tables: `placement.copy_table(x.device)`, to reuse across calls.
+        probe: called after the steps "plan", "counts" (with the host sync), "pack" and "rows".
 
     Returns:
         (DispatchedTokens for this rank's experts, DispatchHandle for `combine`).
@@ -209,14 +220,18 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     rank, _ = check_group(x, placement, group)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
+    mark(probe, "plan")
     send_counts, recv_counts = exchange_counts(plan.send_counts, group)
+    mark(probe, "counts")
     send_x, send_meta, combine_index = pack(x, topk_weights, plan, sum(send_counts))
+    mark(probe, "pack")
     r = sum(recv_counts)
     recv_x = x.new_empty(r, x.shape[1])
     recv_meta = send_meta.new_empty(r, send_meta.shape[1])
     _all_to_all(recv_x, send_x, recv_counts, send_counts, group)
     _all_to_all(recv_meta, send_meta, recv_counts, send_counts, group)
     weights, ids = unpack_meta(recv_meta, topk_ids.shape[1])
+    mark(probe, "rows")
     return (DispatchedTokens(recv_x, weights, ids, recv_counts),
             DispatchHandle(send_counts, recv_counts, combine_index, x.dtype))
 
@@ -256,12 +271,13 @@ def reduce_partials(back: torch.Tensor, combine_index: torch.Tensor, dtype: torc
 
 
 def combine(partial: torch.Tensor, handle: DispatchHandle, *,
-            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+            group: dist.ProcessGroup | None = None, probe: Probe | None = None) -> torch.Tensor:
     """Return each received row's partial result to its source rank and sum per token (collective).
 
     Args:
         partial: (R, H) one row per received row, in the order `dispatch` delivered them.
         handle: from the matching `dispatch`.
+        probe: called after the steps "back" (the reverse all-to-all) and "reduce".
 
     Returns:
         (T, H) in the input's dtype: this rank's MoE output.
@@ -273,4 +289,7 @@ def combine(partial: torch.Tensor, handle: DispatchHandle, *,
     back = partial.new_empty(s + 1, partial.shape[1])
     back[s].zero_()
     _all_to_all(back[:s], partial, handle.send_counts, handle.recv_counts, group)
-    return reduce_partials(back, handle.combine_index, handle.dtype)
+    mark(probe, "back")
+    out = reduce_partials(back, handle.combine_index, handle.dtype)
+    mark(probe, "reduce")
+    return out

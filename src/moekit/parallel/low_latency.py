@@ -58,9 +58,11 @@ import torch.distributed as dist
 
 from moekit.masked import masked_layout, masked_moe
 from moekit.parallel.dispatch import (
+    Probe,
     RoutePlan,
     check_group,
     check_routing,
+    mark,
     plan_routes,
     reduce_partials,
     unpack_meta,
@@ -168,11 +170,12 @@ def low_latency_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                          placement: Placement, capacity: int, *, group: dist.ProcessGroup | None = None,
                          ignore_invalid_ids: bool = False,
                          tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         ) -> tuple[LowLatencyTokens, LowLatencyHandle]:
+                         probe: Probe | None = None) -> tuple[LowLatencyTokens, LowLatencyHandle]:
     """Send every token row to the ranks holding its experts in fixed blocks of `capacity` rows
     (collective: every rank calls it, with the same capacity; T may differ between ranks, and be 0).
 
-    Args and ids as `moekit.parallel.dispatch`; capacity: C, rows each rank sends each rank.
+    Args and ids as `moekit.parallel.dispatch`; capacity: C, rows each rank sends each rank;
+    probe: called after the steps "plan", "pack" and "rows" (never in a CUDA graph: it syncs).
 
     Returns:
         (LowLatencyTokens for this rank's experts, LowLatencyHandle for `low_latency_combine`).
@@ -181,12 +184,15 @@ def low_latency_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     check_capacity("capacity", capacity)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
+    mark(probe, "plan")
     send_x, send_meta, handle = pack_fixed(x, topk_weights, plan, capacity)
+    mark(probe, "pack")
     recv_x, recv_meta = torch.empty_like(send_x), torch.empty_like(send_meta)
     dist.all_to_all_single(recv_x, send_x, group=group)         # equal splits: no sizes to exchange
     dist.all_to_all_single(recv_meta, send_meta, group=group)
     top_k = topk_ids.shape[1]
     weights, ids = unpack_meta(recv_meta[:, : 2 * top_k], top_k)
+    mark(probe, "rows")
     return LowLatencyTokens(recv_x, weights, ids, recv_meta[:, 2 * top_k], capacity), handle
 
 
@@ -225,14 +231,18 @@ def low_latency_experts(tokens: LowLatencyTokens, gate_up_proj: torch.Tensor, do
 
 
 def low_latency_combine(partial: torch.Tensor, handle: LowLatencyHandle, *,
-                        group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                        group: dist.ProcessGroup | None = None, probe: Probe | None = None) -> torch.Tensor:
     """Return each received row's partial to its source rank (equal splits) and sum per token in
-    increasing rank order, fp32 (collective). partial: (N * C, H) -> (T, H) in the input's dtype."""
+    increasing rank order, fp32 (collective). partial: (N * C, H) -> (T, H) in the input's dtype.
+    probe: called after "back" (the all-to-all) and "reduce"."""
     rows = partial.shape[0]
     back = partial.new_empty(rows + 1, partial.shape[1])
     back[rows].zero_()
     dist.all_to_all_single(back[:rows], partial.contiguous(), group=group)
-    return reduce_partials(back, handle.combine_index, handle.dtype)
+    mark(probe, "back")
+    out = reduce_partials(back, handle.combine_index, handle.dtype)
+    mark(probe, "reduce")
+    return out
 
 
 def raise_on_overflow(dropped: torch.Tensor, group: dist.ProcessGroup | None) -> None:
