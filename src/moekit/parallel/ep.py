@@ -28,7 +28,7 @@ from torch.nn.utils import skip_init
 
 from moekit._validation import FLOAT_DTYPES, check_shape, check_tensor, needs_grad
 from moekit.graphs import capture_graph
-from moekit.layer import MoELayer, default_buckets
+from moekit.layer import MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
 from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights
@@ -265,17 +265,22 @@ class ExpertParallelMoE(nn.Module):
 
     def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedEP:
         """Record the whole layer (router, dispatch, experts, combine) in CUDA graphs for any
-        T <= max_tokens (collective: every rank, with the same max_tokens and buckets)."""
+        T <= max_tokens (collective: every rank, with the same max_tokens and buckets; see
+        `CapturedEP` for when more than the one default bucket is safe)."""
         return CapturedEP(self, max_tokens, buckets)
 
 
 class CapturedEP:
-    """Callable replaying a low-latency `ExpertParallelMoE` captured in CUDA graphs, one per token
-    bucket (powers of two up to max_tokens, and max_tokens, as `MoELayer.capture`).
+    """Callable replaying a low-latency `ExpertParallelMoE` captured in CUDA graphs.
 
     Every rank must build it with the same buckets (the captures run the all-to-alls) and call it
-    once per step. The all-to-alls' sizes follow from the capacity, not from T, so ranks may serve
-    different T in a step, T = 0 included (the smallest bucket replays with no valid row).
+    once per step. By default there is one bucket, max_tokens: the all-to-alls' sizes follow from
+    the capacity, not from T, so ranks may serve different T in a step, T = 0 included, and they
+    all replay the same graph. With several buckets (e.g. `default_buckets(max_tokens)`, which
+    saves the router and packing work of the unused rows) each call replays the smallest bucket
+    that holds its T, and then every rank must serve the same bucket in a step: graphs replayed on
+    different ranks must hold the same NCCL operations in the same order, or the ranks wait on
+    each other forever (a hang, not an error: NCCL's watchdog does not see replayed collectives).
     The returned tensor is a view into a static buffer, overwritten by the next call: clone it to
     keep it. `stats` is the last replay's counters (static device tensors, rewritten each replay).
     """
@@ -290,7 +295,7 @@ class CapturedEP:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         self.ep, self.max_tokens = ep, max_tokens
-        self.buckets = sorted(set(buckets or default_buckets(max_tokens)))
+        self.buckets = sorted(set(buckets or (max_tokens,)))
         if self.buckets[-1] != max_tokens or self.buckets[0] < 1:
             raise ValueError(f"buckets must lie in [1, max_tokens] and include max_tokens, got {buckets}")
         self.x = torch.zeros(max_tokens, ep.shape.hidden_size, dtype=p.dtype, device=p.device)
