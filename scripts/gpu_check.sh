@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|imbalance|ablate|transformers]...
+# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|transformers|finetune]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -44,12 +44,16 @@ for step in $steps; do
         bench)   timeout ${BENCH_TIMEOUT:-450} python3 -m moekit bench --peers ${BENCH_ARGS:-} \
                      --tokens 1,4,16,64,256,1024,2048,4096,8192,16384 --out "$OUT/bench" 2>&1 \
                      | tee "$OUT/bench.log" | tail -60 ;;
+        backward) timeout ${BACKWARD_TIMEOUT:-300} python3 -m moekit bench --backward ${BACKWARD_ARGS:-} --out "$OUT/backward" 2>&1 \
+                     | tee "$OUT/backward.log" | tail -40 ;;
         imbalance) timeout ${IMBALANCE_TIMEOUT:-300} python3 -m moekit imbalance ${IMBALANCE_ARGS:-} --out "$OUT/imbalance" 2>&1 \
                      | tee "$OUT/imbalance.log" | tail -40 ;;
         ablate)  timeout ${ABLATE_TIMEOUT:-570} python3 -m moekit ablate ${ABLATE_ARGS:-} --out "$OUT/ablate" 2>&1 \
                      | tee "$OUT/ablate.log" | tail -40 ;;
         transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 scripts/gpu_transformers.py "$OUT/transformers" ${TRANSFORMERS_ARGS:-} \
                      2>&1 | tee "$OUT/transformers.log" | tail -40 ;;
+        finetune) timeout ${FINETUNE_TIMEOUT:-300} python3 examples/qwen3_moe_finetune.py --device cuda --dtype bfloat16 \
+                     --steps ${FINETUNE_STEPS:-20} ${FINETUNE_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tail -30 ;;
     esac
 done
 (cd "$OUT" && tar czf ../bundle.tgz . && find . -mindepth 1 -delete && mv ../bundle.tgz .)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekit.bench.ceilings import Ceilings, measure_ceilings
-from moekit.bench.roofline import bound_of, crossover_tokens, floor_ms, traffic
+from moekit.bench.roofline import bound_of, crossover_tokens, floor_ms, traffic, training_traffic
 from moekit.shapes import PRESETS
 
 QWEN3 = PRESETS["qwen3-30b-a3b"]
@@ -34,6 +34,21 @@ def test_qwen3_one_token_reads_eight_experts():
     expected = 75_505_728 / 248.7e9 * 1e3
     assert floor_ms(QWEN3, 1, ids, torch.bfloat16, ARTICLE) == pytest.approx(expected, rel=1e-12)
     assert floor_ms(QWEN3, 1, ids, torch.bfloat16, ARTICLE) == pytest.approx(0.30360, abs=1e-5)
+    assert bound_of(t, ARTICLE) == "memory"
+
+
+def test_qwen3_one_token_forward_and_backward():
+    """--backward's floor: 3x the FLOPs; the 8 experts hit read twice, the weight gradients of all 128
+    written once in bf16; x, out, grad_out, x again and dx; routing read twice, its gradient once."""
+    ids = torch.tensor([[0, 5, 17, 33, 64, 90, 101, 127]], dtype=torch.int32)
+    t = training_traffic(QWEN3, 1, ids, torch.bfloat16)
+    assert t.flops == 3 * 75_497_472
+    assert t.weight_bytes == 2 * 8 * EXPERT_BYTES_BF16
+    assert t.grad_bytes == 128 * EXPERT_BYTES_BF16
+    assert t.io_bytes == 5 * 2048 * 2
+    assert t.routing_bytes == 2 * 8 * (4 + 4) + 8 * 4
+    assert t.bytes == (16 + 128) * EXPERT_BYTES_BF16 + 5 * 2048 * 2 + 160
+    assert traffic(QWEN3, 1, ids, torch.bfloat16).grad_bytes == 0      # a forward writes no gradient
     assert bound_of(t, ARTICLE) == "memory"
 
 

@@ -19,6 +19,7 @@ Measuring
 
 The studies (the subcommand, then its rows and report step)
     cli.py, sweep.py    `moekit bench`          report.py, plots.py   ResultRow's report and plots
+    backward.py         `moekit bench --backward`: one forward + backward per call, its gate and memory
     imbalance.py        `moekit imbalance`      imbalance_report.py   ImbalanceRow, report, plots
     ep_bench.py         `moekit ep-bench`       ep_report.py          EPRow, report, plot
     tune.py             `moekit tune`           tune_report.py        TuneRow, report, plot

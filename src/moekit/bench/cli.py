@@ -4,6 +4,10 @@ With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with
 GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
 runs end to end in well under two minutes. --shape and --config measure any other layer.
 
+--backward times one forward + backward per call instead (`moekit.bench.backward`), eager, for each
+backend the registry says has a backward on the device: the rows' direction is "fwd+bwd", their
+floor that of `roofline.training_traffic`, and on CUDA they carry the call's peak memory.
+
 Every argument is checked while parsing and the output folder before anything is measured; a folder
 that already holds results is refused unless --overwrite is given. All outputs are rendered in
 memory and then written, each file atomically. Exit status: 0 when at least one case was timed,
@@ -15,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -39,13 +43,16 @@ from moekit.bench.study import (
     with_threads,
 )
 from moekit.bench.sweep import Plan, run_sweep
-from moekit.experts import BACKENDS
+from moekit.experts import BACKENDS, has_backward
 
 PROG = "moekit bench"
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192)
 CPU_TOKENS = (1, 4, 16, 64)
 QUICK_GPU_TOKENS = (1, 16, 256, 4096)
 QUICK_CPU_TOKENS = (1, 4, 16)
+BACKWARD_GPU_TOKENS = (1024, 4096, 16384)   # training batches
+BACKWARD_CPU_TOKENS = (1, 4, 16)            # an interpreted triton step takes about 0.5 s
+QUICK_BACKWARD_GPU_TOKENS = (1024, 4096)
 QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
@@ -59,9 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
     default = arg_types.default_backends()
-    arg_types.add_backends(p, lambda: [*BACKENDS, *peers.PEERS], list(default),
-                           f"experts backends, comma-separated (default: {','.join(default)}); "
-                           f"Transformers peers {','.join(peers.PEERS)} may be named too")
+    arg_types.add_backends(p, lambda: [*BACKENDS, *peers.PEERS], None,
+                           f"experts backends, comma-separated (default: {','.join(default)}; with "
+                           "--backward, those of them with a backward on the device); Transformers peers "
+                           f"{','.join(peers.PEERS)} may be named too (not with --backward)")
     arg_types.add_dtype(p)
     arg_types.add_graph(p, "also time each backend captured in a CUDA graph (default: on with CUDA)")
     arg_types.add_out(p, "<UTC timestamp>", RESULT_NAMES)
@@ -74,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_device(p)
     arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and router")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward + backward of the expert path (eager; gradients of x, both weights "
+                        "and the routing weights, checked first) for each backend with a backward on the "
+                        f"device; default tokens {','.join(map(str, BACKWARD_GPU_TOKENS))} on a GPU, "
+                        f"{','.join(map(str, BACKWARD_CPU_TOKENS))} on the CPU")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
@@ -84,11 +97,22 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
         why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
         console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
                       "CPU ceilings).[/yellow]", soft_wrap=True)
-    backends = list(dict.fromkeys(args.backends))
+    if args.backends is not None:
+        backends = list(dict.fromkeys(args.backends))
+    elif args.backward:
+        backends = [b for b in arg_types.default_backends() if has_backward(b, device)]
+    else:
+        backends = list(arg_types.default_backends())
     for b in backends:
         if b not in BACKENDS and not peers.is_peer(b):
             raise ValueError(f"--backends: unknown backend {b!r}; expected from {BACKENDS + peers.PEERS}")
     with_peers = args.peers or any(peers.is_peer(b) for b in backends)
+    if args.backward:
+        if with_peers:
+            raise ValueError("--backward: Transformers' experts (--peers, or a peer in --backends) are timed "
+                             "forward only; drop them")
+        if args.graph:
+            raise ValueError("--graph: --backward times eager calls only; drop --graph")
     if with_peers:
         if peers.transformers_version() is None:
             console.print("[yellow]--peers: transformers is not installed; skipping its experts "
@@ -97,13 +121,22 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
             with_peers = False
         elif args.peers:
             backends += [p for p in peers.PEERS if p not in backends]
-    tokens = args.tokens or list((QUICK_GPU_TOKENS if on_gpu else QUICK_CPU_TOKENS) if args.quick
-                                 else (GPU_TOKENS if on_gpu else CPU_TOKENS))
+    tokens = args.tokens or list(_default_tokens(on_gpu, args.quick, args.backward))
     dtype = arg_types.resolve_dtype(args.dtype, device)
-    graph = arg_types.pick(args.graph, device, True, False)
+    graph = arg_types.pick(args.graph, device, not args.backward, False)
     modes = ("eager", "graph") if graph else ("eager",)
-    plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed)
+    plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed,
+                direction="fwd+bwd" if args.backward else "fwd")
     return plan, with_peers
+
+
+def _default_tokens(on_gpu: bool, quick: bool, backward: bool) -> tuple[int, ...]:
+    if backward:
+        gpu, cpu = (QUICK_BACKWARD_GPU_TOKENS, QUICK_CPU_TOKENS) if quick else (BACKWARD_GPU_TOKENS,
+                                                                                BACKWARD_CPU_TOKENS)
+    else:
+        gpu, cpu = (QUICK_GPU_TOKENS, QUICK_CPU_TOKENS) if quick else (GPU_TOKENS, CPU_TOKENS)
+    return gpu if on_gpu else cpu
 
 
 def _options(args: argparse.Namespace, device: torch.device) -> Options:
@@ -112,19 +145,19 @@ def _options(args: argparse.Namespace, device: torch.device) -> Options:
                    rep=args.rep if args.rep is not None else base.rep)
 
 
-def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
-    """Backends down, token counts across (short numeric columns fit a narrow terminal)."""
-    rs = [r for r in rows if r.preset == preset]
-    tokens = sorted({r.tokens for r in rs})
-    table = Table(title=f"{preset}: median ms per call / % of floor / p20–p80 ms; crossover ≈ "
-                        f"{crossover_of(rs[0]):,.0f} tokens")
+def _summary_table(rows: Sequence[ResultRow], title: str,
+                   extra: Callable[[ResultRow], str] | None = None) -> Table:
+    """Backends down, token counts across (short numeric columns fit a narrow terminal); `extra(row)`
+    adds a line under a timed cell."""
+    tokens = sorted({r.tokens for r in rows})
+    table = Table(title=title)
     table.add_column("backend (mode)")
     for t in tokens:
         table.add_column(f"T={t}", justify="right")
-    floor = {r.tokens: r.floor_ms for r in rs}
+    floor = {r.tokens: r.floor_ms for r in rows}
     table.add_row("floor", *[f"{floor[t]:.3g}" for t in tokens], end_section=True)
-    by_key = {(r.tokens, r.backend, r.mode): r for r in rs}
-    for b, m in dict.fromkeys((r.backend, r.mode) for r in rs):
+    by_key = {(r.tokens, r.backend, r.mode): r for r in rows}
+    for b, m in dict.fromkeys((r.backend, r.mode) for r in rows):
         cells = []
         for t in tokens:
             r = by_key.get((t, b, m))
@@ -132,13 +165,24 @@ def _summary_table(rows: Sequence[ResultRow], preset: str) -> Table:
                 cells.append("")
             elif r.status == "ok":
                 noisy = " [yellow]noisy[/yellow]" if is_noisy(r.p20_ms, r.p80_ms) else ""
+                more = extra(r) if extra else ""
                 cells.append(f"{r.median_ms:.3g}\n{fmt_pct(r.pct_floor)}\n[dim]{r.p20_ms:.3g}–{r.p80_ms:.3g}[/dim]"
-                             + noisy)
+                             + noisy + (f"\n{more}" if more else ""))
             else:
                 style = "red" if r.status in ("failed", "error") else "dim"
                 cells.append(f"[{style}]{r.status.replace('_', ' ')}[/{style}]")
         table.add_row(f"{b} ({m})", *cells)
     return table
+
+
+def _summary(rows: Sequence[ResultRow], preset: str, direction: str) -> Table:
+    rs = [r for r in rows if r.preset == preset]
+    if direction == "fwd":
+        return _summary_table(rs, f"{preset}: median ms per call / % of floor / p20–p80 ms; crossover ≈ "
+                                  f"{crossover_of(rs[0]):,.0f} tokens")
+    return _summary_table(rs, f"{preset}, forward + backward: median ms per call / % of floor / p20–p80 ms"
+                              " / peak MiB (CUDA)",
+                          lambda r: "" if math.isnan(r.peak_mib) else f"{r.peak_mib:,.0f} MiB")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
     for preset in plan.presets:
-        console.print(_summary_table(rows, preset))
+        console.print(_summary(rows, preset, plan.direction))
     console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))
     console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 3} plots and "
                   f"{written[-1].name} in {out_dir}")

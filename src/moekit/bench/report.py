@@ -1,5 +1,7 @@
 """`moekit bench`'s report step: report.md (provenance, the crossover, pivot tables) and the plots,
-from rows alone.
+from rows alone. Forward + backward rows (`moekit bench --backward`, direction "fwd+bwd") get their
+own table per layer: time, % of floor, peak memory and the speed-up over grouped_mm; the plots
+draw the forward rows.
 
 `moekit bench` writes it after a sweep; `moekit report DIR` rebuilds it (and the plots) from the
 CSV, so a recorded run can be re-rendered without the device it was measured on. `STUDY` ties the
@@ -22,6 +24,7 @@ from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_
 from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
+BACKWARD_BASELINE = "grouped_mm"   # the fwd+bwd table's speed-ups are over this backend
 
 
 def shape_of(r: ResultRow) -> MoEShape:
@@ -125,9 +128,59 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     return out
 
 
+def _backward_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
+    """The fwd+bwd rows of one layer: one line per backend and T."""
+    rs = [r for r in rows if r.preset == preset]
+    base = {r.tokens: r for r in rs if r.backend == BACKWARD_BASELINE and r.status == "ok"}
+    vs = f"speed-up over {BACKWARD_BASELINE}"
+    out = [f"## {shape_label(rs[0])}: forward + backward", "",
+           "One call = `moe_experts(...)` then `.backward(grad_out)`, eager; the gradients of x, "
+           "gate_up_proj, down_proj and topk_weights were each checked against the fp32 reference first. "
+           + (f"{vs.capitalize()} = its time / this time, at the same T." if base else
+              f"No {vs}: {BACKWARD_BASELINE} was not timed forward + backward here."), "",
+           "| backend | T | median ms | p20–p80 ms | floor ms | % of floor | peak MiB |"
+           + (f" {vs} |" if base else ""),
+           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if base else "")]
+    backends = list(dict.fromkeys(r.backend for r in rs))
+    for r in sorted(rs, key=lambda r: (backends.index(r.backend), r.tokens)):
+        if r.status == "ok":
+            cells = [fmt_number(r.median_ms), spread(r.p20_ms, r.p80_ms), fmt_number(r.floor_ms),
+                     fmt_pct(r.pct_floor), fmt_number(r.peak_mib)]
+        else:
+            cells = [r.status.replace("_", " "), "", fmt_number(r.floor_ms), "", ""]
+        if base:
+            b = base.get(r.tokens)
+            ok = r.status == "ok" and b is not None and b is not r
+            cells.append(f"{b.median_ms / r.median_ms:.2f}×" if ok else "–")
+        out.append(f"| {r.backend} | {r.tokens} | " + " | ".join(cells) + " |")
+    untimed = [r for r in rs if r.status != "ok"]
+    if untimed:
+        out += ["", "### Not timed (forward + backward)", ""]
+        out += [f"- T={r.tokens} {r.backend}: **{r.status.replace('_', ' ')}**: {r.reason}" for r in untimed]
+    return [*out, ""]
+
+
+def _floor_notes(rows: Sequence[ResultRow]) -> list[str]:
+    """What the floor counts, for each direction present."""
+    lines = []
+    if any(r.direction == "fwd" for r in rows):
+        lines.append("- floor = max(bytes / copy bandwidth, FLOPs / matmul rate); bytes = weights of every "
+                     "expert hit + input + output + routing. % of floor = floor / time (100% = at the roof).")
+    if any(r.direction == "fwd+bwd" for r in rows):
+        lines.append("- forward + backward floor: FLOPs = 3 × the forward's; bytes = weights of every expert "
+                     "hit read twice (forward, backward) + weight gradients of all E experts written once "
+                     "in the dtype (dense, 0 for experts not hit) + x, out, grad_out, x again and dx + "
+                     "routing read twice and its gradient (fp32); intermediates not counted. Peak MiB = "
+                     "device memory one call took above what was held before (CUDA only; – on the CPU, "
+                     "not measured).")
+    return lines
+
+
 def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
     """The report's Markdown text."""
     r0 = rows[0]
+    fwd = [r for r in rows if r.direction == "fwd"]
+    train = [r for r in rows if r.direction == "fwd+bwd"]
     runs = sorted({r.run_id for r in rows})
     ridge = Ceilings(r0.copy_gbps, r0.matmul_tflops).ridge_flops_per_byte
     versions = f"torch {r0.torch_version}, triton {r0.triton_version}"
@@ -140,8 +193,7 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         f"- device: {r0.device_name}, {r0.device_type}; {versions}; python {r0.python_version}",
         f"- dtype {r0.dtype}; ceilings measured on this device: copy **{r0.copy_gbps:,.1f} GB/s**, "
         f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)",
-        "- floor = max(bytes / copy bandwidth, FLOPs / matmul rate); bytes = weights of every expert "
-        "hit + input + output + routing. % of floor = floor / time (100% = at the roof).",
+        *_floor_notes(rows),
         "- every backend was checked against the fp32 reference before timing; one that failed is "
         "listed under *Not timed*, never timed.",
         *timing_notes(rows),
@@ -151,17 +203,21 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         lines += ["> CPU run: Triton runs through its interpreter and the ceilings are the CPU's, so this "
                   "shows the flow, not GPU performance. Launch counts are aten compute ops plus Triton "
                   "launches.", ""]
-    for preset in plots.presets_of(rows):
-        lines += _preset_section(rows, preset)
+    for preset in plots.presets_of(fwd):
+        lines += _preset_section(fwd, preset)
+    for preset in plots.presets_of(train):
+        lines += _backward_section(train, preset)
+    plotted = " and the plots" if fwd else ""
     lines += [f"Data: `{files.csv}` (one row per measurement, long format) and `{JSON_NAME}`. "
-              f"Rebuild this report and the plots with `moekit report <this folder>`.", ""]
+              f"Rebuild this report{plotted} with `moekit report <this folder>`.", ""]
     return "\n".join(lines)
 
 
 def report_files(rows: Sequence[ResultRow], files: Files = FILES) -> dict[str, str | bytes]:
-    """The plots and report.md, rendered in memory: file name -> contents (report.md last)."""
+    """The plots (of the forward rows) and report.md, rendered in memory: file name -> contents
+    (report.md last)."""
     text = render(rows, files)
-    return {**plots.render_all(rows), files.report: text}
+    return {**plots.render_all([r for r in rows if r.direction == "fwd"]), files.report: text}
 
 
 STUDY = Study("bench", ResultRow, report_files, check=check_result_row)

@@ -31,6 +31,7 @@ import torch
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "error", "skipped", "not_capturable")
+DIRECTIONS = ("fwd", "fwd+bwd")   # a `moekit bench` row's pass: the forward, or forward + backward
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,14 @@ class LayerRow(Provenance):
 class ResultRow(LayerRow):
     """One measurement: its run's `Provenance` and layer columns, then the case and its statistics.
     Times in ms, bytes in bytes, rates in GB/s and TFLOP/s; NaN / None when the case was not timed
-    (status other than "ok") or the quantity does not exist (busy time on the CPU)."""
+    (status other than "ok") or the quantity does not exist (busy time on the CPU).
+
+    The trailing columns carry defaults, so CSVs written before them still read: `threads`;
+    `direction`, "fwd" (the forward) or "fwd+bwd" (`moekit bench --backward`: one forward + backward,
+    its bytes, FLOPs and floor those of `roofline.training_traffic`, max_err and tol those of the
+    gradient closest to its budget); `peak_mib`, device memory one call took above what was held
+    before (fwd+bwd rows on CUDA; NaN where not measured, e.g. on the CPU).
+    """
 
     backend: str
     mode: str
@@ -95,6 +103,8 @@ class ResultRow(LayerRow):
     experts_hit_mean: float
     experts_expected: float
     threads: int | None = None   # torch intra-op threads of a CPU run (empty on a GPU, or before --threads)
+    direction: str = "fwd"
+    peak_mib: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -347,7 +357,9 @@ def check_result_row(row: ResultRow) -> str:
     problem = check_provenance(row) or check_shape_columns(row)
     if problem:
         return problem
-    problem = positive_problem(row, "floor_ms", "experts_expected", empty_ok=True)
+    if row.direction not in DIRECTIONS:
+        return f"column 'direction' must be one of {DIRECTIONS}, got {row.direction!r}"
+    problem = positive_problem(row, "floor_ms", "experts_expected", "peak_mib", empty_ok=True)
     if not problem and row.status == "ok":
         problem = positive_problem(row, "median_ms", "p20_ms", "p80_ms")
     if not problem and row.n_rep is not None and row.n_rep < 1:

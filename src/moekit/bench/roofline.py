@@ -8,6 +8,20 @@ Small batches are bound by the weights they read (each distinct expert once); on
 hit, bytes stop growing while FLOPs keep growing with T, and the layer turns compute-bound near
 T* = ridge * E / K * (itemsize / 2) tokens (ridge = matmul rate / bandwidth in FLOPs per byte;
 the itemsize factor is 1 for bf16/fp16, where each weight is 2 bytes and gives 2 FLOPs per token).
+
+Forward + backward (`moekit bench --backward`, `training_traffic`): the backward's two GEMMs per
+forward GEMM (activation and weight gradients) make the FLOPs 3x the forward's. The least it must move:
+
+    weights      every distinct expert hit, read twice: once by the forward, once by the backward
+                 (gate_up for dx, down for the SwiGLU gradient)
+    weight grads d gate_up_proj and d down_proj written once, in the weights' dtype (what every
+                 backend returns), for all E experts: autograd's gradients are dense, zero for an
+                 expert no token chose
+    activations  forward: x read, out written; backward: grad_out and x read, dx written (5 T H)
+    routing      ids and weights read by each pass, d topk_weights written (fp32)
+
+Intermediates (the gate/up pre-activations, h, their gradients) are not counted: a fused
+implementation could keep them on chip, so the floor stays a floor.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ class Traffic:
         io_bytes: input and output rows, 2 * T * H * itemsize.
         routing_bytes: topk_ids and topk_weights, T * K * (id itemsize + weight itemsize).
         flops: GEMM FLOPs of the valid pairs (SwiGLU and the weighted sum are negligible).
+        grad_bytes: weight gradients written (0 for a forward; see the module doc).
     """
 
     experts_hit: int
@@ -39,10 +54,11 @@ class Traffic:
     io_bytes: int
     routing_bytes: int
     flops: int
+    grad_bytes: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.weight_bytes + self.io_bytes + self.routing_bytes
+        return self.weight_bytes + self.io_bytes + self.routing_bytes + self.grad_bytes
 
     @property
     def intensity(self) -> float:
@@ -71,6 +87,21 @@ def traffic(
         io_bytes=2 * tokens * shape.hidden_size * item,
         routing_bytes=topk_ids.numel() * (topk_ids.element_size() + weights_itemsize),
         flops=int(valid.numel()) * 2 * shape.params_per_expert,
+    )
+
+
+def training_traffic(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype: torch.dtype, *,
+                     weights_itemsize: int = ROUTING_WEIGHT_ITEMSIZE) -> Traffic:
+    """Bytes and FLOPs of one forward + backward with this routing (module doc); weight gradients in
+    `dtype`, routing-weight gradients in the weights' itemsize."""
+    fwd = traffic(shape, tokens, topk_ids, dtype, weights_itemsize=weights_itemsize)
+    return Traffic(
+        experts_hit=fwd.experts_hit,
+        weight_bytes=2 * fwd.weight_bytes,
+        io_bytes=fwd.io_bytes + 3 * tokens * shape.hidden_size * dtype.itemsize,
+        routing_bytes=2 * fwd.routing_bytes + topk_ids.numel() * weights_itemsize,
+        flops=3 * fwd.flops,
+        grad_bytes=shape.num_experts * shape.expert_bytes(dtype),
     )
 
 

@@ -14,6 +14,10 @@ For one preset and T, `make_workload` draws the inputs once and shares them acro
     1. runs it once (graph: captures it, then replays into a NaN-filled output) and checks the result
        against the reference; a failure is reported and never timed;
     2. times it (bench.timing), 3. profiles one call (bench.launches), 4. puts it against the floor.
+
+`moekit bench --backward` runs the same contract on a fwd+bwd workload (`bench.backward`): the call
+is one training step returning the four gradients, `expected` their references, `traffic` that of a
+forward + backward.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from moekit.bench import peers
 from moekit.bench.ceilings import Ceilings
-from moekit.bench.correctness import Expected, expected_output
+from moekit.bench.correctness import Expected, ExpectedGrads, expected_output
 from moekit.bench.launches import LaunchProfile, profile_call
 from moekit.bench.roofline import Traffic, bound_of, floor_ms_of, traffic
 from moekit.bench.timing import (
@@ -79,9 +83,10 @@ class Workload:
     x: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
-    expected: Expected
+    expected: Expected | ExpectedGrads     # ExpectedGrads for a fwd+bwd workload
     traffic: Traffic
     experts_hit_mean: float
+    grad_out: torch.Tensor | None = None   # (T, H) dtype: the output gradient of a fwd+bwd workload
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class Measurement:
     bound: str
     timing: TimingStats | None = None
     launches: LaunchProfile | None = None
+    peak_mib: float = math.nan  # device memory one call took above what was held before; NaN: not measured
 
     @property
     def median_ms(self) -> float:
@@ -209,13 +215,22 @@ def _poison(out: object) -> None:
         out.fill_(math.nan)
 
 
+def not_run(work: Workload, ceilings: Ceilings, status: str, reason: str) -> Measurement:
+    """The Measurement of a case that was not run (e.g. "skipped"): its floor, no error, no time."""
+    return Measurement(status, reason, **_untimed(work, ceilings))
+
+
+def _untimed(work: Workload, ceilings: Ceilings) -> dict:
+    return dict(max_err=math.nan, tol=work.expected.tol, floor_ms=floor_ms_of(work.traffic, ceilings),
+                bound=bound_of(work.traffic, ceilings))
+
+
 def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, options: Options = DEFAULT_OPTIONS,
              factory: BackendFactory | None = None) -> Measurement:
     """Check, then time and profile one backend on one workload in one mode (see module doc)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    base = dict(max_err=math.nan, tol=work.expected.tol, floor_ms=floor_ms_of(work.traffic, ceilings),
-                bound=bound_of(work.traffic, ceilings))
+    base = _untimed(work, ceilings)
     if peers.is_peer(backend):
         reason = peers.check_fits(backend, work.shape, work.tokens, work.dtype, work.device)
         if reason:
@@ -240,7 +255,7 @@ def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, option
         return Measurement("error", _first_line(exc), **base)
 
     check = work.expected.check(out)
-    base["max_err"] = check.max_err
+    base.update(max_err=check.max_err, tol=check.tol)
     if not check.ok:
         return Measurement("failed", check.reason, **base)
     try:

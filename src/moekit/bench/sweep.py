@@ -1,4 +1,8 @@
-"""The sweep: every layer x tokens x backend x mode through `run_case`, as long-format rows."""
+"""The sweep: every layer x tokens x backend x mode through `run_case`, as long-format rows.
+
+A "fwd+bwd" plan (`moekit bench --backward`) times one forward + backward per call instead, eager
+only, through `bench.backward.run_training_case`.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moekit.bench.backward import run_training_case, training_workload
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.layers import Layer
-from moekit.bench.results import Provenance, ResultRow
+from moekit.bench.results import DIRECTIONS, Provenance, ResultRow
 from moekit.bench.runner import (
     DEFAULT_OPTIONS,
     MODES,
@@ -26,7 +31,7 @@ from moekit.bench.runner import (
 @dataclass(frozen=True)
 class Plan:
     """layers: presets, --shape or --config layers (`moekit.bench.layers`); each one's name is its
-    rows' preset column."""
+    rows' preset column. direction: "fwd", or "fwd+bwd" (one forward + backward per call; eager only)."""
 
     layers: tuple[Layer, ...]
     tokens: tuple[int, ...]
@@ -35,6 +40,7 @@ class Plan:
     dtype: torch.dtype
     device: torch.device
     seed: int = 0
+    direction: str = "fwd"
 
     def __post_init__(self) -> None:
         for name in ("layers", "tokens", "backends", "modes"):
@@ -45,6 +51,10 @@ class Plan:
         bad = [m for m in self.modes if m not in MODES]
         if bad:
             raise ValueError(f"modes must be in {MODES}, got {bad}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if self.direction == "fwd+bwd" and self.modes != ("eager",):
+            raise ValueError(f"a fwd+bwd plan times eager calls only, got modes {self.modes}")
 
     @property
     def presets(self) -> tuple[str, ...]:
@@ -56,7 +66,8 @@ class Plan:
         return len(self.layers) * len(self.tokens) * len(self.backends) * len(self.modes)
 
 
-def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement) -> ResultRow:
+def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement,
+           direction: str = "fwd") -> ResultRow:
     s, t = work.shape, work.traffic
     timing, launches = m.timing, m.launches
     return ResultRow(
@@ -75,6 +86,7 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
         idle_pct=m.idle_pct,
         experts_hit=t.experts_hit, experts_hit_mean=work.experts_hit_mean,
         experts_expected=s.expected_distinct_experts(work.tokens),
+        direction=direction, peak_mib=m.peak_mib,
     )
 
 
@@ -94,13 +106,16 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
         for tokens in plan.tokens:
             work = make_workload(preset, shape, tokens, weights, plan.dtype, plan.device, seed=plan.seed,
                                  routing_draws=options.routing_draws)
+            if plan.direction == "fwd+bwd":
+                work = training_workload(work, plan.seed)
             for backend in plan.backends:
                 for mode in plan.modes:
                     what = f"{preset} T={tokens} {backend} {mode}"
                     if on_case:
                         on_case(what, None)
-                    m = run_case(work, backend, mode, ceilings, options)
-                    row = to_row(prov, work, backend, mode, m)
+                    m = (run_training_case(work, backend, ceilings, options) if plan.direction == "fwd+bwd"
+                         else run_case(work, backend, mode, ceilings, options))
+                    row = to_row(prov, work, backend, mode, m, plan.direction)
                     rows.append(row)
                     if on_case:
                         on_case(what, row)
