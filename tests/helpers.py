@@ -44,17 +44,25 @@ def distinct_topk_ids(num_tokens, num_experts, top_k, *, generator=None, device=
 
 
 def experts_same_dtype(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0,
+                       interleaved: bool = False) -> torch.Tensor:
     """Plain PyTorch in x's dtype: the "PyTorch in the same dtype" baseline of the tolerance rule.
 
     Every (token, slot) pair with an id in [0, E) is computed on its own row: gate and up
-    projections, silu(gate) * up and the down projection, each rounded to the dtype; times the
-    routing weight (one rounding to the dtype); the K slots are added in slot order in the dtype.
+    projections (+ gate_up_bias), the activation and the down projection (+ down_bias), each rounded
+    to the dtype; times the routing weight (one rounding to the dtype); the K slots are added in
+    slot order in the dtype. activation "gpt_oss" is Transformers' GptOssExperts._apply_gate
+    written out (gate = min(gate, limit), up = clamp(up, -limit, limit), (up + 1) * gate *
+    sigmoid(gate * alpha)); interleaved: gate rows 0, 2, 4, ..., up rows 1, 3, 5, ...
     Written without any moekit code, so a backend under test never sets its own bound.
     """
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
+    gate_rows = slice(0, two_i, 2) if interleaved else slice(0, inter)
+    up_rows = slice(1, two_i, 2) if interleaved else slice(inter, two_i)
     out = torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
     for slot in range(topk_ids.shape[1]):
         ids = topk_ids[:, slot].long()
@@ -64,21 +72,33 @@ def experts_same_dtype(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: t
             if rows.numel() == 0:
                 continue
             xe = x[rows]
-            gate = xe @ gate_up_proj[e, :inter].T
-            up = xe @ gate_up_proj[e, inter:].T
-            y = (F.silu(gate) * up) @ down_proj[e].T
+            gate = xe @ gate_up_proj[e, gate_rows].T
+            up = xe @ gate_up_proj[e, up_rows].T
+            if gate_up_bias is not None:
+                gate, up = gate + gate_up_bias[e, gate_rows], up + gate_up_bias[e, up_rows]
+            if activation == "gpt_oss":
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+                h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+            else:
+                h = F.silu(gate) * up
+            y = h @ down_proj[e].T
+            if down_bias is not None:
+                y = y + down_bias[e]
             contrib[rows] = (y.float() * topk_weights[rows, slot].float()[:, None]).to(x.dtype)
         out = out + contrib
     return out
 
 
 def same_dtype_bound(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, ref: torch.Tensor) -> float:
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, ref: torch.Tensor,
+                     **expert_math) -> float:
     """2x the relative error of `experts_same_dtype` against the fp32 reference `ref` (quack's rule).
+    `expert_math`: the keyword arguments of `experts_same_dtype` (biases, activation, interleaved).
 
     A baseline that is not finite sets no bound: the test fails here instead of comparing with inf.
     """
-    base_err = rel_err(experts_same_dtype(x, gate_up_proj, down_proj, topk_weights, topk_ids), ref)
+    base = experts_same_dtype(x, gate_up_proj, down_proj, topk_weights, topk_ids, **expert_math)
+    base_err = rel_err(base, ref)
     assert math.isfinite(base_err), f"the same-dtype baseline or the reference is not finite ({base_err})"
     return 2 * base_err
 

@@ -128,6 +128,24 @@ def test_what_moekit_does_not_hold_is_named_in_a_note(tmp_path):
     assert "norm_topk_prob" in unknown.notes[0]
 
 
+def test_gpt_oss_20b_preset_is_its_config(tmp_path):
+    """The gpt-oss-20b preset is what its config.json (the MoE keys of openai/gpt-oss-20b) reads as,
+    its router (softmax over the top-4 logits) a renormalised top-4 softmax; both name the experts'
+    biases and clamped activation, which the measured layer leaves out."""
+    from moekit.bench.layers import preset_layer
+
+    folder = tmp_path / "gpt-oss-20b"
+    folder.mkdir()
+    layer = read_config(write(folder, {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "num_hidden_layers": 24, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9}))
+    assert layer.shape == PRESETS["gpt-oss-20b"] == MoEShape(32, 2880, 2880, 4, norm_topk_prob=True)
+    preset = preset_layer("gpt-oss-20b")
+    for note in (*layer.notes, *preset.notes):
+        assert "gate_up_proj_bias" in note and "activation='gpt_oss'" in note
+
+
 def test_a_multimodal_config_s_text_config(tmp_path):
     layer = read_config(write(tmp_path, {"model_type": "qwen3_vl_moe", "text_config": {
         "model_type": "qwen3_vl_moe_text", "num_experts": 8, "num_experts_per_tok": 2, "hidden_size": 64,

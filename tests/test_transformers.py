@@ -1,4 +1,5 @@
-"""Transformers integration: tiny random Qwen3-MoE, OLMoE and Mixtral models built from configs.
+"""Transformers integration: tiny random Qwen3-MoE, OLMoE, Mixtral, gpt-oss and Llama-4 models built
+from configs.
 
 The oracle is never Transformers' own experts code (its grouped_mm path returned garbage for a
 sentinel-id row in 5.24) nor moekit compared with itself: the tests register REFERENCE, an experts
@@ -59,9 +60,21 @@ def _weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
+def _gpt_oss_math(experts: nn.Module) -> dict:
+    """gpt-oss's expert math as `moe_experts_ref` / `experts_same_dtype` keywords ({} for others)."""
+    if type(experts).__name__ != "GptOssExperts":
+        return {}
+    return dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+                activation="gpt_oss", alpha=experts.alpha, limit=experts.limit, interleaved=True)
+
+
 def reference_experts(experts, hidden_states, top_k_index, top_k_weights):
     """REFERENCE: the experts in fp32, cast back to the input dtype; ids outside [0, E) give 0."""
     gate_up, down = _weights(experts)
+    if _gpt_oss_math(experts):
+        out = moe_experts_ref(hidden_states, gate_up, down, top_k_weights, top_k_index,
+                              **_gpt_oss_math(experts))
+        return out.to(hidden_states.dtype)
     act = experts.act_fn
     if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
         out = moe_experts_ref(hidden_states, gate_up, down, top_k_weights, top_k_index)
@@ -79,7 +92,8 @@ def reference_experts(experts, hidden_states, top_k_index, top_k_weights):
 def plain_experts(experts, hidden_states, top_k_index, top_k_weights):
     """PLAIN: plain PyTorch in the input dtype, the baseline of the low-precision bound."""
     gate_up, down = _weights(experts)
-    return experts_same_dtype(hidden_states, gate_up, down, top_k_weights, top_k_index)
+    return experts_same_dtype(hidden_states, gate_up, down, top_k_weights, top_k_index,
+                              **_gpt_oss_math(experts))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -292,6 +306,7 @@ def test_transposed_weights_run_on_moekit_without_copy():
     ({"has_bias": True}, None, "expert biases"),
     ({"has_gate": False}, None, "non-gated"),
     ({"is_concatenated": False}, None, "interleaved"),
+    ({"has_post_expert_norm": True}, None, "post-expert norm"),
     ({}, ("act_fn", nn.ReLU()), "activation ReLU"),
     ({}, ("gate_up_proj", torch.zeros(6, 48, 32, dtype=torch.int8)), "dtype torch.int8"),
     ({}, ("down_proj", torch.zeros(6, 32, 25)), "shapes"),
@@ -692,3 +707,229 @@ def test_compiled_block_full_shape_gpu():
             assert ran and rel_err(out, ref) <= same_dtype_bound(*args, ref)
             frames.append(counter.frame_count)
     assert frames[0] >= 1 and frames[-1] == frames[0]
+
+
+# gpt-oss and Llama-4 (issue 16).
+
+GPT_OSS = "moekit-gpt-oss-triton"
+
+
+def gpt_oss_model(num_hidden_layers: int = 2, swiglu_limit: float = 7.0):
+    """A tiny GptOssForCausalLM (I = 32: grouped_mm on CPU under "auto"), float32, with nonzero
+    expert and router biases (Transformers initialises them to 0) large enough that gpt-oss's clamp
+    binds on both sides for some pre-activations."""
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
+                                    num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_local_experts=EXPERTS,
+                                    num_experts_per_tok=TOP_K, max_position_embeddings=64, sliding_window=8,
+                                    swiglu_limit=swiglu_limit, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    redraw_routed_weights(model)
+    return model.eval()
+
+
+@torch.no_grad()
+def redraw_routed_weights(model: nn.Module) -> None:
+    """Transposed experts (E, in, out) and the router (E, in) at 1/sqrt(fan_in); biases, where the
+    model has them, at std 1 (the gate/up bias at std 4)."""
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "router.weight")):
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+        elif name.endswith(("gate_up_proj_bias", "down_proj_bias", "router.bias")):
+            p.copy_(torch.randn(p.shape, generator=gen) * (4.0 if "gate_up" in name else 1.0))
+
+
+def test_gpt_oss_gate_is_transformers_own():
+    """moekit's "gpt_oss" activation on interleaved columns is GptOssExperts._apply_gate, clamp
+    included, for the installed Transformers; and the module is served with its own alpha and limit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from moekit.activation import GatedActivation, gated
+
+    experts = gpt_oss_model(1, swiglu_limit=3.0).model.layers[0].mlp.experts
+    probe = torch.linspace(-12, 12, 2 * 97).view(1, -1)[:, torch.randperm(2 * 97)]
+    want = GptOssExperts._apply_gate(experts, probe)
+    got = gated(probe, GatedActivation("gpt_oss", experts.alpha, experts.limit), interleaved=True)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert mt.unsupported_reason(experts) is None
+    experts.limit = float("nan")
+    assert "gpt-oss gate parameters" in mt.unsupported_reason(experts)
+
+
+@pytest.mark.parametrize("impl", ["moekit", GPT_OSS])
+def test_gpt_oss_logits_match_fp32_reference(impl):
+    """gpt-oss runs on moekit's experts op (grouped_mm on CPU under "auto"; the triton kernels,
+    interpreted, with the biases and the clamped activation in their epilogues) with no warning."""
+    mt.register(GPT_OSS, backend="triton")
+    model = gpt_oss_model()
+    ids = input_ids()
+    ref = reference_logits(model, ids)
+    with torch.no_grad(), moekit_warnings_fail():
+        model.set_experts_implementation(impl)
+        out, ran = moekit_ran(lambda: model(ids).logits)
+        for name, p in model.named_parameters():   # sensitivity: the expert biases matter
+            if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+                p.zero_()
+    assert ran
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(reference_logits(model, ids), ref) > 1e-2
+
+
+def test_compiled_gpt_oss_block_fullgraph_dynamic_tokens():
+    """torch.compile (aot_eager, fullgraph, dynamic) of a gpt-oss block: the moekit::experts op with
+    the gpt-oss math in the graph (its alpha and limit, read from the module, make Dynamo restart its
+    analysis once: two frames counted), and no recompile for another token count."""
+    model = gpt_oss_model().requires_grad_(False)
+    block = model.model.layers[0].mlp
+    xs = [torch.randn(1, num_tokens, HIDDEN) for num_tokens in (5, 11)]
+    model.set_experts_implementation(REFERENCE)
+    with torch.no_grad():
+        refs = [block(x)[0] for x in xs]
+    model.set_experts_implementation("moekit")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    with torch.no_grad(), moekit_warnings_fail():
+        for x, ref in zip(xs, refs, strict=True):
+            out, ran = moekit_ran(lambda x=x: compiled(x)[0])
+            assert ran and rel_err(out, ref) <= 1e-5
+            frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[1] == frames[0]
+    assert "moekit.experts" in counter.graphs[-1].code
+
+
+def test_gpt_oss_training_gradients_match_eager():
+    """Training: "auto" runs moekit's loop backend on the CPU (the grouped_mm swap warned as for the
+    other families); every gradient, the expert biases' and the router bias' included, equals eager's.
+    An explicit triton backend, whose backward has no biases, goes to Transformers' grouped_mm with
+    one warning, and its gradients are eager's too."""
+    model = gpt_oss_model().train()
+    eager = copy.deepcopy(model)
+    model.set_experts_implementation("moekit")
+    ids = input_ids()
+    eager(ids, labels=ids).loss.backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss, ran = moekit_ran(lambda: model(ids, labels=ids).loss)
+        loss.backward()
+    assert ran
+    assert [str(r.message) for r in record if "moekit" in str(r.message)
+            and "'grouped_mm' has no backward on cpu" not in str(r.message)] == []
+    assert_grads_match(model, eager)
+    for name, p in model.named_parameters():
+        if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+            assert p.grad.abs().sum() > 0, name
+
+    model.zero_grad(set_to_none=True)
+    mt.register(GPT_OSS, backend="triton")
+    model.set_experts_implementation(GPT_OSS)
+    mt._warned.clear()
+    with pytest.warns(UserWarning, match="backend='triton' has no backward on cpu for these experts"):
+        loss, ran = moekit_ran(lambda: model(ids, labels=ids).loss)
+    loss.backward()
+    assert not ran
+    assert_grads_match(model, eager)
+
+
+def test_gpt_oss_blocks_are_not_layers():
+    block = gpt_oss_model(1).model.layers[0].mlp
+    with pytest.raises(TypeError, match="GptOssMLP: gpt-oss's experts have biases"):
+        mt.from_transformers(block)
+
+
+def test_bias_shapes_are_checked_before_serving():
+    experts = make_experts_class(has_bias=True)(toy_config("moekit"))
+    experts.gate_up_proj_bias = nn.Parameter(torch.zeros(6, 48))
+    experts.down_proj_bias = nn.Parameter(torch.zeros(6, 31))
+    assert mt.unsupported_reason(experts).startswith("expert biases: down_proj_bias of shape (6, 31)")
+    experts.down_proj_bias = nn.Parameter(torch.zeros(6, 32))
+    assert mt.unsupported_reason(experts) is None      # SiLU-gated with biases: served
+    x, ids, w = torch.randn(5, 32), torch.tensor([[0, 1], [2, 0], [1, 3], [5, 0], [3, 2]]), torch.rand(5, 2)
+    with torch.no_grad():
+        experts.gate_up_proj_bias.normal_()
+        experts.down_proj_bias.normal_()
+        out, ran = moekit_ran(lambda: experts(x, ids, w))
+    ref = moe_experts_ref(x, experts.gate_up_proj, experts.down_proj, w, ids,
+                          gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias)
+    assert ran and rel_err(out, ref) <= 1e-5
+
+
+def llama4_model(top_k: int):
+    cfg = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
+                                        intermediate_size_mlp=96, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, num_local_experts=EXPERTS,
+                                        num_experts_per_tok=top_k, max_position_embeddings=64,
+                                        interleave_moe_layer_step=1, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(cfg)
+    redraw_routed_weights(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_patched_blocks_run_on_moekit(top_k):
+    """patch_llama4: Llama4TextMoe's routed experts on moekit's op (input scaled by the router's
+    sigmoid score, one call per slot), logits equal to Transformers' dense experts in fp32; the
+    gradients of a training step too (router included). MoELayer refuses the block, by name."""
+    model = llama4_model(top_k)
+    eager = copy.deepcopy(model)
+    ids = input_ids()
+    with torch.no_grad():
+        ref = eager(ids).logits
+    assert mt.patch_llama4(model) == 2 and mt.patch_llama4(model, backend="loop") == 2
+    assert type(model.model.layers[0].feed_forward).__name__ == "MoekitLlama4TextMoe"
+    with torch.no_grad():
+        out, ran = moekit_ran(lambda: model(ids).logits)
+        for m in (model, eager):
+            for name, p in m.named_parameters():   # sensitivity: the routed experts matter
+                if name.endswith("experts.down_proj"):
+                    p.zero_()
+        no_experts = eager(ids).logits
+    assert ran
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(no_experts, ref) > 1e-2
+    if top_k == 1:
+        model, eager = llama4_model(top_k).train(), llama4_model(top_k).train()
+        mt.patch_llama4(model, backend="loop")
+        eager(ids, labels=ids).loss.backward()
+        with moekit_warnings_fail():
+            model(ids, labels=ids).loss.backward()
+        assert_grads_match(model, eager)
+    with pytest.raises(TypeError, match="patch_llama4"):
+        mt.from_transformers(model.model.layers[0].feed_forward)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_full_expert_shape_bf16_gpu():
+    """One gpt-oss-20b decoder layer (E=32, top-4, H=I=2880), bf16, random weights and biases: the
+    block on moekit (triton) within 2x plain bf16 PyTorch's error against the fp32 reference."""
+    cfg = transformers.GptOssConfig(vocab_size=1024, hidden_size=2880, intermediate_size=2880,
+                                    num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8,
+                                    head_dim=64, num_local_experts=32, num_experts_per_tok=4, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                              experts_implementation="eager").eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "router.weight")):
+                fan_in = p.shape[1] if p.dim() == 3 else p.shape[-1]
+                p.copy_(torch.randn(p.shape, device="cuda", generator=gen) / fan_in ** 0.5)
+            elif name.endswith(("gate_up_proj_bias", "down_proj_bias", "router.bias")):
+                p.copy_(torch.randn(p.shape, device="cuda", generator=gen))
+    block, hidden = model.model.layers[0].mlp, cfg.hidden_size
+    with torch.inference_mode():
+        for num_tokens in (1, 64, 4096):
+            x = torch.randn(1, num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            outs = {}
+            for impl in (REFERENCE, PLAIN, "moekit"):
+                model.set_experts_implementation(impl)
+                outs[impl], ran = moekit_ran(lambda x=x: block(x)[0])
+                assert ran == (impl == "moekit")
+            plain_err = rel_err(outs[PLAIN], outs[REFERENCE])
+            assert math.isfinite(plain_err) and rel_err(outs["moekit"], outs[REFERENCE]) <= 2 * plain_err

@@ -4,6 +4,7 @@ Dataflow of one layer (T tokens, E experts, K top_k, H hidden, I intermediate):
     route            (T, H) -> topk_weights (T, K) fp32, topk_ids (T, K) int32
     align_block_size topk_ids -> Alignment (pairs sorted by expert, padded per block)
     moe_experts      gate_up GEMM + SwiGLU, down GEMM + routing weight, sum over K -> (T, H)
+                     (optional expert biases and gpt-oss's activation: `moekit.activation`)
 Decode-time masked layout (DeepGEMM; fed by DeepEP's low-latency dispatch):
     masked_experts   x_masked (E, C, H), per-expert counts (E,) on the device -> (E, C, H)
 """
@@ -46,6 +47,7 @@ _EXPORTS = {
     "MoEShape": "moekit.shapes",
     "get_shape": "moekit.shapes",
     "ExpertsConfig": "moekit.tuning",
+    "GatedActivation": "moekit.activation",
 }
 
 __all__ = sorted(_EXPORTS)

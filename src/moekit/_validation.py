@@ -174,3 +174,22 @@ def check_experts_args(
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
     return num_experts
+
+
+def check_expert_biases(gate_up_bias: object, down_bias: object, gate_up_proj: torch.Tensor) -> None:
+    """Optional per-expert biases: gate_up_bias (E, 2I) and down_bias (E, H), each None or a tensor
+    of the weights' dtype and device. Reads no tensor data."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (num_experts, two_i)),
+                              ("down_bias", down_bias, (num_experts, hidden))):
+        if bias is None:
+            continue
+        check_tensor(name, bias, ndim=2, dtypes=(gate_up_proj.dtype,), device=gate_up_proj.device)
+        what = "(E, 2I), in gate_up_proj's row layout" if name == "gate_up_bias" else "(E, H)"
+        check_shape(name, bias, shape, what)
+
+
+def check_interleaved(interleaved: object) -> bool:
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    return interleaved

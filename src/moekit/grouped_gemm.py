@@ -10,15 +10,19 @@ Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate,
 (`Alignment.sorted_ids` length). Rows of h at or past `num_padded`, and rows of y of pairs that
 were never placed (ids outside [0, E)), are not written: the twins leave them 0, and callers
 never read them.
+
+The extended expert math (`moekit.activation`: expert biases, the gpt_oss activation, interleaved
+gate/up rows) is keyword arguments of GEMM1 and GEMM2 and of their twins; left at their defaults
+the kernels compile exactly as without them (constexpr flags off).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from moekit import _workspace
+from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
 from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
 from moekit.tuning import ExpertsConfig
@@ -34,10 +38,17 @@ def twin_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _bias_args(bias: torch.Tensor | None, like: torch.Tensor) -> tuple:
+    """(pointer, stride_e, stride_n) of an optional (E, N) bias; `like` stands in when absent."""
+    return (like, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
+
+
 def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
-                 cfg: ExpertsConfig, *, swiglu: bool = True) -> torch.Tensor:
-    """h (L, I): silu(x_tok @ gate_e^T) * (x_tok @ up_e^T) at each sorted row; padding rows 0.
-    swiglu=False: the epilogue left out, h (L, 2I) holds the [gate | up] pre-activations."""
+                 cfg: ExpertsConfig, *, swiglu: bool = True, bias: torch.Tensor | None = None,
+                 activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
+    """h (L, I): act(x_tok @ gate_e^T [+ bias], x_tok @ up_e^T [+ bias]) at each sorted row; padding
+    rows 0. swiglu=False: the epilogue left out, h (L, 2I) holds the [gate | up] pre-activations.
+    bias: gate_up_bias (E, 2I) in gate_up_proj's row layout; interleaved: rows alternate gate, up."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     h = _workspace.empty(align.sorted_ids.numel(), inter * (1 if swiglu else 2), dtype=x.dtype,
@@ -47,17 +58,20 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
         x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
         align.num_pairs, inter, hidden, n_tiles,
         x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+        *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
-        DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, num_warps=cfg.warps1, num_stages=cfg.stages1,
+        DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
+        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved,
+        num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return h
 
 
 def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,
-                   align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
-    """y (S, H): (h_row @ down_e^T) * routing weight, stored at each pair's own row (topk_weights
-    None: the rows unweighted)."""
+                   align: Alignment, cfg: ExpertsConfig, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y (S, H): (h_row @ down_e^T [+ bias_e]) * routing weight, stored at each pair's own row
+    (topk_weights None: the rows unweighted). bias: down_bias (E, H), added before the weight."""
     num_experts, hidden, inter = down_proj.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
@@ -65,11 +79,11 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
         h, down_proj, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
         align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
         hidden, inter, n_tiles,
-        h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
+        h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1), *_bias_args(bias, down_proj),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
-        DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, num_warps=cfg.warps2,
-        num_stages=cfg.stages2,
+        DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     return y
 
@@ -97,8 +111,9 @@ def _placed_rows(align: Alignment) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment,
-                       top_k: int, *, swiglu: bool = True) -> torch.Tensor:
-    """Twin of `gemm1_swiglu` in fp32: h (L, I), or (L, 2I) pre-activations; padding rows 0."""
+                       top_k: int, *, swiglu: bool = True, bias: torch.Tensor | None = None,
+                       activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
+    """Twin of `gemm1_swiglu` in fp32: h (L, I), or (L, 2I) [gate | up] pre-activations; padding rows 0."""
     two_i = gate_up_proj.shape[1]
     acc = twin_dtype(x)
     h = torch.zeros(align.sorted_ids.numel(), two_i // 2 if swiglu else two_i, dtype=acc, device=x.device)
@@ -106,13 +121,15 @@ def gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Align
     for e in expert.unique().tolist():
         sel = expert == e
         pre = x[pair[sel] // top_k].to(acc) @ gate_up_proj[e].to(acc).T
-        gate, up = pre.chunk(2, dim=-1)
-        h[rows[sel]] = F.silu(gate) * up if swiglu else pre
+        if bias is not None:
+            pre = pre + bias[e].to(acc)
+        h[rows[sel]] = gated(pre, activation, interleaved) if swiglu else torch.cat(
+            split_gate_up(pre, interleaved), dim=-1)
     return h
 
 
 def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,
-                         align: Alignment) -> torch.Tensor:
+                         align: Alignment, *, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of `gemm2_weighted` in fp32: y (S, H), rows of unplaced pairs 0."""
     acc = twin_dtype(h)
     y = torch.zeros(align.num_pairs, down_proj.shape[1], dtype=acc, device=h.device)
@@ -121,6 +138,8 @@ def gemm2_weighted_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights:
     for e in expert.unique().tolist():
         sel = expert == e
         rows_e = h[rows[sel]].to(acc) @ down_proj[e].to(acc).T
+        if bias is not None:
+            rows_e = rows_e + bias[e].to(acc)
         y[pair[sel]] = rows_e if w is None else rows_e * w[pair[sel], None]
     return y
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.activation import GatedActivation
 from moekit.experts import moe_experts
 from moekit.routing import route as _route
 from moekit.routing import topk_softmax as _topk_softmax
@@ -26,10 +27,13 @@ __all__ = ["experts", "route", "topk_softmax"]
 
 def experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, backend: str = "auto",
-            config: ExpertsConfig | None = None) -> torch.Tensor:
+            config: ExpertsConfig | None = None, gate_up_bias: torch.Tensor | None = None,
+            down_bias: torch.Tensor | None = None, activation: str | GatedActivation | None = None,
+            interleaved: bool = False) -> torch.Tensor:
     """`moekit.moe_experts` with ids outside [0, E) skipped and never validated; same Args."""
     return moe_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend=backend,
-                       config=config, ignore_invalid_ids=True, validate=False)
+                       config=config, ignore_invalid_ids=True, validate=False, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias, activation=activation, interleaved=interleaved)
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, *, renormalize: bool = True,

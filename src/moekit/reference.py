@@ -62,25 +62,43 @@ def moe_experts_ref(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """fp32 reference of the expert path: out[t] = sum_k w[t,k] * down_e(silu(gate_e x) * up_e x).
 
+    With the expert math of `moe_experts`: pre = gate_up_e x + gate_up_bias_e, gate and up its
+    halves ([gate; up], or alternate rows when interleaved), activation "swiglu" silu(gate) * up or
+    "gpt_oss" (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    (Transformers' GptOssExperts), then w * (down_e act + down_bias_e).
     Pairs whose expert id lies outside [0, E) contribute exactly 0 (expert-parallel sentinel).
     Returns float32 (T, H).
     """
     x = hidden_states.float()
-    num_experts, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
+    num_experts = gate_up_proj.shape[0]
     out = torch.zeros(x.shape[0], down_proj.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in range(num_experts):
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
         if token_idx.numel() == 0:
             continue
-        w_gu = gate_up_proj[e].float()
-        h = x[token_idx] @ w_gu.T
-        act = F.silu(h[:, :inter]) * h[:, inter:]
+        h = x[token_idx] @ gate_up_proj[e].float().T
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e].float()
+        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+        if activation == "gpt_oss":
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            act = (up + 1) * gate * torch.sigmoid(alpha * gate)
+        else:
+            act = F.silu(gate) * up
         y = act @ down_proj[e].float().T
+        if down_bias is not None:
+            y = y + down_bias[e].float()
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot].float()[:, None])
     return out
 

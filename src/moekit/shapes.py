@@ -71,6 +71,11 @@ PRESETS: dict[str, MoEShape] = {
     "olmoe-1b-7b": MoEShape(64, 2048, 1024, 8, norm_topk_prob=False),
     "mixtral-8x7b": MoEShape(8, 4096, 14336, 2),
     "deepseek-v2-lite": MoEShape(64, 2048, 1408, 6, norm_topk_prob=False),
+    # gpt-oss-20b config.json: 32 local experts, 4 per token, hidden 2880, intermediate 2880. Its router
+    # (GptOssTopKRouter) takes a softmax over the top-4 logits: the renormalised top-4 softmax. The
+    # layer's SwiGLU experts stand in for gpt-oss's (expert biases, clamped activation, interleaved
+    # rows: `moe_experts(..., activation="gpt_oss")`), which read the same weight bytes.
+    "gpt-oss-20b": MoEShape(32, 2880, 2880, 4),
     # Small enough for the CPU and the Triton interpreter, with odd sizes on purpose.
     "tiny": MoEShape(8, 64, 48, 2),
 }

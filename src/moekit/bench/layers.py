@@ -22,8 +22,9 @@ Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V2/V3 and GPT-OSS configs (a multimodal conf
 
 What moekit's layer does not hold is named in the layer's `notes` (a study prints them): DeepSeek's
 and Qwen2-MoE's shared experts (n_shared_experts, shared_expert_intermediate_size), GPT-OSS's expert
-biases and clamped SwiGLU (model_type gpt_oss, swiglu_limit). Every problem is a ValueError of one
-line naming the file (or the --shape text) and the key.
+biases and clamped SwiGLU (model_type gpt_oss, swiglu_limit; the gpt-oss-20b preset too: moekit's
+expert path runs them, `moe_experts(activation="gpt_oss", ...)`, the studies' layer does not). Every
+problem is a ValueError of one line naming the file (or the --shape text) and the key.
 """
 
 from __future__ import annotations
@@ -54,10 +55,19 @@ class Layer:
     notes: tuple[str, ...] = ()
 
 
+def _gpt_oss_note(where: str, key: str) -> str:
+    return (f"{where}: {key}: GPT-OSS experts add biases (gate_up_proj_bias, down_proj_bias) and a clamped "
+            "SwiGLU on interleaved rows; moekit's expert path runs them (moe_experts(activation='gpt_oss', "
+            "...)), the measured layer is SwiGLU without them (same weight bytes)")
+
+
+PRESET_NOTES = {"gpt-oss-20b": (_gpt_oss_note("preset gpt-oss-20b", "model_type 'gpt_oss'"),)}
+
+
 def preset_layer(name: str) -> Layer:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-    return Layer(name, PRESETS[name])
+    return Layer(name, PRESETS[name], PRESET_NOTES.get(name, ()))
 
 
 def shape_name(shape: MoEShape) -> str:
@@ -158,8 +168,7 @@ def _notes(cfg: dict, model_type: str, where: str) -> tuple[str, ...]:
                          "experts are measured")
     if model_type == "gpt_oss" or "swiglu_limit" in cfg:
         key = "model_type 'gpt_oss'" if model_type == "gpt_oss" else f"swiglu_limit={cfg['swiglu_limit']}"
-        notes.append(f"{where}: {key}: GPT-OSS experts add biases (gate_up_proj_bias, down_proj_bias) and a "
-                     "clamped SwiGLU, outside moekit's layer; measured without them")
+        notes.append(_gpt_oss_note(where, key))
     return tuple(notes)
 
 

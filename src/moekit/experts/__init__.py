@@ -16,6 +16,12 @@ inputs alone, so one graph serves every token count. For backend="triton" the op
 its autograd saves the inputs and calls `moekit::experts_backward`, another opaque op, which runs the
 triton backward kernels (recomputing the alignment); a call that needs gradients on another backend
 is traced by torch.compile as in eager mode.
+
+Expert math beyond SwiGLU (`moekit.activation`): per-expert biases on both projections, the gpt_oss
+activation and interleaved gate/up rows, on every backend but masked (fused in the triton kernels'
+epilogues, plain PyTorch in loop, padded and grouped_mm). The triton backward has none of them: a
+call with them that needs gradients runs on grouped_mm or loop ("auto", warned once) or raises
+(backend="triton"); a bias gradient is never dropped.
 """
 
 from __future__ import annotations
@@ -26,16 +32,26 @@ import torch
 
 from moekit._validation import (
     check_capacity_factor,
+    check_expert_biases,
     check_expert_ids_in_range,
     check_experts_args,
+    check_interleaved,
     check_out,
     needs_grad,
 )
+from moekit.activation import GatedActivation, as_activation
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
-from moekit.experts.registry import Backend, ExpertsOptions, backend_names, get_backend, register_backend
+from moekit.experts.registry import (
+    MATH_OPTIONS,
+    Backend,
+    ExpertsOptions,
+    backend_names,
+    get_backend,
+    register_backend,
+)
 from moekit.experts.triton import experts_triton, experts_triton_grads
 from moekit.tuning import ExpertsConfig
 
@@ -48,23 +64,29 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 register_backend(Backend(
-    "loop", lambda x, gu, d, w, ids, opts, out: _into(out, experts_loop(x, gu, d, w, ids)),
-    "a Python loop over the experts hit, as Transformers' eager code (one sync per expert)"))
+    "loop",
+    lambda x, gu, d, w, ids, opts, out: _into(out, experts_loop(x, gu, d, w, ids, **opts.math_kwargs())),
+    "a Python loop over the experts hit, as Transformers' eager code (one sync per expert)",
+    options=MATH_OPTIONS))
 register_backend(Backend(
     "padded",
     lambda x, gu, d, w, ids, opts, out: _into(out, experts_padded(
-        x, gu, d, w, ids, capacity_factor=opts.capacity_factor, stats=opts.stats)),
+        x, gu, d, w, ids, capacity_factor=opts.capacity_factor, stats=opts.stats, **opts.math_kwargs())),
     "every expert padded to the busiest count (or a capacity), two torch.bmm",
-    options=frozenset({"capacity_factor", "stats"})))
+    options=frozenset({"capacity_factor", "stats"}) | MATH_OPTIONS))
 register_backend(Backend(
-    "grouped_mm", lambda x, gu, d, w, ids, opts, out: _into(out, experts_grouped_mm(x, gu, d, w, ids)),
+    "grouped_mm",
+    lambda x, gu, d, w, ids, opts, out: _into(out, experts_grouped_mm(
+        x, gu, d, w, ids, **opts.math_kwargs())),
     "sort, gather, torch grouped_mm x2, weighted sum", backward_devices=frozenset({"cuda"}),
-    check_layout=check_grouped_mm_layout))
+    check_layout=check_grouped_mm_layout, options=MATH_OPTIONS))
 register_backend(Backend(
     "triton",
-    lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out),
+    lambda x, gu, d, w, ids, opts, out: experts_triton(x, gu, d, w, ids, config=opts.config, out=out,
+                                                       **opts.math_kwargs()),
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
-    capturable=True, backward_devices=frozenset({"cpu", "cuda"}), options=frozenset({"config"})))
+    capturable=True, backward_devices=frozenset({"cpu", "cuda"}),
+    options=frozenset({"config"}) | MATH_OPTIONS, backward_options=frozenset({"config"})))
 register_backend(Backend(
     "masked",
     lambda x, gu, d, w, ids, opts, out: experts_masked(
@@ -77,36 +99,47 @@ register_backend(Backend(
 BACKENDS = backend_names()
 
 
-def has_backward(backend: str, device: torch.device) -> bool:
-    """Whether autograd can differentiate the backend on this device."""
-    return get_backend(backend).has_backward(device)
+def has_backward(backend: str, device: torch.device, options: ExpertsOptions | None = None) -> bool:
+    """Whether autograd can differentiate the backend on this device (with these options: the
+    triton backward has no expert biases, gpt_oss activation or interleaved rows)."""
+    return get_backend(backend).has_backward(device, options)
 
 
-_warned_grad_fallback: set[str] = set()
+_warned_grad_fallback: set[tuple[str, str]] = set()
+
+
+def _no_backward_why(impl: Backend, device: torch.device, options: ExpertsOptions | None) -> str:
+    missing = impl.no_backward_for(options)
+    if device.type in impl.backward_devices and missing:
+        return f"has no backward for calls given {', '.join(missing)}"
+    return f"has no backward on {device.type}"
 
 
 def resolve_backend(backend: str, device: torch.device, hidden: int = 16, inter: int = 16,
-                    itemsize: int = 2, *, grad: bool = False) -> str:
+                    itemsize: int = 2, *, grad: bool = False, options: ExpertsOptions | None = None) -> str:
     """"auto" -> triton on CUDA; on CPU grouped_mm when its alignment holds, else loop.
 
-    grad=True (the call needs gradients): "auto" picks a backend with a backward (grouped_mm on
-    CUDA when aligned, else loop) and warns once; an explicit backend without one raises.
+    grad=True (the call needs gradients): "auto" picks a backend with a backward for these options
+    (grouped_mm on CUDA when aligned, else loop) and warns once; an explicit backend without one
+    raises.
     """
     aligned = (hidden * itemsize) % 16 == 0 and (inter * itemsize) % 16 == 0
     if backend != "auto":
-        if not get_backend(backend).has_backward(device) and grad:     # get_backend: ValueError if unknown
+        impl = get_backend(backend)                                    # ValueError if unknown
+        if grad and not impl.has_backward(device, options):
             raise RuntimeError(
-                f"backend={backend!r} has no backward on {device.type}, but this call needs gradients "
-                "(an input requires grad and grad mode is on); run it under torch.no_grad() or "
+                f"backend={backend!r} {_no_backward_why(impl, device, options)}, but this call needs "
+                "gradients (an input requires grad and grad mode is on); run it under torch.no_grad() or "
                 "torch.inference_mode(), or use backend='auto' (picks a differentiable backend)")
         return backend
     choice = "triton" if device.type == "cuda" else ("grouped_mm" if aligned else "loop")
-    if grad and not has_backward(choice, device):
-        fallback = "grouped_mm" if aligned and has_backward("grouped_mm", device) else "loop"
-        if choice not in _warned_grad_fallback:
-            _warned_grad_fallback.add(choice)
-            warnings.warn(f"moekit: backend {choice!r} has no backward; this call needs gradients, so "
-                          f"it runs on {fallback!r} (warned once)", stacklevel=3)
+    if grad and not has_backward(choice, device, options):
+        why = _no_backward_why(get_backend(choice), device, options)
+        fallback = "grouped_mm" if aligned and has_backward("grouped_mm", device, options) else "loop"
+        if (choice, why) not in _warned_grad_fallback:
+            _warned_grad_fallback.add((choice, why))
+            warnings.warn(f"moekit: backend {choice!r} {why}; this call needs gradients, so it runs on "
+                          f"{fallback!r} (warned once)", stacklevel=3)
         choice = fallback
     return choice
 
@@ -125,8 +158,15 @@ def moe_experts(
     ignore_invalid_ids: bool = False,
     validate: bool | None = None,
     out: torch.Tensor | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str | GatedActivation | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Run the experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k].
+
+    With the optional expert math (`moekit.activation`): out[t] = sum_k w[t,k] *
+    (down_e(act(gate_up_e x_t + gate_up_bias_e)) + down_bias_e), as gpt-oss computes it.
 
     Args:
         hidden_states: (T, H) float32, float16 or bfloat16.
@@ -145,18 +185,30 @@ def moe_experts(
         validate: check id ranges (a host sync on CUDA). Default: True on CPU, False on CUDA.
         out: optional (T, H) output buffer of the input dtype; must not overlap itself or any
             input (a disjoint slice of an input's storage is fine).
+        gate_up_bias: optional (E, 2I) bias of the gate/up projection, in gate_up_proj's row
+            layout, of the weights' dtype.
+        down_bias: optional (E, H) bias of the down projection, added before the routing weight.
+        activation: "swiglu" (default), "gpt_oss" (alpha 1.702, limit 7.0) or a
+            `moekit.GatedActivation` with other alpha and limit.
+        interleaved: gate_up_proj's rows alternate gate, up (gpt-oss) instead of [gate; up].
+            Backends: all but masked. The triton backward has none of these: with them, a call
+            that needs gradients runs on grouped_mm / loop under "auto" and raises for "triton".
 
     Returns:
         (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
     """
     num_experts = check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                      top_k_at_most_experts=not ignore_invalid_ids)
+    check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
+    act = as_activation(activation)
+    math = ExpertsOptions.math(gate_up_bias, down_bias, act, check_interleaved(interleaved))
+    options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats, **math)
     dev = hidden_states.device
-    grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
     name = resolve_backend(backend, dev, hidden_states.shape[1], down_proj.shape[2],
-                           hidden_states.element_size(), grad=grad)
+                           hidden_states.element_size(), grad=grad, options=options)
     impl = get_backend(name)
-    options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats)
     impl.check_options(options)
     compiling = torch.compiler.is_compiling()
     if validate is None:
@@ -167,18 +219,22 @@ def moe_experts(
         if grad:
             raise RuntimeError("out= cannot be used when the call needs gradients (autograd does not "
                                "record writes into out); drop out= or run under torch.no_grad()")
-        check_out(out, hidden_states, {"hidden_states": hidden_states, "gate_up_proj": gate_up_proj,
-                                       "down_proj": down_proj, "topk_weights": topk_weights,
-                                       "topk_ids": topk_ids})
+        inputs = {"hidden_states": hidden_states, "gate_up_proj": gate_up_proj, "down_proj": down_proj,
+                  "topk_weights": topk_weights, "topk_ids": topk_ids, "gate_up_bias": gate_up_bias,
+                  "down_bias": down_bias}
+        check_out(out, hidden_states, {k: t for k, t in inputs.items() if t is not None})
     if impl.check_layout is not None:
         impl.check_layout(hidden_states, gate_up_proj, down_proj)
     if hidden_states.shape[0] == 0:
         return out if out is not None else torch.empty_like(hidden_states)
-    if (compiling and (not grad or name in OP_BACKWARD_BACKENDS) and options.capacity_factor is None
-            and options.stats is None):
+    if (compiling and (not grad or (name in OP_BACKWARD_BACKENDS and impl.has_backward(dev, options)))
+            and options.capacity_factor is None and options.stats is None):
         cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
+        # The math only when given: Python floats make Dynamo restart its analysis once.
+        math_args = () if not (biases or options.activation or interleaved) else (
+            gate_up_bias, down_bias, act.name, act.alpha, act.limit, interleaved)
         result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
-                                          name, cfg)
+                                          name, cfg, *math_args)
         return _into(out, result)
     return impl.run(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, options, out)
 
@@ -199,35 +255,52 @@ def _config_of(config: list[int] | None) -> ExpertsConfig | None:
     return ExpertsConfig(**dict(zip(CONFIG_FIELDS, config)))
 
 
+def _op_options(gate_up_proj: torch.Tensor, config: list[int] | None, gate_up_bias: torch.Tensor | None,
+                down_bias: torch.Tensor | None, activation: str, alpha: float, limit: float,
+                interleaved: bool) -> ExpertsOptions:
+    """The op's arguments back to checked `ExpertsOptions`."""
+    check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
+    math = ExpertsOptions.math(gate_up_bias, down_bias, GatedActivation(activation, alpha, limit),
+                               interleaved)
+    return ExpertsOptions(_config_of(config), **math)
+
+
 @torch.library.custom_op(
     "moekit::experts", mutates_args=(),
     schema="(Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, Tensor topk_weights, "
-           "Tensor topk_ids, str backend, int[]? config) -> Tensor",
+           "Tensor topk_ids, str backend, int[]? config, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+           "str activation=\"swiglu\", float alpha=1.702, float limit=7.0, bool interleaved=False) -> Tensor",
 )
 def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str,
-                config: list[int] | None) -> torch.Tensor:
+                config: list[int] | None, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, activation: str = "swiglu", alpha: float = 1.702,
+                limit: float = 7.0, interleaved: bool = False) -> torch.Tensor:
     """The registry's dispatch as one opaque node. Ids outside [0, E) contribute 0 and are never
-    read back (no host sync); K may exceed E."""
+    read back (no host sync); K may exceed E. The expert math as in `moe_experts`."""
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
+    options = _op_options(gate_up_proj, config, gate_up_bias, down_bias, activation, alpha, limit,
+                          interleaved)
     impl = get_backend(backend)
+    impl.check_options(options)
     if impl.check_layout is not None:       # the same layout check as moe_experts, for direct calls
         impl.check_layout(hidden_states, gate_up_proj, down_proj)
     x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
-    cfg = _config_of(config)
     with torch.no_grad():   # the op's own autograd (below) records this call, not the backend
-        result = impl.run(x, gate_up_proj, down_proj, topk_weights, topk_ids,
-                                          ExpertsOptions(config=cfg), None)
+        result = impl.run(x, gate_up_proj, down_proj, topk_weights, topk_ids, options, None)
     return result.contiguous()
 
 
 @_experts_op.register_fake
-def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config):
+def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config,
+                  gate_up_bias=None, down_bias=None, activation="swiglu", alpha=1.702, limit=7.0,
+                  interleaved=False):
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
+    _op_options(gate_up_proj, None, gate_up_bias, down_bias, activation, alpha, limit, interleaved)
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -259,19 +332,25 @@ def _experts_backward_fake(grad_out, hidden_states, gate_up_proj, down_proj, top
 
 
 def _experts_setup_context(ctx, inputs, output):
-    hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config = inputs
+    hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config, *math = inputs
+    gate_up_bias, down_bias, activation, _, _, interleaved = (math + [None, None, "swiglu", 0, 0, False])[:6]
     if backend not in OP_BACKWARD_BACKENDS:      # the forward would otherwise return a dead end
         raise RuntimeError(f"moekit::experts differentiates backend {sorted(OP_BACKWARD_BACKENDS)} only, "
                            f"got backend={backend!r} with inputs that need gradients; call "
                            "moekit.moe_experts, which picks a differentiable path")
+    if gate_up_bias is not None or down_bias is not None or activation != "swiglu" or interleaved:
+        raise RuntimeError("moekit::experts differentiates SwiGLU experts without biases only (the triton "
+                           "backward), got expert biases, another activation or interleaved rows with inputs "
+                           "that need gradients; call moekit.moe_experts, which picks a differentiable path")
     ctx.save_for_backward(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
     ctx.backend, ctx.config = backend, config
+    ctx.num_inputs = len(inputs)
 
 
 def _experts_backward(ctx, grad_out):
     needs = list(ctx.needs_input_grad[:4])
     grads = torch.ops.moekit.experts_backward(grad_out, *ctx.saved_tensors, ctx.backend, ctx.config, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+    return (*(g if need else None for g, need in zip(grads, needs)), *[None] * (ctx.num_inputs - 4))
 
 
 torch.library.register_autograd("moekit::experts", _experts_backward, setup_context=_experts_setup_context)

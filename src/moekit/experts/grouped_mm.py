@@ -1,4 +1,6 @@
-"""`grouped_mm` backend: sort, gather, torch grouped_mm, SwiGLU, grouped_mm, weight, combine.
+"""`grouped_mm` backend: sort, gather, torch grouped_mm, activation, grouped_mm, weight, combine.
+
+Expert biases are added to the sorted rows, gathered by each row's expert, after each grouped_mm.
 
 This is the path Transformers' grouped_mm experts option takes. On Hopper and Blackwell PyTorch
 runs grouped_mm as one kernel; elsewhere it falls back to one GEMM per group with a host sync.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekit.activation import SWIGLU, GatedActivation, gated
 from moekit.align import sort_pairs
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -45,6 +48,11 @@ def experts_grouped_mm(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     # The layout was checked by the caller (the registry's `check_layout`, in moe_experts and the op).
     gate_up_proj, down_proj = _aligned_weight(gate_up_proj), _aligned_weight(down_proj)
@@ -57,10 +65,14 @@ def experts_grouped_mm(
     offs = torch.cumsum(pairs.counts[:num_experts], 0, dtype=torch.int32)  # invalid pairs lie past offs[-1]
 
     x_sorted = hidden_states[order // top_k].contiguous()
+    expert_sorted = pairs.e_sorted.clamp(max=num_experts - 1)   # rows past offs[-1] are masked below
     h = _grouped_mm(x_sorted, gate_up_proj.transpose(-1, -2), offs=offs)
-    gate, up = h.chunk(2, dim=-1)
-    act = (F.silu(gate) * up).contiguous()
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[expert_sorted]
+    act = gated(h, activation, interleaved).contiguous()
     y_sorted = _grouped_mm(act, down_proj.transpose(-1, -2), offs=offs)
+    if down_bias is not None:
+        y_sorted = y_sorted + down_bias[expert_sorted]
 
     valid_sorted = valid[order]
     w_sorted = torch.where(valid_sorted, topk_weights.reshape(-1)[order].float(), 0.0)

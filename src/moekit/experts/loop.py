@@ -1,13 +1,16 @@
 """`loop` backend: a Python loop over the experts hit, as Transformers' eager experts code runs.
 
-Per expert: find its (token, slot) pairs, two F.linear calls, SwiGLU, weight, index_add_ into the
-output. It launches ~14 kernels per expert hit and syncs the host once per expert.
+Per expert: find its (token, slot) pairs, two F.linear calls (with the expert's biases, if any), the
+gated activation, weight, index_add_ into the output. It launches ~14 kernels per expert hit and
+syncs the host once per expert.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from moekit.activation import SWIGLU, GatedActivation, gated
 
 
 def experts_loop(
@@ -16,6 +19,11 @@ def experts_loop(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     num_experts = gate_up_proj.shape[0]
     out = torch.zeros_like(hidden_states)
@@ -27,8 +35,10 @@ def experts_loop(
         expert_hit = torch.greater(expert_mask[:num_experts].sum(dim=(-1, -2)), 0).nonzero()
     for e in expert_hit[:, 0].tolist():
         slot, token_idx = torch.where(expert_mask[e])
-        gate, up = F.linear(hidden_states[token_idx], gate_up_proj[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down_proj[e])
+        pre = F.linear(hidden_states[token_idx], gate_up_proj[e],
+                       None if gate_up_bias is None else gate_up_bias[e])
+        h = F.linear(gated(pre, activation, interleaved), down_proj[e],
+                     None if down_bias is None else down_bias[e])
         h = h * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out

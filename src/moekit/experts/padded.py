@@ -2,7 +2,7 @@
 
 Buffers (C = cap rows per expert):
     x_pad (E, C, H)  token rows by expert, zeros in unused rows
-    h     (E, C, 2I) -> SwiGLU -> (E, C, I) -> y (E, C, H)
+    h     (E, C, 2I) (+ gate_up_bias) -> activation -> (E, C, I) -> y (E, C, H) (+ down_bias)
 Without a capacity factor C is the busiest expert's count (read back to the host: a sync). With
 capacity_factor c, C = ceil(c * S / E) is fixed (Switch Transformer), so the backend can be
 captured in a CUDA graph, and pairs past an expert's capacity are dropped: they contribute 0.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from moekit._memory import fits
+from moekit.activation import SWIGLU, GatedActivation, gated
 from moekit.align import sort_pairs
 
 
@@ -44,7 +44,9 @@ def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
 
 def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                   capacity_factor: float | None = None, stats: dict | None = None) -> torch.Tensor:
+                   capacity_factor: float | None = None, stats: dict | None = None,
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                   activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]
@@ -76,8 +78,11 @@ def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     x_pad = x_pad[:-1].view(num_experts, cap, hidden)
 
     h = torch.bmm(x_pad, gate_up_proj.transpose(1, 2))                  # (E, cap, 2I)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, down_proj.transpose(1, 2))          # (E, cap, H)
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[:, None, :]
+    y = torch.bmm(gated(h, activation, interleaved), down_proj.transpose(1, 2))   # (E, cap, H)
+    if down_bias is not None:       # rows of no pair get it too, and are never gathered
+        y = y + down_bias[:, None, :]
 
     y_flat = torch.cat([y.reshape(num_experts * cap, hidden), y.new_zeros(1, hidden)])
     w = torch.where(kept, topk_weights.reshape(-1).float(), 0.0)

@@ -3,8 +3,10 @@
 A backend is one function with one signature, `run(x, gate_up_proj, down_proj, topk_weights,
 topk_ids, options, out) -> (T, H)`, and the capabilities callers need before choosing it:
 whether it can run inside a CUDA graph, on which devices autograd can differentiate it, which
-`ExpertsOptions` it takes, and a layout check it needs. `moekit.moe_experts` validates once, then
-dispatches here; the `moekit::experts` custom op runs the same entries.
+`ExpertsOptions` it takes (the expert math beyond SwiGLU among them: biases, the gpt_oss
+activation, interleaved gate/up rows) and which of those its backward handles, and a layout check
+it needs. `moekit.moe_experts` validates once, then dispatches here; the `moekit::experts` custom op
+runs the same entries.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from moekit._validation import FLOAT_DTYPES
+from moekit.activation import SWIGLU, GatedActivation
 from moekit.tuning import ExpertsConfig
+
+# The options that change what an expert computes (`moekit.activation`), not how it is run.
+MATH_OPTIONS = frozenset({"gate_up_bias", "down_bias", "activation", "interleaved"})
 
 
 @dataclass(frozen=True)
@@ -27,11 +33,32 @@ class ExpertsOptions:
         capacity_factor: padded, masked: cap each expert at ceil(c * S / E) pairs (Switch
             Transformer); pairs past the cap are dropped and counted. masked without it: C = S.
         stats: padded, masked: a dict filled with "capacity" (int) and "dropped" (device scalar).
+        gate_up_bias: (E, 2I) added to the gate/up pre-activations (in gate_up_proj's row layout).
+        down_bias: (E, H) added to the down projection, before the routing weight.
+        activation: a `GatedActivation` other than SwiGLU (None: SwiGLU).
+        interleaved: True when gate_up_proj's rows alternate gate, up (None: [gate; up]).
     """
 
     config: ExpertsConfig | None = None
     capacity_factor: float | None = None
     stats: dict | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: GatedActivation | None = None
+    interleaved: bool | None = None
+
+    @staticmethod
+    def math(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: GatedActivation,
+             interleaved: bool) -> dict:
+        """The math fields as given to the constructor: defaults (SwiGLU, [gate; up]) as None."""
+        return {"gate_up_bias": gate_up_bias, "down_bias": down_bias,
+                "activation": None if activation.is_swiglu else activation,
+                "interleaved": True if interleaved else None}
+
+    def math_kwargs(self) -> dict:
+        """The expert math as the backends' keyword arguments."""
+        return {"gate_up_bias": self.gate_up_bias, "down_bias": self.down_bias,
+                "activation": self.activation or SWIGLU, "interleaved": bool(self.interleaved)}
 
     def given(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
@@ -54,6 +81,8 @@ class Backend:
         options: the `ExpertsOptions` fields it takes.
         check_layout: raises for strides or sizes it cannot take (before any launch), or None.
         dtypes: the float dtypes it computes in.
+        backward_options: the options its backward handles (None: every option it takes); a
+            call given another one has no backward (`has_backward`).
     """
 
     name: str
@@ -64,9 +93,16 @@ class Backend:
     options: frozenset[str] = frozenset()
     check_layout: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    backward_options: frozenset[str] | None = None
 
-    def has_backward(self, device: torch.device) -> bool:
-        return device.type in self.backward_devices
+    def has_backward(self, device: torch.device, options: ExpertsOptions | None = None) -> bool:
+        return device.type in self.backward_devices and not self.no_backward_for(options)
+
+    def no_backward_for(self, options: ExpertsOptions | None) -> list[str]:
+        """The given options its backward does not handle (empty: none)."""
+        if options is None or self.backward_options is None:
+            return []
+        return [name for name in options.given() if name not in self.backward_options]
 
     def check_options(self, options: ExpertsOptions) -> None:
         extra = [name for name in options.given() if name not in self.options]

@@ -19,6 +19,11 @@ extra GEMM1's worth of FLOPs, no extra launch). Launches, each skipped when no i
     down_proj_grad      (E, H, I)                                   if down_proj needs grad
 Backward workspace: dpre (L, 2I), h (L, I), (L, cdiv(I, block_n1)) fp32 partial sums, (S, H) per-pair dx.
 Deterministic (no atomics), no host sync. Not twice differentiable.
+
+Expert biases, the gpt_oss activation and interleaved gate/up rows (`moekit.activation`) run in the
+forward kernels' epilogues; the backward kernels compute SwiGLU without biases only, so a call with
+any of them that needs gradients raises here (`moekit.moe_experts` routes such calls to a backend
+with a torch backward first: no bias gradient is ever dropped).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
+from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import Alignment, align_block_size
 from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum
 from moekit.grouped_gemm_backward import (
@@ -47,10 +53,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig)
 
 
 def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor) -> Alignment:
+             topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor, *,
+             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+             activation: GatedActivation = SWIGLU, interleaved: bool = False) -> Alignment:
     align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
-    h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config)
-    y = gemm2_weighted(h, down_proj, topk_weights, align, config)
+    h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config, bias=gate_up_bias,
+                     activation=activation, interleaved=interleaved)
+    y = gemm2_weighted(h, down_proj, topk_weights, align, config, bias=down_bias)
     moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
     return align
 
@@ -130,15 +139,26 @@ def experts_triton(
     *,
     config: ExpertsConfig | None = None,
     out: torch.Tensor | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SWIGLU,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
-    if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights):
+    extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases):
+        if extended:
+            raise RuntimeError("the triton backward computes SwiGLU without biases only; this call has "
+                               "expert biases, another activation or interleaved gate/up rows and needs "
+                               "gradients: use moekit.moe_experts (it picks a differentiable backend)")
         if out is not None:
             raise RuntimeError("out= cannot be used when the call needs gradients")
         return _TritonExperts.apply(hidden_states, gate_up_proj, down_proj, weights, ids, config)
     if out is None:
         out = _workspace.empty_like(hidden_states)
-    _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out)
+    _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out, gate_up_bias=gate_up_bias,
+             down_bias=down_bias, activation=activation, interleaved=interleaved)
     return out
 
 

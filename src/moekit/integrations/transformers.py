@@ -8,12 +8,23 @@
 Transformers' `@use_experts_implementation` classes call the registered function as
 `fn(experts, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`; the function reads
 `experts.gate_up_proj`, `experts.down_proj`, `experts.act_fn` and the layout flags the decorator
-sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`). It runs `moekit.ops.experts`
-(triton on CUDA; grouped_mm, or loop for unaligned sizes, on CPU) for SiLU-gated experts without
-biases, in the concatenated [gate; up] layout, transposed or not (a transposed module is read
-through strided views, no copy). Everything else goes to Transformers' own grouped_mm path with
-one warning per (class, reason): biases, non-gated or interleaved experts, other activations, a
-custom `_apply_gate`, quantized or DTensor weights.
+sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`, `has_post_expert_norm`). It runs
+`moekit.ops.experts` (triton on CUDA; grouped_mm, or loop for unaligned sizes, on CPU) for
+  - SiLU-gated experts (the default `_apply_gate`) in the concatenated [gate; up] layout, and
+  - gpt-oss's experts (`GptOssExperts._apply_gate`: clamped SwiGLU with its `alpha` and `limit`, on
+    interleaved gate/up columns, `moekit.activation`), with their biases `gate_up_proj_bias` and
+    `down_proj_bias` (fused in the triton kernels' epilogues),
+transposed or not (a transposed module is read through strided views, no copy). Everything else goes
+to Transformers' own grouped_mm path with one warning per (class, reason): non-gated experts, other
+activations or custom `_apply_gate`s, the default gate on interleaved rows, a post-expert norm,
+quantized or DTensor weights.
+
+Llama-4 (`Llama4TextMoe`) does not call the experts interface: its router scales each expert's
+INPUT by sigmoid(top-k logit) and runs every expert densely on every token. Since the experts are
+nonlinear, that is not a routing weight on the output, so `MoELayer` / `from_transformers` cannot
+hold it (they raise). `patch_llama4(model)` runs such blocks on moekit's experts op as Transformers
+defines them: per routing slot k, `experts(x * score_k, ids_k, weight 1)` (one call for the top-1
+routing of Llama 4 Scout and Maverick), plus the shared expert.
 
 Training: a call that needs gradients runs on moekit too, through `moekit.ops.experts`, whose
 autograd reaches the experts' gate_up_proj / down_proj Parameters (through the transpose views of a
@@ -49,11 +60,13 @@ from torch import nn
 
 from moekit import ops
 from moekit._validation import FLOAT_DTYPES, needs_grad
-from moekit.experts import BACKENDS, has_backward
+from moekit.activation import SWIGLU, GatedActivation
+from moekit.experts import BACKENDS, ExpertsOptions, has_backward
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
-__all__ = ["experts_forward", "from_transformers", "register", "to_transformers", "unsupported_reason"]
+__all__ = ["experts_forward", "from_transformers", "patch_llama4", "register", "to_transformers",
+           "unsupported_reason"]
 
 # Sparse MoE blocks whose forward is exactly `experts(x, *gate(x)[1:][::-1])` with a softmax,
 # top-k, optionally renormalised router: what MoELayer computes. Value: model_type, module path,
@@ -74,6 +87,7 @@ class _Transformers:
     interface: type                    # ExpertsInterface (a class-wide registry)
     grouped_mm_forward: Callable       # Transformers' grouped_mm experts function: the fallback
     default_apply_gate: Callable | None
+    gpt_oss_apply_gate: Callable | None   # GptOssExperts._apply_gate: clamped SwiGLU, interleaved
     silu_types: tuple[type, ...]
     builtin_names: frozenset[str]
 
@@ -97,10 +111,15 @@ def _transformers() -> _Transformers:
         ) from exc
     silu = tuple(t for t in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if t is not None)
     interface = moe.ExpertsInterface
+    try:
+        gpt_oss = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss").GptOssExperts
+    except (ImportError, AttributeError):
+        gpt_oss = None
     _TF = _Transformers(
         interface=interface,
         grouped_mm_forward=moe.grouped_mm_experts_forward,
         default_apply_gate=getattr(moe, "_default_apply_gate", None),
+        gpt_oss_apply_gate=getattr(gpt_oss, "_apply_gate", None),
         silu_types=silu,
         builtin_names=frozenset(moe.ALL_EXPERTS_FUNCTIONS) | {"eager"},
     )
@@ -138,35 +157,78 @@ def register(name: str = "moekit", *, backend: str = "auto") -> Callable:
 
 def unsupported_reason(experts: nn.Module) -> str | None:
     """Why moekit's kernels cannot run this Transformers experts module; None when they can."""
-    tf = _transformers()
-    if not getattr(experts, "has_gate", True):
-        return "non-gated experts (has_gate=False)"
-    if getattr(experts, "has_bias", False):
-        return "expert biases (has_bias=True)"
-    if not getattr(experts, "is_concatenated", True):
-        return "interleaved gate/up rows (is_concatenated=False)"
+    return _plan(experts)[0]
+
+
+def _activation_plan(experts: nn.Module, tf: _Transformers) -> tuple[str | None, GatedActivation, bool]:
+    """(reason, activation, interleaved) from the module's `_apply_gate`: the default one (act_fn on
+    the first half times the second) or gpt-oss's (clamped SwiGLU on interleaved columns)."""
     apply_gate = getattr(type(experts), "_apply_gate", tf.default_apply_gate)
+    if tf.gpt_oss_apply_gate is not None and apply_gate is tf.gpt_oss_apply_gate:
+        alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+        try:
+            return None, GatedActivation("gpt_oss", alpha, limit), True
+        except (TypeError, ValueError) as exc:
+            return f"gpt-oss gate parameters alpha={alpha!r}, limit={limit!r} ({exc})", SWIGLU, False
     if tf.default_apply_gate is None or apply_gate is not tf.default_apply_gate:
-        return "a custom _apply_gate"
+        return "a custom _apply_gate", SWIGLU, False
+    if not getattr(experts, "is_concatenated", True):
+        return "interleaved gate/up rows with the default _apply_gate (is_concatenated=False)", SWIGLU, False
     act = getattr(experts, "act_fn", None)
     if not (isinstance(act, tf.silu_types) or act is F.silu):
-        return f"activation {type(act).__name__} (moekit fuses SiLU only)"
+        return f"activation {type(act).__name__} (moekit fuses SiLU only)", SWIGLU, False
+    return None, SWIGLU, False
+
+
+def _plan(experts: nn.Module) -> tuple[str | None, dict]:
+    """(why moekit cannot run the module, or None; the keyword arguments of `ops.experts` giving its
+    (E, 2I, H) / (E, H, I) weights, biases, activation and row layout)."""
+    tf = _transformers()
+    if not getattr(experts, "has_gate", True):
+        return "non-gated experts (has_gate=False)", {}
+    if getattr(experts, "has_post_expert_norm", False):
+        return "a post-expert norm (has_post_expert_norm=True)", {}
+    reason, activation, interleaved = _activation_plan(experts, tf)
+    if reason is not None:
+        return reason, {}
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return "no gate_up_proj / down_proj tensors"
+        return "no gate_up_proj / down_proj tensors", {}
     if _is_dtensor(gate_up) or _is_dtensor(down):
-        return "DTensor weights"
+        return "DTensor weights", {}
     if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype:
-        return f"weights of dtype {gate_up.dtype} / {down.dtype}"
+        return f"weights of dtype {gate_up.dtype} / {down.dtype}", {}
     if gate_up.device.type not in ("cuda", "cpu"):
-        return f"weights on {gate_up.device.type}"
+        return f"weights on {gate_up.device.type}", {}
     if gate_up.dim() != 3 or down.dim() != 3:
-        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}"
+        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}", {}
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     num_experts, two_i, hidden = gate_up.shape
     if two_i % 2 or tuple(down.shape) != (num_experts, hidden, two_i // 2):
-        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}"
+        return f"weights of shapes {tuple(gate_up.shape)} / {tuple(down.shape)}", {}
+    biases = {"gate_up_bias": None, "down_bias": None}
+    if getattr(experts, "has_bias", False):
+        reason = _bias_reason(experts, gate_up)
+        if reason is not None:
+            return reason, {}
+        biases = {"gate_up_bias": experts.gate_up_proj_bias, "down_bias": experts.down_proj_bias}
+    return None, {"gate_up_proj": gate_up, "down_proj": down, **biases, "activation": activation,
+                  "interleaved": interleaved}
+
+
+def _bias_reason(experts: nn.Module, gate_up: torch.Tensor) -> str | None:
+    """Why the biases of a has_bias module cannot be read: gate_up_proj_bias (E, 2I) and
+    down_proj_bias (E, H) tensors of the weights' dtype and device."""
+    num_experts, two_i, hidden = gate_up.shape
+    for name, shape in (("gate_up_proj_bias", (num_experts, two_i)),
+                        ("down_proj_bias", (num_experts, hidden))):
+        bias = getattr(experts, name, None)
+        if not isinstance(bias, torch.Tensor) or _is_dtensor(bias):
+            return f"expert biases (has_bias=True) without a {name} tensor"
+        if bias.dtype != gate_up.dtype or bias.device != gate_up.device or tuple(bias.shape) != shape:
+            return (f"expert biases: {name} of shape {tuple(bias.shape)}, {bias.dtype} on {bias.device}; "
+                    f"expected {shape}, {gate_up.dtype} on {gate_up.device}")
     return None
 
 
@@ -207,25 +269,41 @@ def experts_forward(
     Returns:
         (T, H) in the dtype of hidden_states.
     """
-    reason = unsupported_reason(self)
-    if (reason is None and backend != "auto" and not has_backward(backend, self.gate_up_proj.device)
-            and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj)):
-        reason = (f"inputs that need gradients and backend={backend!r} has no backward on "
-                  f"{self.gate_up_proj.device.type}")
+    reason, plan = _plan(self)
+    if reason is None and backend != "auto":
+        biases = [b for b in (plan["gate_up_bias"], plan["down_bias"]) if b is not None]
+        math = {k: plan[k] for k in ("gate_up_bias", "down_bias", "activation", "interleaved")}
+        options = ExpertsOptions(**ExpertsOptions.math(**math))
+        if (not has_backward(backend, self.gate_up_proj.device, options)
+                and needs_grad(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, *biases)):
+            reason = (f"inputs that need gradients and backend={backend!r} has no backward on "
+                      f"{self.gate_up_proj.device.type} for these experts")
     if reason is not None:
         _warn_once(type(self).__name__, reason)
         return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
-    gate_up, down = self.gate_up_proj, self.down_proj
-    if getattr(self, "is_transposed", False):
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate_up, down = plan.pop("gate_up_proj"), plan.pop("down_proj")
     out = ops.experts(hidden_states.to(gate_up.dtype), gate_up, down, top_k_weights, top_k_index,
-                      backend=backend)
+                      backend=backend, **plan)
     return out.to(hidden_states.dtype)
+
+
+# MoE blocks MoELayer cannot hold, and what runs them on moekit instead.
+_NOT_A_LAYER = {
+    "GptOssMLP": "gpt-oss's experts have biases and a clamped SwiGLU on interleaved rows, and its router a "
+                 "bias, none of which MoELayer holds; register() runs its experts on moekit's kernels "
+                 "(experts_implementation='moekit')",
+    "Llama4TextMoe": "Llama-4 scales each expert's input by its router score (sigmoid), which MoELayer's "
+                     "routing weight on the output cannot express (the experts are nonlinear); "
+                     "patch_llama4(model) runs the block on moekit's experts op",
+}
 
 
 def _block_spec(block: nn.Module) -> tuple[int, bool]:
     """(top_k, norm_topk_prob) of a supported sparse MoE block's router."""
     name = type(block).__name__
+    for cls in type(block).__mro__:          # a patched Llama4TextMoe subclasses the original
+        if cls.__name__ in _NOT_A_LAYER:
+            raise TypeError(f"from_transformers cannot convert {cls.__name__}: {_NOT_A_LAYER[cls.__name__]}")
     if name not in _BLOCKS:
         raise TypeError(f"from_transformers supports {sorted(_BLOCKS)}, got {name}")
     norm = _BLOCKS[name][2]
@@ -338,3 +416,74 @@ def to_transformers(layer, config=None, *, experts_implementation: str | None = 
         raise ValueError(f"{cls_name} has buffers moekit cannot fill")
     block.train(layer.training)
     return block
+
+
+def llama4_moe_forward(block: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Llama4TextMoe.forward` with the routed experts on `moekit.ops.experts` (`block.moekit_backend`,
+    set by `patch_llama4`).
+
+    Transformers: scores = sigmoid(top-k router logits) (0 elsewhere); every expert e runs on
+    x * scores[:, e]; out = shared_expert(x) + the sum over experts. An expert given 0 returns 0
+    (gate and up are 0), so only the top-k pairs count: per slot k, experts(x * score_k) for the
+    pairs (t, ids[t, k]) with routing weight 1, which moekit computes sparsely.
+
+    Returns:
+        (out (T, H), router_logits (T, E)), as the block's own forward.
+    """
+    x = hidden_states.reshape(-1, block.hidden_dim)
+    router_scores, router_logits = block.router(x)
+    ids = torch.topk(router_logits, block.top_k, dim=1).indices       # the router's own top-k
+    scores = router_scores.gather(1, ids)
+    experts = block.experts
+    gate_up, down = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    out = block.shared_expert(x)
+    for k in range(block.top_k):
+        routed = ops.experts((x * scores[:, k:k + 1]).to(gate_up.dtype), gate_up, down, ones, ids[:, k:k + 1],
+                             backend=block.moekit_backend)
+        out = out + routed.to(out.dtype)
+    return out, router_logits
+
+
+def patch_llama4(model: nn.Module, *, backend: str = "auto") -> int:
+    """Run every `Llama4TextMoe` block of `model` on moekit's experts (`llama4_moe_forward`).
+
+    The blocks' class is swapped for a subclass whose forward is `llama4_moe_forward` (parameters,
+    state dict and isinstance checks unchanged); calling again changes the backend.
+
+    Args:
+        model: a Transformers model holding Llama4TextMoe blocks (Llama4ForCausalLM, ...).
+        backend: the moekit experts backend, "auto" or one of `moekit.BACKENDS`.
+
+    Returns:
+        The number of blocks patched. Raises ValueError for experts moekit cannot run (an
+        activation other than SiLU, weights of another dtype or layout).
+    """
+    _transformers()
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    base = importlib.import_module("transformers.models.llama4.modeling_llama4").Llama4TextMoe
+    patched = 0
+    for module in model.modules():
+        if not isinstance(module, base):
+            continue
+        experts = module.experts
+        act = getattr(experts, "act_fn", None)
+        if not (isinstance(act, _transformers().silu_types) or act is F.silu):
+            raise ValueError(f"moekit cannot run Llama4TextExperts with activation {type(act).__name__} "
+                             "(moekit fuses SiLU only)")
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if gate_up.dtype not in FLOAT_DTYPES or down.dtype != gate_up.dtype or gate_up.dim() != 3:
+            raise ValueError(f"moekit cannot run Llama4TextExperts with weights {tuple(gate_up.shape)} "
+                             f"{gate_up.dtype} / {tuple(down.shape)} {down.dtype}")
+        if not getattr(type(module), "moekit_patched", False):
+            module.__class__ = _moekit_llama4_class(type(module))
+        module.moekit_backend = backend
+        patched += 1
+    return patched
+
+
+@functools.cache
+def _moekit_llama4_class(cls: type) -> type:
+    return type(f"Moekit{cls.__name__}", (cls,), {"forward": llama4_moe_forward, "moekit_patched": True,
+                                                  "__module__": __name__})

@@ -17,6 +17,16 @@ follow each other (`Alignment.block_codes`): big tiles for the bulk, padding bou
 The epilogues can be switched off (constexpr SWIGLU, MUL_W; the lab's `moekit ablate` measures
 what fusing them saves): GEMM1 then stores [gate | up] pre-activations, h (L, 2I), and GEMM2 the
 unweighted rows.
+
+Extended expert math (`moekit.activation`), each a constexpr flag off by default, so the default
+kernels compile as before:
+    HAS_BIAS     GEMM1: + gate_up_bias[e] on the fp32 accumulators, before the activation (padding
+                 rows then stored as zeros, as GEMM2 needs); GEMM2: + down_bias[e], before the
+                 routing weight multiplies the row
+    GPT_OSS      GEMM1's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+                 g = min(gate, limit), in fp32 (alpha, limit runtime floats)
+    INTERLEAVED  gate_up rows alternate gate, up: one [BK, 2 BN] tile of consecutive rows per step,
+                 one dot, gate and up split in the epilogue (tl.reshape + tl.split)
 """
 
 import triton
@@ -94,8 +104,10 @@ def k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_ak, stride_bk,
 @triton.jit
 def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+                bias_ptr, stride_be, stride_bn, alpha, limit,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr):
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature).
     SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N)."""
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
@@ -107,15 +119,36 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n,
     rk = tl.arange(0, BLOCK_K)                                         # [BK]
 
     a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk                   # [M, BK]
-    g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-    u_ptrs = g_ptrs + N * stride_wn                                                       # [BK, BN]
-
-    acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
-                                 M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+    if INTERLEAVED:    # rows 2n (gate) and 2n + 1 (up): 2 BN consecutive rows, one dot, split after
+        rw = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)                            # [2BN]
+        w_in = rw < 2 * N
+        b_ptrs = w_ptr + e * stride_we + rw.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        acc = k_loop(a_ptrs, b_ptrs, valid, w_in, K, stride_xk, stride_wk, M, 2 * BLOCK_N, BLOCK_K,
+                     EVEN_K, DOT_PRECISION, True)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e * stride_be + rw * stride_bn, mask=w_in, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        acc_g, acc_u = tl.split(tl.reshape(acc, (M, BLOCK_N, 2)))
+    else:
+        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + N * stride_wn                                                   # [BK, BN]
+        acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
+                                     M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        if HAS_BIAS:
+            b_ptrs = bias_ptr + e * stride_be + rn * stride_bn
+            acc_g = acc_g + tl.load(b_ptrs, mask=n_in, other=0.0).to(tl.float32)[None, :]
+            acc_u = acc_u + tl.load(b_ptrs + N * stride_bn, mask=n_in, other=0.0).to(tl.float32)[None, :]
 
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
     if SWIGLU:
-        h = acc_g * tl.sigmoid(acc_g) * acc_u                          # silu(gate) * up, fp32
+        if GPT_OSS:
+            gate = tl.minimum(acc_g, limit)
+            up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))         # gpt-oss's clamped SwiGLU, fp32
+        else:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u                      # silu(gate) * up, fp32
+        if HAS_BIAS:                                                   # padding rows: zeros, as GEMM2 needs
+            h = tl.where(valid[:, None], h, 0.0)
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
     else:
         tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
@@ -124,22 +157,27 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n,
 
 @triton.jit
 def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w_ptr, o_ptr,
-            aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, TOP_K: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr, EPILOGUE: tl.constexpr):
+            aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
+            alpha, limit, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
+            EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr,
+            INTERLEAVED: tl.constexpr):
     """Run TILE (`_gemm1_tile` or `_gemm2_tile`) for row block pid_m: a lone block of BLOCK_M rows,
     or, when PAIRED, per `Alignment.block_codes`: 2 = a tile of this and the next block, 1 = this
     block alone, 0 = nothing (the block before covers it). EPILOGUE: the tile's fused epilogue
-    switch (SWIGLU of GEMM1, MUL_W of GEMM2)."""
+    switch (SWIGLU of GEMM1, MUL_W of GEMM2); HAS_BIAS, GPT_OSS, INTERLEAVED as in the module
+    docstring (GEMM2 reads HAS_BIAS only)."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     row0 = pid_m * BLOCK_M
     code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
     if code == 2:
         TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, EPILOGUE)
+             s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED)
     elif code == 1:
         TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, EPILOGUE)
+             s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED)
 
 
 @triton.jit
@@ -147,9 +185,10 @@ def moe_gemm1_swiglu_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    bias_ptr, stride_be, stride_bn, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
@@ -157,16 +196,20 @@ def moe_gemm1_swiglu_kernel(
     if live:
         _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w_ptr, h_ptr, x_ptr,
                 sorted_ids_ptr, S, N, K, stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                stride_hn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, SWIGLU)
+                stride_hn, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                EVEN_K, DOT_PRECISION, PAIRED, SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED)
 
 
 @triton.jit
 def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+                bias_ptr, stride_be, stride_bn, alpha, limit,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MUL_W: tl.constexpr):
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MUL_W: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows
-    (`_paired`'s signature; TOP_K unused), times the routing weight when MUL_W."""
+    (`_paired`'s signature; TOP_K, alpha, limit, GPT_OSS and INTERLEAVED unused), plus down_bias[e]
+    when HAS_BIAS, times the routing weight when MUL_W."""
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -180,6 +223,9 @@ def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, 
     acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, M, BLOCK_N, BLOCK_K, EVEN_K,
                  DOT_PRECISION, False)   # padding rows of h hold zeros: no row mask needed
 
+    if HAS_BIAS:                                       # before the routing weight, as gpt-oss adds it
+        bias = tl.load(bias_ptr + e * stride_be + rn * stride_bn, mask=n_in, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if MUL_W:
         wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
@@ -192,17 +238,18 @@ def moe_gemm2_kernel(
     h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr,
     num_padded_ptr, S, N, K, num_n_tiles,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    bias_ptr, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
-    MUL_W: tl.constexpr,
+    MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
         _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w_ptr, y_ptr,
                 topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm, stride_hk, stride_we, stride_wn,
-                stride_wk, stride_ym, stride_yn, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
-                MUL_W)
+                stride_wk, stride_ym, stride_yn, bias_ptr, stride_be, stride_bn, 0.0, 0.0, 1, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, MUL_W, HAS_BIAS, False, False)
 
 
 @triton.jit
