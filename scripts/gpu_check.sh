@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|transformers|finetune]...
+# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|breakdown|transformers|finetune]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -50,6 +50,10 @@ for step in $steps; do
                      | tee "$OUT/imbalance.log" | tail -40 ;;
         ablate)  timeout ${ABLATE_TIMEOUT:-570} python3 -m moekit ablate ${ABLATE_ARGS:-} --out "$OUT/ablate" 2>&1 \
                      | tee "$OUT/ablate.log" | tail -40 ;;
+        breakdown) # where one call's device time goes, per kernel: forward and forward + backward
+                 timeout ${BREAKDOWN_TIMEOUT:-240} sh -c "python3 scripts/kernel_breakdown.py --out '$OUT/breakdown_fwd.md' ${BREAKDOWN_ARGS:-} \
+                     && python3 scripts/kernel_breakdown.py --backward --out '$OUT/breakdown_bwd.md' ${BREAKDOWN_ARGS:-}" \
+                     > "$OUT/breakdown.log" 2>&1; tail -30 "$OUT/breakdown.log" ;;
         transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 scripts/gpu_transformers.py "$OUT/transformers" ${TRANSFORMERS_ARGS:-} \
                      2>&1 | tee "$OUT/transformers.log" | tail -40 ;;
         finetune) timeout ${FINETUNE_TIMEOUT:-300} python3 examples/qwen3_moe_finetune.py --device cuda --dtype bfloat16 \
