@@ -37,7 +37,7 @@ from moekit.experts.masked import experts_masked
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
 from moekit.experts.registry import Backend, ExpertsOptions, backend_names, get_backend, register_backend
 from moekit.experts.triton import experts_triton, experts_triton_grads
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
            "has_backward", "moe_experts", "register_backend", "resolve_backend"]
@@ -176,7 +176,7 @@ def moe_experts(
         return out if out is not None else torch.empty_like(hidden_states)
     if (compiling and (not grad or name in OP_BACKWARD_BACKENDS) and options.capacity_factor is None
             and options.stats is None):
-        cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
+        cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]
         result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                           name, cfg)
         return _into(out, result)
@@ -196,7 +196,11 @@ def _config_of(config: list[int] | None) -> ExpertsConfig | None:
     if len(config) > len(CONFIG_FIELDS):
         raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
                          f"got {len(config)}")
-    return ExpertsConfig(**dict(zip(CONFIG_FIELDS, config)))
+    values = dict(zip(CONFIG_FIELDS, config))
+    for name in SWITCH_FIELDS:             # a switch travels as 0 or 1
+        if name in values and values[name] in (0, 1):
+            values[name] = bool(values[name])
+    return ExpertsConfig(**values)
 
 
 @torch.library.custom_op(

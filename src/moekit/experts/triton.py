@@ -29,7 +29,7 @@ from torch.autograd.function import once_differentiable
 from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
 from moekit.align import Alignment, align_block_size
-from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum
+from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
     down_proj_grad,
     gate_up_proj_grad,
@@ -106,9 +106,10 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: ExpertsConfig | None):
-    """(config, contiguous weights, contiguous ids): the tuned config unless one is given."""
+def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+             topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: ExpertsConfig | None):
+    """(config, contiguous weights, contiguous ids): the tuned config unless one is given, its
+    tma_weights switched off where these weights cannot use TMA (`resolve_tma`)."""
     check_triton_device("hidden_states", hidden_states)
     if config is None:
         # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
@@ -116,6 +117,7 @@ def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weigh
         num_experts, two_i, hidden = gate_up_proj.shape
         shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
         config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+    config = resolve_tma(config, gate_up_proj, down_proj)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     return config, weights, ids
@@ -131,7 +133,7 @@ def experts_triton(
     config: ExpertsConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
     if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights):
         if out is not None:
             raise RuntimeError("out= cannot be used when the call needs gradients")
@@ -155,7 +157,7 @@ def experts_triton_grads(
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
     `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
     align = align_pairs(ids, gate_up_proj.shape[0], config)
     return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
                                    config, needs)
