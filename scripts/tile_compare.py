@@ -1,9 +1,28 @@
-"""Tile-shape check for the triton path: the tuned config against paired-tile variants, side by side.
+"""Tile check for the triton path: the tuned config against paired-tile and TMA-weight variants.
 
 For each T, each config runs the whole expert path (align, GEMM1, GEMM2, sum) from a CUDA graph,
 each call alone after an L2 flush (`moekit.bench.timing.time_fn`), on the same routing; the table
-gives the median, % of the roofline floor (ceilings measured in this run) and the rows computed per
-useful row (padding). Usage: python scripts/tile_compare.py [--tokens 1024,2048,...] [--out FILE]
+gives the median, % of the roofline floor (ceilings measured in this run), the rows computed per
+useful row (padding) and the error against the fp32 reference. Variants per T (duplicates of an
+earlier one are skipped, at most 6):
+
+    table            the tuned config
+    tma              table + tma_weights (expert weights read through TMA descriptors)
+    paired           paired tiles of 2 x 64 rows over 64-row blocks, block_n2 = 256
+    paired+tma       paired + tma_weights
+    tma k<BK> s<S>   table + tma_weights with block_k BK and S stages in both GEMMs (--tma-tiles;
+                     shrunk to fit shared memory, the label shows what ran)
+
+A variant that fails to compile or run is reported on its line and the run goes on; one whose
+error exceeds 2x the table config's (plus 1e-3) is reported and not timed. "tma" variants on a
+device or Triton without TMA descriptors run the pointer path: the line says so.
+
+A last table puts every T's variants side by side (ms, % of the floor). About 2-3 minutes on an H200
+from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
+under the interpreter.
+
+Usage: python scripts/tile_compare.py [--tokens 1024,2048,...] [--tma-tiles 64:5,128:3,32:6] [--rep N]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -12,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
 
 import torch
 
@@ -21,16 +41,38 @@ from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.roofline import floor_ms
 from moekit.bench.timing import time_fn
 from moekit.experts.triton import experts_triton
-from moekit.tuning import get_config
+from moekit.grouped_gemm import resolve_tma
+from moekit.reference import moe_experts_ref
+from moekit.tuning import fit_shared_memory, get_config, shared_memory_budget
+
+MAX_VARIANTS = 6
 
 
-def variants(base: moekit.ExpertsConfig) -> dict[str, moekit.ExpertsConfig]:
-    """The table's config, and paired tiles of the same height over half-height blocks."""
-    out = {"table": base}
-    for block_m in (32, 64):
-        for n2 in (128, 256):
-            cfg = dataclasses.replace(base, block_m=block_m, pair_blocks=2, block_n2=n2)
-            out[f"paired{2 * block_m}/{block_m}-n2={n2}"] = cfg
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """"64:5,128:3" -> [(64, 5), (128, 3)]: (block_k, stages) pairs."""
+    out = []
+    for item in filter(None, text.split(",")):
+        bk, _, stages = item.partition(":")
+        out.append((int(bk), int(stages)))
+    return out
+
+
+def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], itemsize: int,
+             budget: int) -> dict[str, moekit.ExpertsConfig]:
+    """Named configs for one T, duplicates dropped, at most MAX_VARIANTS."""
+    tma = dataclasses.replace(base, tma_weights=True)
+    paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
+    candidates = {"table": base, "tma": tma, "paired": paired,
+                  "paired+tma": dataclasses.replace(paired, tma_weights=True)}
+    for bk, stages in tma_tiles:
+        cfg = fit_shared_memory(dataclasses.replace(tma, block_k1=bk, block_k2=bk, stages1=stages,
+                                                    stages2=stages), itemsize, budget)
+        candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
+    out: dict[str, moekit.ExpertsConfig] = {}
+    for name, cfg in candidates.items():
+        cfg = cfg if name == "table" else fit_shared_memory(cfg, itemsize, budget)
+        if cfg not in out.values() and len(out) < MAX_VARIANTS:
+            out[name] = cfg
     return out
 
 
@@ -42,38 +84,108 @@ def padding(ids: torch.Tensor, num_experts: int, cfg: moekit.ExpertsConfig) -> f
     return float(rows) / ids.numel()
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def describe(cfg: moekit.ExpertsConfig, ran: moekit.ExpertsConfig) -> str:
+    note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
+    return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
+            f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "
+            f"s={cfg.stages1}/{cfg.stages2}{note}")
+
+
+def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: torch.device,
+               dtype: torch.dtype) -> list[dict]:
+    """One row per variant at T = t: timed, or with the reason it was not."""
+    shape = layer.shape
+    x = torch.randn(t, shape.hidden_size, device=dev, dtype=dtype)
+    w, ids = layer.route(x)
+    fl = floor_ms(shape, t, ids, dtype, ceil)
+    ref = moe_experts_ref(x, layer.gate_up_proj, layer.down_proj, w, ids)
+    table_err = None
+    rows = []
+    for name, cfg in variants(get_config(shape, t, dtype, dev), parse_tiles(args.tma_tiles), dtype.itemsize,
+                              budget).items():
+        ran = resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
+        tiles = describe(cfg, ran)
+        row = dict(tokens=t, config=name, tma_ran=ran.tma_weights,
+                   **{f"cfg_{k}": v for k, v in cfg.to_dict().items()})
+        rows.append(row)
+        fn = functools.partial(experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg)
+        try:
+            out = fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        except Exception as exc:   # a tile the compiler refuses: say why, go on
+            row["error"] = first_line(exc)
+            print(f"{t:>6} {name:>18} FAILED {row['error']}  {tiles}", flush=True)
+            continue
+        err = rel(out, ref)
+        table_err = err if table_err is None else table_err
+        row["err_vs_fp32"] = err
+        if err > 2 * table_err + 1e-3:
+            row["error"] = f"wrong result: err {err:.3e} > 2x the table's {table_err:.3e}"
+            print(f"{t:>6} {name:>18} WRONG ({row['error']}); not timed  {tiles}", flush=True)
+            continue
+        try:
+            ms = time_fn(fn, graph=dev.type == "cuda", device=dev, rep=args.rep).median_ms
+        except Exception as exc:
+            row["error"] = "timing: " + first_line(exc)
+            print(f"{t:>6} {name:>18} FAILED {row['error']}  {tiles}", flush=True)
+            continue
+        row.update(graph_ms=ms, floor_ms=fl, pct_floor=100 * fl / ms,
+                   rows_per_pair=padding(ids, shape.num_experts, cfg))
+        print(f"{t:>6} {name:>18} {ms:9.4f} {row['pct_floor']:6.1f}% {row['rows_per_pair']:9.3f} "
+              f"{err:11.2e}  {tiles}", flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> None:
+    """ms and % of the floor side by side: a line per T, a column per variant."""
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    print("\n" + f"{'T':>6} " + " ".join(f"{n:>20}" for n in names))
+    for t in dict.fromkeys(r["tokens"] for r in rows):
+        cells = {r["config"]: f"{r['graph_ms']:.3f} ms {r['pct_floor']:4.1f}%" if "graph_ms" in r
+                 else "failed" for r in rows if r["tokens"] == t}
+        print(f"{t:>6} " + " ".join(f"{cells.get(n, '-'):>20}" for n in names))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
+                   help="block_k:stages pairs tried with TMA weights on top of the table config")
+    p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")
     args = p.parse_args()
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    shape = moekit.get_shape(args.preset)
+    started = time.perf_counter()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     ceil = measure_ceilings(dev, dtype)
-    print(f"{torch.cuda.get_device_name()}: copy {ceil.copy_gbps:.0f} GB/s, "
-          f"matmul {ceil.matmul_tflops:.0f} TFLOP/s")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"{name}: copy {ceil.copy_gbps:.0f} GB/s, matmul {ceil.matmul_tflops:.0f} TFLOP/s; "
+          f"torch {torch.__version__}", flush=True)
     torch.manual_seed(0)
-    layer = moekit.MoELayer(shape, dtype=dtype, device=dev).requires_grad_(False)
-    rows = []
-    print(f"{'T':>6} {'config':>22} {'graph ms':>9} {'%floor':>7} {'rows/pair':>9}")
+    layer = moekit.MoELayer(moekit.get_shape(args.preset), dtype=dtype, device=dev).requires_grad_(False)
+    rows: list[dict] = []
+    print(f"{'T':>6} {'config':>18} {'graph ms':>9} {'%floor':>7} {'rows/pair':>9} {'err vs fp32':>11}"
+          "  tiles")
     for t in (int(v) for v in args.tokens.split(",")):
-        x = torch.randn(t, shape.hidden_size, device=dev, dtype=dtype)
-        w, ids = layer.route(x)
-        fl = floor_ms(shape, t, ids, dtype, ceil)
-        ref = None
-        for name, cfg in variants(get_config(shape, t, dtype, dev)).items():
-            fn = functools.partial(experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg)
-            out = fn()
-            ref = out if ref is None else ref
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = time_fn(fn, graph=True, device=dev).median_ms
-            row = dict(tokens=t, config=name, graph_ms=ms, floor_ms=fl, pct_floor=100 * fl / ms,
-                       rows_per_pair=padding(ids, shape.num_experts, cfg), diff_vs_table=err,
-                       **{f"cfg_{k}": v for k, v in cfg.to_dict().items()})
-            rows.append(row)
-            print(f"{t:>6} {name:>22} {ms:9.4f} {row['pct_floor']:6.1f}% {row['rows_per_pair']:9.3f}"
-                  f"  (rel diff vs table {err:.1e})", flush=True)
+        try:
+            rows += run_tokens(layer, t, args, ceil, shared_memory_budget(dev), dev, dtype)
+        except Exception as exc:   # the device itself failed (e.g. a fault left the context unusable)
+            print(f"{t:>6} stopped: {first_line(exc)}", flush=True)
+            break
+    summary(rows)
+    print(f"done in {time.perf_counter() - started:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -40,3 +40,20 @@ def seed_per_test(request) -> int:
     np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """The block shapes of the TMA descriptors the grouped GEMM launchers build, in order: proof
+    that the descriptor path ran (`ExpertsConfig.tma_weights`)."""
+    import moekit.grouped_gemm as gg
+
+    made = []
+
+    def spy(*args, **kwargs):
+        made.append(args[3])                               # block shape
+        return real(*args, **kwargs)
+
+    real = gg.TensorDescriptor
+    monkeypatch.setattr(gg, "TensorDescriptor", spy)
+    return made

@@ -24,7 +24,13 @@ from moekit import ExpertsConfig, GatedActivation, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.experts import ExpertsOptions, resolve_backend
 from moekit.experts.triton import experts_triton
-from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_torch, gemm2_weighted, gemm2_weighted_torch
+from moekit.grouped_gemm import (
+    gemm1_swiglu,
+    gemm1_swiglu_torch,
+    gemm2_weighted,
+    gemm2_weighted_torch,
+    resolve_tma,
+)
 from moekit.reference import moe_experts_ref
 
 SMALL = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
@@ -63,6 +69,28 @@ CASES = [  # (T, E, H, I, K)
 ]
 
 
+def kernels_against_twins(x, gate_up, down, w, ids, bias_gu, bias_down, cfg, act, interleaved):
+    """GEMM1 and GEMM2 with the math under cfg, poisoned workspaces, against their fp32 twins
+    (1e-5); padding rows of h exactly 0 (the bias kept out). Returns (placed pairs, GEMM2's twin)."""
+    top_k = ids.shape[1]
+    align = align_block_size(ids, gate_up.shape[0], cfg.block_m, backend="torch")
+    live = int(align.num_padded)
+    rows = align.sorted_ids[:live]
+    placed = torch.zeros(ids.numel(), dtype=torch.bool)
+    placed[rows[rows < ids.numel()].long()] = True
+    with poisoning():
+        h = gemm1_swiglu(x, gate_up, align, top_k, cfg, bias=bias_gu, activation=act, interleaved=interleaved)
+        y = gemm2_weighted(h, down, w, align, cfg, bias=bias_down)
+    h_ref = gemm1_swiglu_torch(x, gate_up, align, top_k, bias=bias_gu, activation=act,
+                               interleaved=interleaved)
+    assert rel_err(h[:live], h_ref[:live]) <= 1e-5
+    padding = rows == ids.numel()
+    assert torch.equal(h[:live][padding], torch.zeros_like(h[:live][padding]))
+    y_ref = gemm2_weighted_torch(h_ref, down, w, align, bias=bias_down)
+    assert rel_err(y[placed], y_ref[placed]) <= 1e-5
+    return placed, y_ref
+
+
 @pytest.mark.parametrize("math", MATH, ids=lambda m: f"{m[0]}-{'interleaved' if m[1] else 'concat'}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
 def test_kernels_match_their_twins(case, math):
@@ -70,27 +98,12 @@ def test_kernels_match_their_twins(case, math):
     in fp32, poisoned workspaces; padding rows of h exactly 0; the twins chained are the reference."""
     activation, interleaved = math
     x, gate_up, down, w, ids, bias_gu, bias_down = make(*case, sentinels=case[0] > 1)
-    num_experts, top_k = case[1], case[4]
     act = GatedActivation(activation)
     for cfg in ((SMALL, PAIRED) if case[0] == 40 else (SMALL,)):
-        align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-        live = int(align.num_padded)
-        rows = align.sorted_ids[:live]
-        placed = torch.zeros(ids.numel(), dtype=torch.bool)
-        placed[rows[rows < ids.numel()].long()] = True
-        with poisoning():
-            h = gemm1_swiglu(x, gate_up, align, top_k, cfg, bias=bias_gu, activation=act,
-                             interleaved=interleaved)
-            y = gemm2_weighted(h, down, w, align, cfg, bias=bias_down)
-        h_ref = gemm1_swiglu_torch(x, gate_up, align, top_k, bias=bias_gu, activation=act,
-                                   interleaved=interleaved)
-        assert rel_err(h[:live], h_ref[:live]) <= 1e-5
-        padding = rows == ids.numel()
-        assert torch.equal(h[:live][padding], torch.zeros_like(h[:live][padding]))   # bias kept out
-        y_ref = gemm2_weighted_torch(h_ref, down, w, align, bias=bias_down)
-        assert rel_err(y[placed], y_ref[placed]) <= 1e-5
+        placed, y_ref = kernels_against_twins(x, gate_up, down, w, ids, bias_gu, bias_down, cfg, act,
+                                              interleaved)
     # The twins chained (slot sum of the placed pairs) are the expert path of the reference.
-    chained = torch.where(placed[:, None], y_ref, 0.0).view(case[0], top_k, -1).sum(1)
+    chained = torch.where(placed[:, None], y_ref, 0.0).view(case[0], case[4], -1).sum(1)
     kw = math_kwargs(activation, interleaved, bias_gu, bias_down)
     ref = moe_experts_ref(x, gate_up, down, w, ids, **kw)
     assert rel_err(chained, ref) <= 1e-5
@@ -107,6 +120,81 @@ def test_unfused_epilogue_stores_biased_pre_activations():
     want = gemm1_swiglu_torch(x, gate_up, align, 2, swiglu=False, bias=bias_gu, interleaved=True)
     valid = align.sorted_ids[:live] < ids.numel()
     assert rel_err(pre[:live][valid], want[:live][valid]) <= 1e-5
+
+
+# TMA weights (`ExpertsConfig.tma_weights`) under the expert math: the descriptor path (emulated by
+# the interpreter) feeds the same bias and activation epilogues; interleaved gate/up rows are read as
+# one [2 BN, BK] box. Its compiled form for sm_90 is checked by scripts/aot_compile_check.py.
+
+TMA = dataclasses.replace(SMALL, tma_weights=True)
+TMA_CASES = [  # (T, E, H, I, K): fp32 rows 16-byte aligned (H, I multiples of 4)
+    (7, 8, 64, 48, 2),
+    (13, 5, 40, 24, 1),      # N tails (H = 40, I = 24): the rows after a tile are read and dropped
+    (40, 3, 24, 40, 3),      # several blocks per expert (paired tiles too), K tails
+]
+
+
+@pytest.mark.parametrize("math", MATH, ids=lambda m: f"{m[0]}-{'interleaved' if m[1] else 'concat'}")
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_tma_weights_with_the_math_match_their_twins(case, math, descriptors):
+    """GEMM1 and GEMM2 with tma_weights, biases and the activation against their twins in fp32;
+    expert 0 gets no token, so the last expert's tiles reach past the end of the weights."""
+    activation, interleaved = math
+    x, gate_up, down, w, _, bias_gu, bias_down = make(*case)
+    ids = distinct_topk_ids(case[0], case[1], case[4], dtype=torch.int64, avoid=0)
+    ids[::3, 0] = -1
+    for cfg in ((TMA, dataclasses.replace(PAIRED, tma_weights=True)) if case[0] == 40 else (TMA,)):
+        del descriptors[:]
+        kernels_against_twins(x, gate_up, down, w, ids, bias_gu, bias_down, cfg, GatedActivation(activation),
+                              interleaved)
+        assert descriptors == [[32 if interleaved else 16, 16], [16, 16]]   # interleaved: a [2 BN, BK] box
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "concat"])
+def test_tma_weights_gpt_oss_whole_path_fp16_within_twice_torch_error(interleaved, descriptors):
+    """The triton backend with tma_weights and gpt-oss's math in fp16 against the fp32 reference."""
+    x, gate_up, down, w, ids, bias_gu, bias_down = make(9, 6, 32, 24, 3, torch.float16, sentinels=True)
+    w = w.half()
+    kw = math_kwargs("gpt_oss", interleaved, bias_gu, bias_down)
+    ref = moe_experts_ref(x, gate_up, down, w, ids, **kw)
+    out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=TMA, ignore_invalid_ids=True,
+                      out=poisoned(x.shape, x.dtype, "cpu"), **kw)
+    assert len(descriptors) == 2
+    assert rel_err(out, ref) <= same_dtype_bound(x, gate_up, down, w, ids, ref, **kw)
+
+
+def test_tma_weights_fall_back_where_interleaved_rows_overflow_the_box(descriptors):
+    """Interleaved gate_up needs a [2 * block_n1, BK] box: block_n1 = 256 exceeds TMA's 256 rows, so
+    the resolved config runs the pointer path (for both GEMMs, as one decision), explicitly; the
+    concatenated layout keeps TMA at that block; 128 interleaved (a 256-row box) keeps it too."""
+    x, gate_up, down, w, ids, bias_gu, bias_down = make(5, 4, 32, 16, 2)
+    wide = dataclasses.replace(TMA, block_n1=256)
+    assert resolve_tma(wide, gate_up, down, interleaved=True) == dataclasses.replace(wide, tma_weights=False)
+    assert resolve_tma(wide, gate_up, down) is wide
+    at_limit = dataclasses.replace(TMA, block_n1=128)
+    assert resolve_tma(at_limit, gate_up, down, interleaved=True) is at_limit
+    kw = math_kwargs("gpt_oss", True, bias_gu, bias_down)
+    with poisoning():
+        out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=wide, **kw)
+    assert descriptors == []
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids, **kw)) <= 1e-5
+    with poisoning():
+        out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=at_limit, **kw)
+    assert descriptors == [[256, 16], [16, 16]]
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids, **kw)) <= 1e-5
+
+
+def test_tma_weights_skip_transposed_weights(descriptors):
+    """Transformers' GptOssExperts weights are read through transposed views: not contiguous, so
+    the pointer path runs (no descriptor), with the same result."""
+    x, gate_up, down, w, ids, bias_gu, bias_down = make(6, 4, 32, 16, 2)
+    gate_up_t = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    down_t = down.transpose(1, 2).contiguous().transpose(1, 2)
+    kw = math_kwargs("gpt_oss", True, bias_gu, bias_down)
+    assert resolve_tma(TMA, gate_up_t, down_t, interleaved=True).tma_weights is False
+    out = moe_experts(x, gate_up_t, down_t, w, ids, backend="triton", config=TMA, **kw)
+    assert descriptors == []
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids, **kw)) <= 1e-5
 
 
 SHAPES = [  # (T, E, H, I, K)
@@ -319,6 +407,35 @@ def test_gpt_oss_20b_bf16_gpu(num_tokens):
         zero = moe_experts(x, gate_up, down, w, ids, backend="triton", gate_up_bias=torch.zeros_like(bias_gu),
                            down_bias=torch.zeros_like(bias_down))
         assert torch.equal(plain, zero)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(64, 64, 3), (128, 64, 4)], ids=lambda t: "n{}-k{}-s{}".format(*t))
+def test_gpt_oss_with_tma_weights_bf16_gpu(tiles, descriptors):
+    """gpt-oss's math with tma_weights compiled, in bf16: contiguous (E, 2I, H) weights, interleaved
+    rows read as one [2 BN, BK] box (256 rows at BN = 128), N tails (I = 360, H = 584), sentinels;
+    against the fp32 reference by the 2x rule and against the pointer path."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA GPU with TMA (capability >= 9)")
+    block_n, block_k, stages = tiles
+    inputs = make(300, 8, 584, 360, 4, torch.bfloat16, sentinels=True)
+    x, gate_up, down, w, ids, bias_gu, bias_down = (t.cuda() for t in inputs)
+    cfg = ExpertsConfig(block_m=64, block_n1=block_n, block_k1=block_k, warps1=8, stages1=stages,
+                        block_n2=block_n, block_k2=block_k, warps2=4, stages2=stages, group_m=4,
+                        tma_weights=True)
+    assert resolve_tma(cfg, gate_up, down, interleaved=True) == cfg
+    kw = math_kwargs("gpt_oss", True, bias_gu, bias_down)
+    with torch.inference_mode():
+        ref = moe_experts_ref(x, gate_up, down, w, ids, **kw)
+        bound = same_dtype_bound(x, gate_up, down, w, ids, ref, **kw)
+        for c in (cfg, dataclasses.replace(cfg, block_m=32, pair_blocks=2)):
+            out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=c, ignore_invalid_ids=True,
+                              out=poisoned(x.shape, x.dtype, "cuda"), **kw)
+            assert rel_err(out, ref) <= bound, (c, rel_err(out, ref), bound)
+            pointer = moe_experts(x, gate_up, down, w, ids, backend="triton", ignore_invalid_ids=True,
+                                  config=dataclasses.replace(c, tma_weights=False), **kw)
+            assert torch.equal(out, pointer) or rel_err(out, pointer) <= bound
+    assert descriptors[:2] == [[2 * block_n, block_k], [block_n, block_k]] and len(descriptors) == 4
 
 
 @pytest.mark.parametrize("backend", ["loop", "triton"])

@@ -1,20 +1,29 @@
 """Each grouped GEMM kernel against its pure-PyTorch twin (`moekit.grouped_gemm.*_torch`), and the
 twins, chained, against the whole-path fp32 reference (so a twin cannot drift from the maths).
 
-CPU (Triton interpreter, float32) with poisoned workspaces; rows a kernel must not write (padding
-rows past num_padded, pairs never placed) are left out of the comparison.
+CPU (Triton interpreter, float32; float16 for the TMA-weights path) with poisoned workspaces; rows a
+kernel must not write (padding rows past num_padded, pairs never placed) are left out of the
+comparison. The `gpu` tests run the TMA-weights path compiled, in bf16 (`pytest -m gpu -k tma`);
+without a GPU, scripts/aot_compile_check.py compiles the kernels for sm_90 (a subset here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import distinct_topk_ids, rel_err
-from moekit import ExpertsConfig, align_block_size
+from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
+from moekit import PRESETS, ExpertsConfig, MoELayer, align_block_size
 from moekit._workspace import poisoning
+from moekit.experts.triton import experts_triton
+from moekit.graphs import capture_graph
 from moekit.grouped_gemm import (
     gemm1_swiglu,
     gemm1_swiglu_torch,
@@ -22,8 +31,11 @@ from moekit.grouped_gemm import (
     gemm2_weighted_torch,
     moe_sum,
     moe_sum_torch,
+    resolve_tma,
+    tma_supported,
 )
 from moekit.reference import moe_experts_ref
+from moekit.tuning import fit_shared_memory, get_config, shared_memory_budget
 
 CFG = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
                     block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
@@ -106,3 +118,231 @@ def test_epilogues_switched_off_match_their_twins(case, cfg):
     assert rel_err(y[placed], gemm2_weighted_torch(h, down, None, align)[placed]) <= 1e-5
     weighted = gemm2_weighted(h, down, w, align, cfg)
     assert rel_err(y[placed] * w.reshape(-1, 1)[placed], weighted[placed]) <= 1e-5
+
+
+# TMA weights (`ExpertsConfig.tma_weights`): the interpreter emulates tensor descriptors (Triton >= 3.4),
+# so the descriptor path runs here in fp32 and fp16; its compiled form runs in the gpu tests below.
+
+TMA = dataclasses.replace(CFG, tma_weights=True)
+TMA_PAIRED = dataclasses.replace(PAIRED, tma_weights=True)
+TMA_CASES = [  # (T, E, H, I, K): rows 16-byte aligned in fp16 and fp32 (H, I multiples of 8)
+    (7, 8, 64, 48, 2),
+    (1, 4, 32, 16, 4),
+    (13, 5, 40, 24, 1),      # N tails: H = 40 and I = 24 are not multiples of 16 (rows of the next
+    (40, 3, 24, 40, 3),      # half or expert read and dropped; zeros past the last expert), K tails
+]
+
+
+def make_tma(num_tokens, num_experts, hidden, inter, top_k, dtype, invalid=False):
+    """`make`'s inputs in `dtype`, with expert 0 (not the last) left without tokens: the last
+    expert's tiles reach past the end of the weights."""
+    x, gate_up, down, w, ids = make(num_tokens, num_experts, hidden, inter, top_k, invalid)
+    if top_k < num_experts:
+        ids = distinct_topk_ids(num_tokens, num_experts, top_k, dtype=torch.int64, avoid=0)
+        if invalid:
+            ids[::3, 0] = -1
+    return x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("cfg", [TMA, TMA_PAIRED], ids=["blocks", "paired"])
+@pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_tma_weights_match_the_twins_and_the_pointer_path(case, invalid, cfg, dtype, descriptors):
+    x, gate_up, down, w, ids = make_tma(*case, dtype, invalid=invalid)
+    num_experts, top_k = case[1], case[4]
+    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
+    live = int(align.num_padded)
+    placed = torch.zeros(ids.numel(), dtype=torch.bool)
+    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    pointer = dataclasses.replace(cfg, tma_weights=False)
+    with poisoning():
+        h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
+        y = gemm2_weighted(h, down, w, align, cfg)
+        assert descriptors == [[16, 16], [16, 16]]
+        h_ptr = gemm1_swiglu(x, gate_up, align, top_k, pointer)
+        y_ptr = gemm2_weighted(h, down, w, align, pointer)
+    assert len(descriptors) == 2                           # the pointer path built none
+    tol = 1e-5 if dtype == torch.float32 else 2e-3         # fp16 outputs: one rounding (2**-11)
+    assert rel_err(h[:live], gemm1_swiglu_torch(x, gate_up, align, top_k)[:live]) <= tol
+    assert rel_err(y[placed], gemm2_weighted_torch(h, down, w, align)[placed]) <= tol
+    # Both paths feed the same values to the dot (here bit for bit; NumPy may order a transposed
+    # operand's sums differently, so within the tolerance in general).
+    assert torch.equal(h[:live], h_ptr[:live]) or rel_err(h[:live], h_ptr[:live]) <= tol
+    assert torch.equal(y[placed], y_ptr[placed]) or rel_err(y[placed], y_ptr[placed]) <= tol
+
+
+@pytest.mark.parametrize("case", TMA_CASES[:3], ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_tma_weights_whole_path_fp16_within_twice_torch_error(case, descriptors):
+    """The triton backend with tma_weights in fp16 against the fp32 reference, by the 2x rule."""
+    x, gate_up, down, w, ids = make_tma(*case, torch.float16, invalid=True)
+    w = w.to(torch.float16)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    with poisoning():
+        out = experts_triton(x, gate_up, down, w, ids, config=TMA)
+    assert len(descriptors) == 2
+    assert rel_err(out, ref) <= same_dtype_bound(x, gate_up, down, w, ids, ref)
+
+
+def test_tma_weights_on_an_empty_batch_and_a_single_token(descriptors):
+    x, gate_up, down, w, ids = make_tma(1, 4, 32, 16, 2, torch.float32)
+    out = experts_triton(x, gate_up, down, w, ids, config=TMA)
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+    empty = experts_triton(x[:0], gate_up, down, w[:0], ids[:0], config=TMA)
+    assert empty.shape == (0, 32)
+
+
+# The fallback decision: where TMA cannot read the weights, the pointer path runs.
+
+
+def test_tma_supported_and_the_fallback_decision(monkeypatch):
+    import moekit.grouped_gemm as gg
+
+    w = torch.randn(4, 32, 40)                             # fp32 rows of 160 bytes
+    assert tma_supported(w) and tma_supported(w.half(), 16, 16) and tma_supported(w.bfloat16())
+    assert not tma_supported(torch.randn(4, 32, 37))       # fp32 rows of 148 bytes: not 16-aligned
+    assert not tma_supported(torch.randn(4, 32, 36).half())  # fp16 rows of 72 bytes
+    assert not tma_supported(w.transpose(1, 2))            # not contiguous (the backward's gate_up^T)
+    assert not tma_supported(torch.randn(4 * 32 * 40 + 1)[1:].view(4, 32, 40))   # base off by 4 bytes
+    assert not tma_supported(w.double())
+    assert not tma_supported(w[:0])
+    assert not tma_supported(w, block_n=512) and not tma_supported(w, block_k=512)
+    assert not tma_supported(w.half(), 16, 4)              # a box row of 8 bytes
+    monkeypatch.setattr(gg, "TensorDescriptor", None)     # a Triton without tensor descriptors
+    assert not tma_supported(w)
+
+
+def test_device_without_tma_falls_back(monkeypatch):
+    import moekit.grouped_gemm as gg
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not gg._device_has_tma(torch.device("cpu"))
+    monkeypatch.setattr(gg, "_cuda_capability_major", lambda index: 8)     # Ampere
+    assert not gg._device_has_tma(torch.device("cuda", 0))
+    monkeypatch.setattr(gg, "_cuda_capability_major", lambda index: 9)     # Hopper
+    assert gg._device_has_tma(torch.device("cuda", 0))
+
+
+def test_resolve_tma_records_the_fallback_and_the_backend_uses_it(descriptors):
+    x, gate_up, down, w, ids = make(7, 4, 37, 16, 2)       # H = 37: gate_up rows not 16-aligned
+    assert not tma_supported(gate_up) and tma_supported(down, 16, 16)
+    assert resolve_tma(TMA, gate_up, down) == CFG
+    assert resolve_tma(CFG, gate_up, down) is CFG
+    aligned = make_tma(7, 4, 32, 16, 2, torch.float32)
+    assert resolve_tma(TMA, aligned[1], aligned[2]) is TMA
+    assert resolve_tma(dataclasses.replace(TMA, block_n2=512), aligned[1], aligned[2]).tma_weights is False
+    with poisoning():
+        out = experts_triton(x, gate_up, down, w, ids, config=TMA)
+    assert descriptors == []                               # both GEMMs took the pointer path
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+    # A direct launch decides per weight: GEMM2 alone can use TMA here.
+    align = align_block_size(ids, 4, TMA.block_m, backend="torch")
+    h = gemm1_swiglu(x, gate_up, align, 2, TMA)
+    gemm2_weighted(h, down, w, align, TMA)
+    assert descriptors == [[16, 16]]
+
+
+# On the GPU (H200): the compiled descriptor path, bf16 at the Qwen3-30B-A3B shape.
+
+
+@pytest.fixture(scope="module")
+def qwen_layer():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA GPU with TMA (capability >= 9)")
+    torch.manual_seed(0)
+    return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)
+
+
+def _tma_configs(shape, num_tokens):
+    """(pointer config, its TMA twin) for the table's config and its paired-tile form."""
+    base = get_config(shape, num_tokens, torch.bfloat16, "cuda")
+    paired = fit_shared_memory(dataclasses.replace(base, pair_blocks=2), 2, shared_memory_budget("cuda"))
+    return {"table": base, "paired": paired}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["table", "paired"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000, 4096])
+def test_tma_weights_bf16_qwen3(qwen_layer, num_tokens, variant, descriptors):
+    """The TMA path against the fp32 reference (2x plain bf16 PyTorch's error), and against the
+    pointer path (bit for bit, or within the same bound)."""
+    shape = qwen_layer.shape
+    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
+    ref = moe_experts_ref(*args)
+    bound = same_dtype_bound(*args, ref)
+    pointer = _tma_configs(shape, num_tokens)[variant]
+    tma = dataclasses.replace(pointer, tma_weights=True)
+    assert resolve_tma(tma, qwen_layer.gate_up_proj, qwen_layer.down_proj) == tma, "no TMA on this GPU"
+    out_ptr = experts_triton(*args, config=pointer, out=poisoned(x.shape, x.dtype, "cuda"))
+    out = experts_triton(*args, config=tma, out=poisoned(x.shape, x.dtype, "cuda"))
+    assert len(descriptors) == 2
+    err = rel_err(out, ref)
+    assert err <= bound, f"T={num_tokens} {variant}: {err:.2e} > {bound:.2e} (2x plain bf16 PyTorch)"
+    assert torch.equal(out, out_ptr) or rel_err(out, out_ptr) <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(64, 64, 3), (128, 64, 4), (64, 128, 3)],
+                         ids=lambda t: "n{}-k{}-s{}".format(*t))
+def test_tma_weights_bf16_odd_shape_tails(tiles, descriptors):
+    """N and K tails in compiled code: H = 200, I = 72 (neither a multiple of the blocks), the last
+    expert routed to, an empty expert, sentinels; both GEMMs against their twins by the 2x rule."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA GPU with TMA (capability >= 9)")
+    block_n, block_k, stages = tiles
+    x, gate_up, down, w, ids = (t.cuda() for t in make_tma(300, 6, 200, 72, 2, torch.float32, invalid=True))
+    x, gate_up, down = x.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+    cfg = ExpertsConfig(block_m=64, block_n1=block_n, block_k1=block_k, warps1=4, stages1=stages,
+                        block_n2=block_n, block_k2=block_k, warps2=4, stages2=stages, group_m=4,
+                        tma_weights=True)
+    assert resolve_tma(cfg, gate_up, down) == cfg
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    bound = same_dtype_bound(x, gate_up, down, w, ids, ref)
+    for c in (cfg, dataclasses.replace(cfg, block_m=32, pair_blocks=2)):
+        out = experts_triton(x, gate_up, down, w, ids, config=c, out=poisoned(x.shape, x.dtype, "cuda"))
+        assert rel_err(out, ref) <= bound, c
+    assert len(descriptors) == 4
+
+
+@pytest.mark.gpu
+def test_tma_weights_replay_from_a_cuda_graph(qwen_layer):
+    """Host descriptors are encoded at launch: a captured graph replays them on new inputs."""
+    shape = qwen_layer.shape
+    cfg = dataclasses.replace(get_config(shape, 512, torch.bfloat16, "cuda"), tma_weights=True)
+    x = torch.randn(512, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    out = torch.empty_like(x)
+    call = functools.partial(experts_triton, x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids,
+                             config=cfg, out=out)
+    graph, _ = capture_graph(call, torch.device("cuda"))
+    x.copy_(torch.randn_like(x))
+    w2, ids2 = qwen_layer.route(x)
+    w.copy_(w2)
+    ids.copy_(ids2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = experts_triton(x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids, config=cfg)
+    assert torch.equal(out, eager)
+
+
+# Compiled for Hopper without a GPU: Triton's CUDA backend and ptxas, sm_90, bf16. The whole matrix
+# (tiles x default / TMA / gpt-oss / interleaved) is `python scripts/aot_compile_check.py`.
+
+
+def test_forward_kernels_compile_for_sm90_ahead_of_time(tmp_path):
+    """The default kernels and gpt-oss's (biases, interleaved rows) with TMA weights compile for
+    sm_90 as their launchers would launch them; the TMA kernels load the weights with TMA
+    instructions (UTMALDG), the default kernels do not."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "aot_compile_check.py"), "--quick",
+                           "--dump", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    if done.returncode == 2:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2/2 variants compile" in done.stdout
+    for kernel in ("moe_gemm1_swiglu_kernel", "moe_gemm2_kernel"):
+        assert "UTMALDG" in (tmp_path / f"S.gpt-oss+tma.{kernel}.sass").read_text(), kernel
+        assert "UTMALDG" not in (tmp_path / f"S.default.{kernel}.sass").read_text(), kernel

@@ -5,6 +5,7 @@ fp32 bound 1e-5 relative (fp32 accumulation everywhere), as in test_experts.py.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from helpers import distinct_topk_ids, layer_ref, rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, ops
-from moekit.experts import CONFIG_FIELDS, get_backend
+from moekit.experts import CONFIG_FIELDS, _config_of, get_backend
 from moekit.reference import moe_experts_ref
 
 # Small tiles keep the Triton interpreter quick and still give several blocks per expert.
@@ -85,6 +86,17 @@ def test_experts_opcheck(backend):
     # Non-contiguous activations (a column slice): the output is contiguous all the same.
     wide = torch.randn(6, 48)
     torch.library.opcheck(torch.ops.moekit.experts.default, (wide[:, 8:40],) + args[1:])
+
+
+def test_op_config_list_carries_the_tma_switch():
+    """tma_weights travels in the op's int list as 0 or 1 and comes back a bool."""
+    x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
+    cfg = [int(getattr(SMALL, f)) for f in CONFIG_FIELDS]
+    cfg[CONFIG_FIELDS.index("tma_weights")] = 1
+    assert _config_of(cfg) == dataclasses.replace(SMALL, tma_weights=True)
+    assert _config_of(cfg[:-1]) == SMALL                   # a list without it: off
+    out = torch.ops.moekit.experts(x, gate_up, down, w, ids, "triton", cfg)
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
 
 
 def _ref_grads(x, gate_up, down, w, ids, dout):

@@ -186,6 +186,8 @@ BAD_TABLES = [
     ("deep-objects", '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
     ("duplicate-token", '{"k": {"1": {}, "1": {"block_m": 32}}}', "duplicate key '1'"),
     ("config-not-object", '{"k": {"1": [16]}}', "expected an object of tiles"),
+    ("tma-not-bool", '{"k": {"1": {"tma_weights": 1}}}', "tma_weights must be true or false"),
+    ("tma-string", '{"k": {"1": {"tma_weights": "yes"}}}', "tma_weights must be true or false"),
     ("top-level-list", "[1]", "expected an object of shape keys"),
 ]
 
@@ -200,6 +202,36 @@ def test_bad_table_file_is_a_value_error_naming_the_file(tmp_path, name, content
     with pytest.raises(ValueError) as info:
         parse_table(path)
     assert str(path) in str(info.value) and message in str(info.value)
+
+
+# The tma_weights switch: a bool, left out of table entries while off, so old tables read the same.
+
+
+def test_tma_weights_switch_serialises_backwards_compatibly(table_dir):
+    shape = PRESETS["tiny"]
+    off, on = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32, tma_weights=True)
+    assert off.tma_weights is False and "tma_weights" not in off.to_dict()
+    assert on.to_dict()["tma_weights"] is True
+    assert ExpertsConfig.from_dict(on.to_dict()) == on and ExpertsConfig.from_dict(off.to_dict()) == off
+    table_dir({shape_key(shape, torch.float32): {"1": off.to_dict(), "1024": on.to_dict()}})
+    assert get_config(shape, 1, torch.float32, "cpu") == off
+    assert get_config(shape, 1024, torch.float32, "cpu") == on
+    # The packaged table has no such key: every entry reads as off.
+    for entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").values():
+        assert not any(cfg.tma_weights for cfg in entry.values())
+    with pytest.raises(ValueError, match="tma_weights must be true or false"):
+        ExpertsConfig(tma_weights=1)
+
+
+def test_write_table_keeps_a_tma_entry_and_leaves_the_others_without_the_key(tmp_path):
+    path = tmp_path / "t.json"
+    on = ExpertsConfig(block_m=32, tma_weights=True)
+    tuner.write_table(path, KEY, {4: ExpertsConfig(block_m=16), 64: on})
+    tuner.write_table(path, KEY, {16: ExpertsConfig(block_m=16)})
+    raw = json.loads(path.read_text())
+    assert raw[KEY]["64"]["tma_weights"] is True
+    assert "tma_weights" not in raw[KEY]["4"] and "tma_weights" not in raw[KEY]["16"]
+    assert parse_table(path)[KEY][64] == on
 
 
 # The tuner's logic (the GPU timer stubbed).

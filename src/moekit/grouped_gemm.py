@@ -14,23 +14,103 @@ never read them.
 The extended expert math (`moekit.activation`: expert biases, the gpt_oss activation, interleaved
 gate/up rows) is keyword arguments of GEMM1 and GEMM2 and of their twins; left at their defaults
 the kernels compile exactly as without them (constexpr flags off).
+
+`ExpertsConfig.tma_weights` (opt-in) passes the weights to GEMM1 and GEMM2 as host-side TMA tensor
+descriptors (`triton.tools.tensor_descriptor.TensorDescriptor`, Triton >= 3.4) wherever
+`tma_supported` holds, else the pointer path runs. Host descriptors, not `tl.make_tensor_descriptor`:
+the device-side kind needs a global `triton.set_allocator`, which a library should not install.
+It combines with the expert math: the biases and activations are epilogues on the accumulators,
+and interleaved gate/up rows are read as one [2 BN, BK] box per step (`gate_up_block_n`), so
+interleaved weights take TMA while 2 * block_n1 fits TMA's box (<= 256 rows), else the pointer path.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
 import triton
+import triton.language as tl
 
 from moekit import _workspace
+from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
 from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
 from moekit.tuning import ExpertsConfig
 
+try:                                    # Triton >= 3.4; older Tritons keep the pointer path
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TMA_ALIGN = 16           # bytes: the base address and every stride but the last
+TMA_MAX_BOX = 256        # elements: TMA's largest box along one dimension
+TMA_MAX_COORD = 2**31    # TMA coordinates are int32: rows of the (E * N, K) view must stay below
+
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in full fp32 (not tf32): the fp32 path is a correctness path.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _device_has_tma(device: torch.device) -> bool:
+    if interpreting():                  # the interpreter emulates descriptors (Triton >= 3.4)
+        return True
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability_major(index) >= 9
+
+
+def tma_supported(w: torch.Tensor, block_n: int = 64, block_k: int = 64) -> bool:
+    """Whether the forward GEMMs can read the weights w (E, N, K) through a TMA descriptor over the
+    view (E * N, K) with block [block_n, block_k]: a Triton with tensor descriptors, a device of
+    CUDA capability >= 9 (or the interpreter), fp16 / bf16 / fp32, contiguous, 16-byte aligned base
+    and rows (K * itemsize), row coordinates within int32, and a block within TMA's box."""
+    if TensorDescriptor is None or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if w.dim() != 3 or w.numel() == 0 or w.dtype not in TMA_DTYPES or not w.is_contiguous():
+        return False
+    num_experts, rows, k = w.shape
+    item = w.element_size()
+    return (w.data_ptr() % TMA_ALIGN == 0 and (k * item) % TMA_ALIGN == 0
+            and num_experts * rows < TMA_MAX_COORD and block_n <= TMA_MAX_BOX and block_k <= TMA_MAX_BOX
+            and (block_k * item) % TMA_ALIGN == 0 and _device_has_tma(w.device))
+
+
+def gate_up_block_n(cfg: ExpertsConfig, interleaved: bool) -> int:
+    """Rows of gate_up that GEMM1 reads per step for one BLOCK_N tile: block_n1 of gate and
+    block_n1 of up, as two [block_n1] boxes (concatenated) or one [2 * block_n1] box (interleaved).
+    The box size of gate_up's TMA descriptor."""
+    return 2 * cfg.block_n1 if interleaved else cfg.block_n1
+
+
+def resolve_tma(cfg: ExpertsConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
+                interleaved: bool = False) -> ExpertsConfig:
+    """cfg with tma_weights as it will run: turned off unless both weights pass `tma_supported`
+    with their GEMM's block (interleaved gate_up: 2 * block_n1 rows, `gate_up_block_n`); the
+    launchers check again, for direct calls."""
+    if cfg.tma_weights and not (tma_supported(gate_up_proj, gate_up_block_n(cfg, interleaved), cfg.block_k1)
+                                and tma_supported(down_proj, cfg.block_n2, cfg.block_k2)):
+        return replace(cfg, tma_weights=False)
+    return cfg
+
+
+def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k: int):
+    """(what the kernel's w gets, TMA_W): w itself, or its descriptor over (E * N, K) with block
+    [block_n, block_k] when the config asks for TMA and `tma_supported` holds."""
+    if not (cfg.tma_weights and tma_supported(w, block_n, block_k)):
+        return w, False
+    flat = w.view(-1, w.shape[-1])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, block_k]), True
 
 
 def twin_dtype(t: torch.Tensor) -> torch.dtype:
@@ -54,15 +134,16 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
     h = _workspace.empty(align.sorted_ids.numel(), inter * (1 if swiglu else 2), dtype=x.dtype,
                          device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
+    w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
     moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
-        x, gate_up_proj, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
+        x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
         align.num_pairs, inter, hidden, n_tiles,
         x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
         *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved,
+        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return h
@@ -75,14 +156,16 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
     num_experts, hidden, inter = down_proj.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
+    w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2)
     moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
-        h, down_proj, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
+        h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
         align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
         hidden, inter, n_tiles,
         h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1), *_bias_args(bias, down_proj),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
+        TMA_W=tma,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     return y

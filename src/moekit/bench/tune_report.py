@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from matplotlib.figure import Figure
 
@@ -26,7 +26,7 @@ from moekit.bench.results import (
 )
 from moekit.bench.study import FILES, Files, Study
 from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import TILE_FIELDS, ExpertsConfig
 
 PATH, GEMM1, GEMM2 = 0, 1, 2
 PER_GEMM = ("block_n", "block_k", "warps", "stages")
@@ -39,7 +39,7 @@ class TuneRow(LayerRow):
     gemm: 1 = GEMM1 (gate_up + SwiGLU) alone, 2 = GEMM2 (down + routing weight) alone, 0 = the whole
     path (align, both GEMMs, sum). ms: one routing's time (a graph replay of `rotations` different
     routings, divided by rotations). chosen: 1 on the whole-path row whose config went into the
-    table. The tile columns are `moekit.tuning.ExpertsConfig`'s fields; a GEMM row fills its own
+    table. The tile columns are `moekit.tuning.ExpertsConfig`'s tile fields; a GEMM row fills its own
     GEMM's four (and block_m), the other GEMM's are empty.
     """
 
@@ -60,7 +60,7 @@ class TuneRow(LayerRow):
     pair_blocks: int | None = None
 
 
-CONFIG_FIELDS = tuple(f.name for f in fields(ExpertsConfig))
+CONFIG_FIELDS = TILE_FIELDS   # the tuner times tiles; switches (tma_weights) stay at their defaults
 
 
 def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, records: Sequence[dict],

@@ -53,7 +53,7 @@ from moekit.experts.registry import (
     register_backend,
 )
 from moekit.experts.triton import experts_triton, experts_triton_grads
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
            "has_backward", "moe_experts", "register_backend", "resolve_backend"]
@@ -229,7 +229,7 @@ def moe_experts(
         return out if out is not None else torch.empty_like(hidden_states)
     if (compiling and (not grad or (name in OP_BACKWARD_BACKENDS and impl.has_backward(dev, options)))
             and options.capacity_factor is None and options.stats is None):
-        cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
+        cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]
         # The math only when given: Python floats make Dynamo restart its analysis once.
         math_args = () if not (biases or options.activation or interleaved) else (
             gate_up_bias, down_bias, act.name, act.alpha, act.limit, interleaved)
@@ -252,7 +252,11 @@ def _config_of(config: list[int] | None) -> ExpertsConfig | None:
     if len(config) > len(CONFIG_FIELDS):
         raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
                          f"got {len(config)}")
-    return ExpertsConfig(**dict(zip(CONFIG_FIELDS, config)))
+    values = dict(zip(CONFIG_FIELDS, config))
+    for name in SWITCH_FIELDS:             # a switch travels as 0 or 1
+        if name in values and values[name] in (0, 1):
+            values[name] = bool(values[name])
+    return ExpertsConfig(**values)
 
 
 def _op_options(gate_up_proj: torch.Tensor, config: list[int] | None, gate_up_bias: torch.Tensor | None,

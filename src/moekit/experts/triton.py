@@ -35,7 +35,7 @@ from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import Alignment, align_block_size
-from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum
+from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
     down_proj_grad,
     gate_up_proj_grad,
@@ -115,9 +115,12 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: ExpertsConfig | None):
-    """(config, contiguous weights, contiguous ids): the tuned config unless one is given."""
+def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+             topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: ExpertsConfig | None, *,
+             interleaved: bool = False):
+    """(config, contiguous weights, contiguous ids): the tuned config unless one is given, its
+    tma_weights switched off where these weights (gate/up rows interleaved or not) cannot use TMA
+    (`resolve_tma`)."""
     check_triton_device("hidden_states", hidden_states)
     if config is None:
         # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
@@ -125,6 +128,7 @@ def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, topk_weigh
         num_experts, two_i, hidden = gate_up_proj.shape
         shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
         config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+    config = resolve_tma(config, gate_up_proj, down_proj, interleaved=interleaved)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     return config, weights, ids
@@ -144,7 +148,8 @@ def experts_triton(
     activation: GatedActivation = SWIGLU,
     interleaved: bool = False,
 ) -> torch.Tensor:
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config,
+                                    interleaved=interleaved)
     extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases):
@@ -175,7 +180,7 @@ def experts_triton_grads(
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
     `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, topk_weights, topk_ids, config)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
     align = align_pairs(ids, gate_up_proj.shape[0], config)
     return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
                                    config, needs)

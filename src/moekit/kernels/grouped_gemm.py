@@ -27,6 +27,16 @@ kernels compile as before:
                  g = min(gate, limit), in fp32 (alpha, limit runtime floats)
     INTERLEAVED  gate_up rows alternate gate, up: one [BK, 2 BN] tile of consecutive rows per step,
                  one dot, gate and up split in the epilogue (tl.reshape + tl.split)
+
+With TMA_W (Hopper and later, `ExpertsConfig.tma_weights`), the weight operand `w` is a TMA tensor
+descriptor over the weights' 2D view (E * rows, K) (rows = 2I for gate_up, H for down) with block
+[BN, BK]; expert e's tile of columns n0.. starts at row e * rows + n0 (gate), + I (up). With
+INTERLEAVED the block is [2 BN, BK] from row e * 2I + 2 n0: the same consecutive rows the pointer
+path reads, one box per step. The gathered rows of x stay pointer loads: they are scattered. A tile
+that runs past N (N not a multiple of BN) reads the rows after it (the up half, or the next
+expert): those accumulator columns are dropped by the store mask (n_in), and past the last expert
+TMA fills zeros. Columns past K read zeros. TMA_W changes only where the weight tiles come from:
+the bias, activation and routing-weight epilogues are the pointer path's.
 """
 
 import triton
@@ -102,14 +112,65 @@ def k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_ak, stride_bk,
 
 
 @triton.jit
-def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+def _rows_tile(a_ptrs, valid, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """The [M, BLOCK_K] tile of rows a at columns k0..: rows with valid False (MASK_ROWS) and
+    columns past K read as 0."""
+    if EVEN_K:
+        if MASK_ROWS:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs)
+    else:
+        k_in = tl.arange(0, BLOCK_K) + k0 < K
+        a_mask = valid[:, None] & k_in[None, :] if MASK_ROWS else k_in[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    return a
+
+
+@triton.jit
+def swiglu_k_loop_tma(a_ptrs, w_desc, g_row, u_row, valid, K, stride_ak,
+                      M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`swiglu_k_loop` with the gate and up tiles [BLOCK_N, BLOCK_K] read through w_desc from
+    rows g_row and u_row (int32) of the weights' 2D view."""
+    acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = _rows_tile(a_ptrs, valid, k0, K, BLOCK_K, EVEN_K, True)    # [M, BK]
+        g = w_desc.load([g_row, k0])                                    # [BN, BK]
+        u = w_desc.load([u_row, k0])
+        acc_g = tl.dot(a, g.T, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u.T, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+    return acc_g, acc_u
+
+
+@triton.jit
+def k_loop_tma(a_ptrs, w_desc, b_row, valid, K, stride_ak,
+               M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """`k_loop` with the tile [BLOCK_N, BLOCK_K] read through w_desc from row b_row (int32) of
+    the weights' 2D view."""
+    acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = _rows_tile(a_ptrs, valid, k0, K, BLOCK_K, EVEN_K, MASK_ROWS)  # [M, BK]
+        b = w_desc.load([b_row, k0])                                      # [BN, BK]
+        acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+    return acc
+
+
+@triton.jit
+def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
                 bias_ptr, stride_be, stride_bn, alpha, limit,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                TMA_W: tl.constexpr):
     """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature).
-    SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N)."""
+    SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N). w: the
+    gate_up pointer, or with TMA_W its descriptor over (E * 2N, K)."""
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
     pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
     valid = pair < S
@@ -122,18 +183,28 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n,
     if INTERLEAVED:    # rows 2n (gate) and 2n + 1 (up): 2 BN consecutive rows, one dot, split after
         rw = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)                            # [2BN]
         w_in = rw < 2 * N
-        b_ptrs = w_ptr + e * stride_we + rw.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-        acc = k_loop(a_ptrs, b_ptrs, valid, w_in, K, stride_xk, stride_wk, M, 2 * BLOCK_N, BLOCK_K,
-                     EVEN_K, DOT_PRECISION, True)
+        if TMA_W:
+            w_row = (e * (2 * N) + pid_n * (2 * BLOCK_N)).to(tl.int32)  # the launcher checks E * 2N < 2**31
+            acc = k_loop_tma(a_ptrs, w, w_row, valid, K, stride_xk, M, 2 * BLOCK_N, BLOCK_K, EVEN_K,
+                             DOT_PRECISION, True)
+        else:
+            b_ptrs = w + e * stride_we + rw.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+            acc = k_loop(a_ptrs, b_ptrs, valid, w_in, K, stride_xk, stride_wk, M, 2 * BLOCK_N, BLOCK_K,
+                         EVEN_K, DOT_PRECISION, True)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + e * stride_be + rw * stride_bn, mask=w_in, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
         acc_g, acc_u = tl.split(tl.reshape(acc, (M, BLOCK_N, 2)))
     else:
-        g_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-        u_ptrs = g_ptrs + N * stride_wn                                                   # [BK, BN]
-        acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
-                                     M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        if TMA_W:
+            g_row = (e * (2 * N) + pid_n * BLOCK_N).to(tl.int32)      # the launcher checks E * 2N < 2**31
+            acc_g, acc_u = swiglu_k_loop_tma(a_ptrs, w, g_row, g_row + N, valid, K, stride_xk,
+                                             M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        else:
+            g_ptrs = w + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+            u_ptrs = g_ptrs + N * stride_wn                                               # [BK, BN]
+            acc_g, acc_u = swiglu_k_loop(a_ptrs, g_ptrs, u_ptrs, valid, n_in, K, stride_xk, stride_wk,
+                                         M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         if HAS_BIAS:
             b_ptrs = bias_ptr + e * stride_be + rn * stride_bn
             acc_g = acc_g + tl.load(b_ptrs, mask=n_in, other=0.0).to(tl.float32)[None, :]
@@ -156,60 +227,65 @@ def _gemm1_tile(x_ptr, w_ptr, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n,
 
 
 @triton.jit
-def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w_ptr, o_ptr,
+def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr,
             aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
             alpha, limit, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
             EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr,
-            INTERLEAVED: tl.constexpr):
+            INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr):
     """Run TILE (`_gemm1_tile` or `_gemm2_tile`) for row block pid_m: a lone block of BLOCK_M rows,
     or, when PAIRED, per `Alignment.block_codes`: 2 = a tile of this and the next block, 1 = this
     block alone, 0 = nothing (the block before covers it). EPILOGUE: the tile's fused epilogue
     switch (SWIGLU of GEMM1, MUL_W of GEMM2); HAS_BIAS, GPT_OSS, INTERLEAVED as in the module
-    docstring (GEMM2 reads HAS_BIAS only)."""
+    docstring (GEMM2 reads HAS_BIAS only). w: weights pointer, or descriptor when TMA_W."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     row0 = pid_m * BLOCK_M
     code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
     if code == 2:
-        TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
+        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
              s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED)
+             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
     elif code == 1:
-        TILE(a_ptr, w_ptr, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
+        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
              s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED)
+             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
 
 
 @triton.jit
 def moe_gemm1_swiglu_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
+    x_ptr, w, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     bias_ptr, stride_be, stride_bn, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    TMA_W: tl.constexpr,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
+    # w: gate_up (E, 2N, K), or with TMA_W its descriptor over (E * 2N, K), block [BLOCK_N, BLOCK_K]
+    # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED).
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w_ptr, h_ptr, x_ptr,
+        _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w, h_ptr, x_ptr,
                 sorted_ids_ptr, S, N, K, stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
                 stride_hn, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                EVEN_K, DOT_PRECISION, PAIRED, SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED)
+                EVEN_K, DOT_PRECISION, PAIRED, SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
 
 
 @triton.jit
-def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
+def _gemm2_tile(h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
                 bias_ptr, stride_be, stride_bn, alpha, limit,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MUL_W: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
+                TMA_W: tl.constexpr):
     """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows
     (`_paired`'s signature; TOP_K, alpha, limit, GPT_OSS and INTERLEAVED unused), plus down_bias[e]
-    when HAS_BIAS, times the routing weight when MUL_W."""
+    when HAS_BIAS, times the routing weight when MUL_W. w: the down pointer, or with TMA_W its
+    descriptor over (E * N, K)."""
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -218,10 +294,15 @@ def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, 
     rk = tl.arange(0, BLOCK_K)
 
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rk[None, :] * stride_hk
-    b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
-
-    acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, M, BLOCK_N, BLOCK_K, EVEN_K,
-                 DOT_PRECISION, False)   # padding rows of h hold zeros: no row mask needed
+    # Padding rows of h hold zeros: no row mask needed (MASK_ROWS False).
+    if TMA_W:
+        b_row = (e * N + pid_n * BLOCK_N).to(tl.int32)                # the launcher checks E * N < 2**31
+        acc = k_loop_tma(a_ptrs, w, b_row, valid, K, stride_hk, M, BLOCK_N, BLOCK_K, EVEN_K,
+                         DOT_PRECISION, False)
+    else:
+        b_ptrs = w + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
+        acc = k_loop(a_ptrs, b_ptrs, valid, n_in, K, stride_hk, stride_wk, M, BLOCK_N, BLOCK_K, EVEN_K,
+                     DOT_PRECISION, False)
 
     if HAS_BIAS:                                       # before the routing weight, as gpt-oss adds it
         bias = tl.load(bias_ptr + e * stride_be + rn * stride_bn, mask=n_in, other=0.0)
@@ -235,21 +316,22 @@ def _gemm2_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, 
 
 @triton.jit
 def moe_gemm2_kernel(
-    h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr,
+    h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr,
     num_padded_ptr, S, N, K, num_n_tiles,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
     bias_ptr, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
-    MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_W: tl.constexpr,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
+    # w: down (E, N, K), or with TMA_W its descriptor over (E * N, K), block [BLOCK_N, BLOCK_K].
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
-        _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w_ptr, y_ptr,
+        _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w, y_ptr,
                 topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm, stride_hk, stride_we, stride_wn,
                 stride_wk, stride_ym, stride_yn, bias_ptr, stride_be, stride_bn, 0.0, 0.0, 1, BLOCK_M,
-                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, MUL_W, HAS_BIAS, False, False)
+                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, MUL_W, HAS_BIAS, False, False, TMA_W)
 
 
 @triton.jit

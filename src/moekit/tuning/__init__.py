@@ -60,6 +60,13 @@ class ExpertsConfig:
         group_m: row blocks that share a weight tile in L2 (both GEMMs).
         pair_blocks: 1, or 2 to compute two consecutive blocks of one expert as one tile of
             2 * block_m rows (experts stay padded to block_m: big tiles, less padding).
+        tma_weights: opt-in (Hopper and later): the forward GEMMs read the expert weights through
+            a TMA tensor descriptor instead of pointer loads, with any expert math (biases,
+            gpt_oss, interleaved rows). Used only where `moekit.grouped_gemm.tma_supported` holds
+            for both weights (interleaved gate_up: a box of 2 * block_n1 rows), else the pointer
+            path runs (the triton backend records the decision in the config it resolves,
+            `resolve_tma`). A table entry without the key reads False, and `to_dict` leaves it
+            out while it is False.
     """
 
     block_m: int = 64
@@ -73,12 +80,16 @@ class ExpertsConfig:
     stages2: int = 3
     group_m: int = 8
     pair_blocks: int = 1
+    tma_weights: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for name in TILE_FIELDS:
+            v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ExpertsConfig.{f.name} must be a positive int, got {v!r}")
+                raise ValueError(f"ExpertsConfig.{name} must be a positive int, got {v!r}")
+        for name in SWITCH_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExpertsConfig.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
             v = getattr(self, name)
             if v & (v - 1):
@@ -86,8 +97,10 @@ class ExpertsConfig:
         if self.pair_blocks not in (1, 2):
             raise ValueError(f"ExpertsConfig.pair_blocks must be 1 or 2, got {self.pair_blocks}")
 
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, int | bool]:
+        """The fields as a table entry; a switch at False (its default) is left out, so tables
+        written without it read the same."""
+        return {k: v for k, v in asdict(self).items() if k not in SWITCH_FIELDS or v}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> ExpertsConfig:
@@ -99,6 +112,10 @@ class ExpertsConfig:
             return cls(**d)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+SWITCH_FIELDS = ("tma_weights",)    # bool fields of ExpertsConfig, off by default
+TILE_FIELDS = tuple(f.name for f in fields(ExpertsConfig) if f.name not in SWITCH_FIELDS)
 
 
 def shape_key(shape: MoEShape, dtype: torch.dtype) -> str:

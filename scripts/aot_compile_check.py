@@ -1,0 +1,274 @@
+"""Ahead-of-time compile check of the forward grouped GEMMs for Hopper (sm_90), no GPU needed.
+
+Each variant calls the real launchers (`moekit.grouped_gemm.gemm1_swiglu`, `gemm2_weighted`) on
+uninitialised CPU tensors of the preset's shape (top_k experts, each token routed to all of them:
+the expert count is no part of a kernel's specialization, top_k is), with the kernels' launches
+intercepted: the arguments are bound by the JIT's own binder for the CUDA backend (the signature,
+constexprs and divisibility attributes a launch on the GPU computes) and compiled by
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` through PTX to a cubin (ptxas).
+A tensor-descriptor argument reaches the compiler as `tensordesc<bf16[BN, BK]>`.
+
+Paths (GEMM1's flags; GEMM2 takes HAS_BIAS and TMA_W):
+    default               the pointer path, SwiGLU, no bias
+    tma                   + TMA_W (`ExpertsConfig.tma_weights`)
+    gpt-oss+bias          GPT_OSS, HAS_BIAS on both GEMMs
+    gpt-oss+bias+tma      + TMA_W
+    interleaved           INTERLEAVED (SwiGLU, no bias)
+    interleaved+tma       + TMA_W (gate_up box [2 BN, BK])
+    gpt-oss               GPT_OSS, HAS_BIAS, INTERLEAVED: gpt-oss's experts
+    gpt-oss+tma           + TMA_W
+over the Qwen3-30B-A3B tiles (bf16) below, paired tiles on and off. A path whose TMA the runtime
+would refuse (`resolve_tma`: e.g. an interleaved box over 256 rows) is reported as such, not compiled.
+
+Prints one line per variant, OK (GEMM1/GEMM2 shared memory in bytes) or FAIL with the error, and
+exits 1 on any failure; 2 when this Triton has no CUDA backend, ptxas or cuobjdump. `--dump DIR`
+writes each kernel's PTX and SASS (cuobjdump) there; `--compare DIR` then checks them against
+another commit's dump (same instructions: PTX without its debug lines, SASS as is). The paths
+without TMA run on commits that predate it, e.g. to show that the flags off compile to main's kernels:
+
+    PYTHONPATH=<main>/src python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/main
+    python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
+
+Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
+       [--quick] [--dump DIR [--compare DIR]]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"   # compile, never interpret: before triton and moekit import
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import moekit
+from moekit.activation import SWIGLU, GatedActivation
+from moekit.align import align_block_size
+from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted
+from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel
+
+TARGET = ("cuda", 90, 32)    # GPUTarget(backend, arch, warp_size): sm_90, 32-thread warps
+NUM_TOKENS = 64
+KERNELS = (moe_gemm1_swiglu_kernel, moe_gemm2_kernel)
+
+# Tiles of the kinds the H200 table picks for Qwen3-30B-A3B in bf16 (T = 16 ... 16384): block_m 16, 64
+# (also paired) and 128, block_n 64 / 128, block_k 64, 3-4 stages, 4 / 8 warps.
+TILES = {
+    "S": moekit.ExpertsConfig(block_m=16, block_n1=64, block_k1=64, warps1=4, stages1=3,
+                              block_n2=64, block_k2=64, warps2=4, stages2=3, group_m=1),
+    "M": moekit.ExpertsConfig(block_m=64, block_n1=64, block_k1=64, warps1=4, stages1=3,
+                              block_n2=128, block_k2=64, warps2=4, stages2=3, group_m=8),
+    "MP": moekit.ExpertsConfig(block_m=64, block_n1=128, block_k1=64, warps1=8, stages1=4,
+                               block_n2=128, block_k2=64, warps2=8, stages2=4, group_m=8, pair_blocks=2),
+    "L": moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
+                              block_n2=128, block_k2=64, warps2=8, stages2=4, group_m=8),
+}
+# name: (activation, biases, interleaved, tma)
+PATHS = {
+    "default": ("swiglu", False, False, False),
+    "tma": ("swiglu", False, False, True),
+    "gpt-oss+bias": ("gpt_oss", True, False, False),
+    "gpt-oss+bias+tma": ("gpt_oss", True, False, True),
+    "interleaved": ("swiglu", False, True, False),
+    "interleaved+tma": ("swiglu", False, True, True),
+    "gpt-oss": ("gpt_oss", True, True, False),
+    "gpt-oss+tma": ("gpt_oss", True, True, True),
+}
+QUICK = (("S", "default"), ("S", "gpt-oss+tma"))    # the CPU test's subset
+
+
+def cuda_backend_missing() -> str | None:
+    """Why this Triton cannot compile for CUDA here, or None."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        return "this Triton build has no CUDA backend"
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(TARGET[1])
+        assert knobs.nvidia.cuobjdump.path    # --dump's SASS
+    except Exception as exc:
+        return f"no ptxas or cuobjdump: {type(exc).__name__}: {exc}"
+    return None
+
+
+def capture_launches(call) -> list[tuple]:
+    """(kernel, args, kwargs) of each grouped GEMM launch `call` makes; nothing runs."""
+    seen = []
+    for kernel in KERNELS:      # JITFunction[grid](...) calls self.run: an instance attribute wins
+        kernel.run = lambda *args, grid, warmup, _k=kernel, **kwargs: seen.append((_k, args, kwargs))
+    try:
+        call()
+    finally:
+        for kernel in KERNELS:
+            del kernel.run
+    return seen
+
+
+def compile_launch(kernel, args, kwargs, target):
+    """The kernel as a launch with these arguments would compile it on `target`: the JIT's binder
+    gives the signature, constexprs and attributes; triton.compile does the rest."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    kwargs = dict(kwargs, debug=False)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, _ = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, None)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+def sass(cubin: bytes) -> str:
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    w: torch.Tensor
+    ids: torch.Tensor
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+
+
+def make_inputs(shape: moekit.MoEShape, dtype: torch.dtype) -> Inputs:
+    e, h, i, k = shape.top_k, shape.hidden_size, shape.intermediate_size, shape.top_k
+    ids = torch.arange(k).repeat(NUM_TOKENS, 1)
+    return Inputs(torch.empty(NUM_TOKENS, h, dtype=dtype), torch.empty(e, 2 * i, h, dtype=dtype),
+                  torch.empty(e, h, i, dtype=dtype), torch.ones(ids.shape), ids,
+                  torch.empty(e, 2 * i, dtype=dtype), torch.empty(e, h, dtype=dtype))
+
+
+def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump: Path | None, name: str):
+    """'OK ...' or 'SKIP ...' for one (tiles, path); raises when a kernel fails to compile."""
+    activation, biases, interleaved, tma = PATHS[path]
+    act = SWIGLU if activation == "swiglu" else GatedActivation(activation)
+    cfg = dataclasses.replace(cfg, tma_weights=True) if tma else cfg
+    align = align_block_size(inp.ids, inp.gate_up.shape[0], cfg.block_m, backend="torch")
+
+    def call():
+        h = gemm1_swiglu(inp.x, inp.gate_up, align, inp.ids.shape[1], cfg, activation=act,
+                         interleaved=interleaved, bias=inp.gate_up_bias if biases else None)
+        gemm2_weighted(h, inp.down, inp.w, align, cfg, bias=inp.down_bias if biases else None)
+
+    if tma:   # TMA names are imported here only: the other paths also run on commits without them
+        import moekit.grouped_gemm as gg
+
+        has_tma = gg._device_has_tma
+        gg._device_has_tma = lambda device: True     # the target is sm_90: descriptors as on an H200
+        try:
+            if gg.resolve_tma(cfg, inp.gate_up, inp.down, interleaved=interleaved) != cfg:
+                return "SKIP (resolve_tma: the pointer path runs this config)"
+            launches = capture_launches(call)
+        finally:
+            gg._device_has_tma = has_tma
+    else:
+        launches = capture_launches(call)
+    notes = []
+    for kernel, args, kwargs in launches:
+        if kwargs.get("TMA_W", False) is not tma:
+            raise RuntimeError(f"{kernel.__name__} launched with TMA_W={kwargs.get('TMA_W')}, wanted {tma}")
+        compiled = compile_launch(kernel, args, kwargs, target)
+        notes.append(f"{compiled.metadata.shared}B")
+        if dump is not None:
+            stem = f"{name}.{kernel.__name__}"
+            (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+            (dump / f"{stem}.sass").write_text(sass(compiled.asm["cubin"]))
+    return "OK  shared " + "/".join(notes)
+
+
+def instructions(path: Path) -> list[str]:
+    """A dumped kernel's instructions: SASS as is; PTX without comments, .loc/.file lines and the
+    DWARF sections (they name source lines, which move when unrelated code does)."""
+    if path.suffix == ".sass":
+        return path.read_text().splitlines()
+    lines = []
+    for line in (raw.strip() for raw in path.read_text().splitlines()):
+        if line.startswith(".section") and ".debug" in line:
+            break
+        if line and not line.startswith(("//", ".loc", ".file")):
+            lines.append(line)
+    return lines
+
+
+def compare(ours: Path, theirs: Path) -> int:
+    """SAME/DIFF per kernel dumped in both folders; the number that differ (missing counts)."""
+    differ = 0
+    for path in sorted(ours.glob("*.ptx")) + sorted(ours.glob("*.sass")):
+        other = theirs / path.name
+        same = other.exists() and instructions(path) == instructions(other)
+        differ += not same
+        print(f"{'SAME' if same else 'DIFF' if other.exists() else 'MISSING'} {path.name}")
+    return differ
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--tiles", default=",".join(TILES), help=f"of {', '.join(TILES)}")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
+    p.add_argument("--quick", action="store_true", help="the CPU test's subset: " + str(QUICK))
+    p.add_argument("--dump", type=Path, default=None, help="write each kernel's PTX and SASS here")
+    p.add_argument("--compare", type=Path, default=None, help="compare the dump with this one (needs --dump)")
+    args = p.parse_args()
+    if args.compare is not None and args.dump is None:
+        p.error("--compare needs --dump")
+    why = cuda_backend_missing()
+    if why:
+        print(f"cannot check: {why}")
+        return 2
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget(*TARGET)
+    if args.dump is not None:
+        shutil.rmtree(args.dump, ignore_errors=True)
+        args.dump.mkdir(parents=True)
+    pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
+    inp = make_inputs(moekit.get_shape(args.preset), torch.bfloat16)
+    print(f"triton {triton.__version__}, target {TARGET}, {args.preset} bf16, T={NUM_TOKENS}", flush=True)
+    for tiles in dict.fromkeys(t for t, _ in pairs):
+        print(f"  tiles {tiles}: " + " ".join(f"{k}={v}" for k, v in TILES[tiles].to_dict().items()))
+    failed = 0
+    for tiles, path in pairs:
+        name = f"{tiles}.{path}"
+        started = time.perf_counter()
+        try:
+            status = run_variant(inp, TILES[tiles], path, target, args.dump, name)
+        except Exception as exc:
+            failed += 1
+            text = str(exc).strip().splitlines()
+            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+        print(f"{name:<22} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(pairs) - failed}/{len(pairs)} variants compile" + (f", {failed} FAILED" if failed else ""))
+    if args.compare is not None:
+        differ = compare(args.dump, args.compare)
+        print(f"{differ} kernel files differ from {args.compare}" if differ
+              else f"same instructions as {args.compare}")
+        failed += differ
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
