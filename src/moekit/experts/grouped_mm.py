@@ -42,18 +42,10 @@ def _aligned_weight(w: torch.Tensor) -> torch.Tensor:
     return w if ok else w.contiguous()
 
 
-def experts_grouped_mm(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    activation: GatedActivation = SWIGLU,
-    interleaved: bool = False,
-) -> torch.Tensor:
+def experts_grouped_mm(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                       activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
     # The layout was checked by the caller (the registry's `check_layout`, in moe_experts and the op).
     gate_up_proj, down_proj = _aligned_weight(gate_up_proj), _aligned_weight(down_proj)
     num_tokens, hidden = hidden_states.shape

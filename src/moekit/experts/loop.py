@@ -13,18 +13,10 @@ import torch.nn.functional as F
 from moekit.activation import SWIGLU, GatedActivation, gated
 
 
-def experts_loop(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    activation: GatedActivation = SWIGLU,
-    interleaved: bool = False,
-) -> torch.Tensor:
+def experts_loop(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
     num_experts = gate_up_proj.shape[0]
     out = torch.zeros_like(hidden_states)
     ids = topk_ids.long()
