@@ -151,7 +151,13 @@ def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2,
                    device: torch.device | str | None = None) -> ExpertsConfig:
     """A sane config for any shape: tile height follows the mean rows per expert; the pipelined
     tiles are shrunk (stages first, then block_k) until they fit in the device's shared memory
-    budget for the dtype."""
+    budget for the dtype. Memoised (a pure function of its arguments and the device's budget):
+    an eager call at one token spends tens of µs of host time on it otherwise."""
+    return _default_config(shape, num_tokens, itemsize, shared_memory_budget(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(shape: MoEShape, num_tokens: int, itemsize: int, budget: int) -> ExpertsConfig:
     rows = max(1, num_tokens) * shape.top_k / shape.num_experts
     if rows <= 16:
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
@@ -161,7 +167,7 @@ def default_config(shape: MoEShape, num_tokens: int, itemsize: int = 2,
         cfg = ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
     else:
         cfg = ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
-    return fit_shared_memory(cfg, itemsize, shared_memory_budget(device))
+    return fit_shared_memory(cfg, itemsize, budget)
 
 
 def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
@@ -186,9 +192,19 @@ def fit_shared_memory(cfg: ExpertsConfig, itemsize: int, budget: int = SHARED_ME
 
 
 def device_slug(device: torch.device | str | None = None) -> str:
+    """The tuning tables' name for a device ("nvidia_h200"); "cpu" where CUDA is absent. The
+    name is read from the driver once per GPU (every eager layer call asks)."""
     if not torch.cuda.is_available():
         return "cpu"
+    if device is None or torch.device(device).type == "cuda":
+        index = None if device is None else torch.device(device).index
+        return _cuda_slug(torch.cuda.current_device() if index is None else index)
     return torch.cuda.get_device_name(device).lower().replace(" ", "_")
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_slug(index: int) -> str:
+    return torch.cuda.get_device_name(index).lower().replace(" ", "_")
 
 
 def _config_dirs() -> list[Path]:
