@@ -22,6 +22,14 @@ the device-side kind needs a global `triton.set_allocator`, which a library shou
 It combines with the expert math: the biases and activations are epilogues on the accumulators,
 and interleaved gate/up rows are read as one [2 BN, BK] box per step (`gate_up_block_n`), so
 interleaved weights take TMA while 2 * block_n1 fits TMA's box (<= 256 rows), else the pointer path.
+
+`ExpertsConfig.persistent` (opt-in) launches GEMM1 and GEMM2 as persistent kernels
+(`persistent_programs`): as many programs as the device runs at once (SMs times the programs one SM
+holds, from the compiled kernel's registers, shared memory and warps; cached), at most the tile
+bound, each looping over tiles up to the live count read on the device. Off the GPU (the interpreter)
+the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles the program count is made odd
+(`persistent_programs`), so that each program alternates between a pair's first block (a tile of
+2 * block_m rows) and its second (nothing to do) instead of drawing only one kind.
 """
 
 from __future__ import annotations
@@ -113,6 +121,71 @@ def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, block_k]), True
 
 
+OFF_GPU_SMS = 4          # persistent kernels off CUDA (the interpreter): this many programs at most
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); OFF_GPU_SMS elsewhere."""
+    if device.type != "cuda" or interpreting():
+        return OFF_GPU_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def programs_per_sm(kernel, args: tuple, kwargs: dict, device: torch.device) -> int:
+    """How many programs of this launch one SM holds at once: limited by the compiled kernel's
+    registers, shared memory and warps (`kernel.warmup` compiles without running). Cached per
+    specialization; 1 off CUDA, or when the compiled kernel does not say."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    key = (id(kernel), tuple(sorted(kwargs.items())), args[0].dtype, type(args[1]).__name__, device)
+    if key not in _RESIDENT:
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            if hasattr(compiled, "_init_handles"):
+                compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            warps = kwargs.get("num_warps", 4)
+            per_warp = -(-max(1, int(compiled.n_regs)) * 32 // 256) * 256       # allocated in 256s
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+            smem = int(compiled.metadata.shared)
+            by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (smem + 1024)
+            _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
+        except Exception:        # an API this Triton lacks: one program per SM is always safe
+            _RESIDENT[key] = 1
+    return _RESIDENT[key]
+
+
+def persistent_programs(num_tiles: int, resident: int, paired: bool) -> int:
+    """Programs of a persistent launch over at most num_tiles tiles when the device holds `resident`
+    at once. Paired tiles: an odd count below the bound, so a program's tiles alternate between
+    even and odd row blocks (`_swizzle` keeps a block's parity in its tile number's while GROUP_M is
+    even): one parity alone could be all second halves of pairs, which hold no work."""
+    programs = min(num_tiles, resident)
+    if paired and programs < num_tiles and programs % 2 == 0 and programs > 1:
+        programs -= 1
+    return programs
+
+
+def _launch(kernel, num_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
+            kwargs: dict) -> None:
+    """kernel over num_tiles tiles: one program per tile, or with cfg.persistent the resident count."""
+    if cfg.persistent:
+        resident = num_sms(device) * programs_per_sm(kernel, args, kwargs, device)
+        grid = persistent_programs(num_tiles, resident, cfg.pair_blocks == 2)
+    else:
+        grid = num_tiles
+    kernel[(grid,)](*args, **kwargs)
+
+
 def twin_dtype(t: torch.Tensor) -> torch.dtype:
     """The twins compute in fp32, or in fp64 for fp64 inputs (so gradcheck can run on them)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -135,17 +208,17 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
                          device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
     w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
-    moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
-        x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
-        align.num_pairs, inter, hidden, n_tiles,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
-        *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit),
+    args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
+            align.num_pairs, inter, hidden, n_tiles,
+            x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+            *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit))
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks * n_tiles, cfg, x.device, args, dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma,
+        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
-    )
+    ))
     return h
 
 
@@ -157,17 +230,18 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
     w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2)
-    moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
-        h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
-        align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
-        hidden, inter, n_tiles,
-        h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1), *_bias_args(bias, down_proj),
+    args = (h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
+            align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
+            hidden, inter, n_tiles,
+            h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
+            *_bias_args(bias, down_proj))
+    _launch(moe_gemm2_kernel, align.max_blocks * n_tiles, cfg, h.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
-        TMA_W=tma,
+        TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
-    )
+    ))
     return y
 
 
