@@ -27,14 +27,15 @@ interleaved weights take TMA while 2 * block_n1 fits TMA's box (<= 256 rows), el
 (`persistent_programs`): as many programs as the device runs at once (SMs times the programs one SM
 holds, from the compiled kernel's registers, shared memory and warps; cached), at most the tile
 bound, each looping over tiles up to the live count read on the device. Off the GPU (the interpreter)
-the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles the program count is made odd
-(`persistent_programs`), so that each program alternates between a pair's first block (a tile of
-2 * block_m rows) and its second (nothing to do) instead of drawing only one kind.
+the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles a persistent tile is two row
+blocks (`moekit.kernels.grouped_gemm._for_each_tile`), so the bound is cdiv(max_blocks, 2) times
+the column tiles.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import replace
 
 import torch
@@ -159,30 +160,24 @@ def programs_per_sm(kernel, args: tuple, kwargs: dict, device: torch.device) -> 
             smem = int(compiled.metadata.shared)
             by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (smem + 1024)
             _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
-        except Exception:        # an API this Triton lacks: one program per SM is always safe
+        except Exception as exc:  # an API this Triton lacks: one program per SM is always safe
+            warnings.warn(f"moekit: cannot tell how many programs of {getattr(kernel, '__name__', kernel)} "
+                          f"an SM holds ({type(exc).__name__}: {exc}); the persistent launch starts one "
+                          "per SM", stacklevel=4)
             _RESIDENT[key] = 1
     return _RESIDENT[key]
 
 
-def persistent_programs(num_tiles: int, resident: int, paired: bool) -> int:
-    """Programs of a persistent launch over at most num_tiles tiles when the device holds `resident`
-    at once. Paired tiles: an odd count below the bound, so a program's tiles alternate between
-    even and odd row blocks (`_swizzle` keeps a block's parity in its tile number's while GROUP_M is
-    even): one parity alone could be all second halves of pairs, which hold no work."""
-    programs = min(num_tiles, resident)
-    if paired and programs < num_tiles and programs % 2 == 0 and programs > 1:
-        programs -= 1
-    return programs
-
-
-def _launch(kernel, num_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
+def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
             kwargs: dict) -> None:
-    """kernel over num_tiles tiles: one program per tile, or with cfg.persistent the resident count."""
+    """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
+    tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
+    (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles)."""
     if cfg.persistent:
-        resident = num_sms(device) * programs_per_sm(kernel, args, kwargs, device)
-        grid = persistent_programs(num_tiles, resident, cfg.pair_blocks == 2)
+        units = triton.cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
+        grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
     else:
-        grid = num_tiles
+        grid = max_blocks * n_tiles
     kernel[(grid,)](*args, **kwargs)
 
 
@@ -212,7 +207,7 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
             align.num_pairs, inter, hidden, n_tiles,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit))
-    _launch(moe_gemm1_swiglu_kernel, align.max_blocks * n_tiles, cfg, x.device, args, dict(
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
@@ -235,7 +230,7 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
             hidden, inter, n_tiles,
             h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
             *_bias_args(bias, down_proj))
-    _launch(moe_gemm2_kernel, align.max_blocks * n_tiles, cfg, h.device, args, dict(
+    _launch(moe_gemm2_kernel, align.max_blocks, n_tiles, cfg, h.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,

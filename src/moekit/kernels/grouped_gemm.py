@@ -45,6 +45,8 @@ read on the device (no host sync; the grid stays a host-side bound, so the launc
 Tile numbers map to (row block, column tile) as the one-tile-per-program grid's do (`_swizzle`: GROUP_M
 row blocks, in sorted order so one expert's blocks, then the next column tile): the programs in flight
 share each weight tile in L2. The tile itself (TMA_W or pointers, PAIRED, every epilogue) is unchanged.
+With PAIRED a persistent tile number covers two row blocks (a pair's second block holds no work: a
+round robin over single blocks would hand some programs mostly empty tiles).
 """
 
 import triton
@@ -277,15 +279,28 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
                    GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr):
     """Run `_paired(TILE, ...)` on this program's tile (`_tile_ids`: one tile, none past num_padded),
     or with PERSISTENT on tiles program_id, program_id + num_programs, ... below the live count
-    (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order."""
+    (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order.
+    PERSISTENT and PAIRED: a tile is two row blocks (2u, 2u + 1), each run as `_paired` runs it, so
+    that every tile holds work (a pair's second block alone holds none) and the static round robin
+    stays balanced; GROUP_M // 2 such tiles share a weight tile."""
     if PERSISTENT:
         num_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0)):
-            pid_m, pid_n = _swizzle(tile, num_m, num_n_tiles, GROUP_M)
-            _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
-                    sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
-                    alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
-                    EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+        if PAIRED:
+            num_units = (num_m + 1) // 2
+            for tile in tl.range(tl.program_id(0), num_units * num_n_tiles, tl.num_programs(0)):
+                pid_u, pid_n = _swizzle(tile, num_units, num_n_tiles, max(GROUP_M // 2, 1))
+                for pid_m in tl.range(2 * pid_u, tl.minimum(2 * pid_u + 2, num_m)):
+                    _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
+                            sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be,
+                            stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                            DOT_PRECISION, PAIRED, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+        else:
+            for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0)):
+                pid_m, pid_n = _swizzle(tile, num_m, num_n_tiles, GROUP_M)
+                _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
+                        sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
+                        alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
+                        EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
     else:
         pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
         if live:
