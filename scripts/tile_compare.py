@@ -1,10 +1,22 @@
-"""Tile check for the triton path: the tuned config against paired-tile and TMA-weight variants.
+"""Tile check for the triton path: the tuned config against persistent, paired-tile and TMA variants.
 
 For each T, each config runs the whole expert path (align, GEMM1, GEMM2, sum) from a CUDA graph,
 each call alone after an L2 flush (`moekit.bench.timing.time_fn`), on the same routing; the table
 gives the median, % of the roofline floor (ceilings measured in this run), the rows computed per
 useful row (padding) and the error against the fp32 reference. Variants per T (duplicates of an
-earlier one are skipped, at most 6):
+earlier one are skipped, at most 6), `--set persistent` (the default):
+
+    table            the tuned config
+    persistent       table + persistent (`ExpertsConfig.persistent`: one program per resident slot,
+                     each looping over tiles)
+    persistent+tma   persistent + tma_weights
+    p+tma bm128      persistent + tma_weights, 128-row tiles: block_n 128/256, block_k 64, 8 warps,
+                     4/3 stages (the table's tile from T = 8192)
+    p+tma paired     the same with paired tiles of 2 x 64 rows over 64-row blocks, 4/4 stages (the
+                     table's tile at T = 2048-4096)
+    p+tma bm64       the same with 64-row tiles, not paired
+
+`--set tma` (the TMA study of 2026-11-30):
 
     table            the tuned config
     tma              table + tma_weights (expert weights read through TMA descriptors)
@@ -21,8 +33,8 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--tokens 1024,2048,...] [--tma-tiles 64:5,128:3,32:6] [--rep N]
-       [--out FILE]
+Usage: python scripts/tile_compare.py [--set persistent|tma] [--tokens 1024,2048,...]
+       [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -57,17 +69,33 @@ def parse_tiles(text: str) -> list[tuple[int, int]]:
     return out
 
 
+# The persistent set's block shapes, all with TMA weights (`--set persistent`).
+BIG_TILE = moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
+                                block_n2=256, block_k2=64, warps2=8, stages2=3, group_m=8,
+                                tma_weights=True, persistent=True)
+BLOCK_SHAPES = {
+    "p+tma bm128": BIG_TILE,
+    "p+tma paired": dataclasses.replace(BIG_TILE, block_m=64, pair_blocks=2, stages2=4),
+    "p+tma bm64": dataclasses.replace(BIG_TILE, block_m=64, stages2=4),
+}
+
+
 def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], itemsize: int,
-             budget: int) -> dict[str, moekit.ExpertsConfig]:
+             budget: int, which: str = "persistent") -> dict[str, moekit.ExpertsConfig]:
     """Named configs for one T, duplicates dropped, at most MAX_VARIANTS."""
     tma = dataclasses.replace(base, tma_weights=True)
-    paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
-    candidates = {"table": base, "tma": tma, "paired": paired,
-                  "paired+tma": dataclasses.replace(paired, tma_weights=True)}
-    for bk, stages in tma_tiles:
-        cfg = fit_shared_memory(dataclasses.replace(tma, block_k1=bk, block_k2=bk, stages1=stages,
-                                                    stages2=stages), itemsize, budget)
-        candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
+    if which == "persistent":
+        persistent = dataclasses.replace(base, persistent=True)
+        candidates = {"table": base, "persistent": persistent,
+                      "persistent+tma": dataclasses.replace(persistent, tma_weights=True), **BLOCK_SHAPES}
+    else:
+        paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
+        candidates = {"table": base, "tma": tma, "paired": paired,
+                      "paired+tma": dataclasses.replace(paired, tma_weights=True)}
+        for bk, stages in tma_tiles:
+            cfg = fit_shared_memory(dataclasses.replace(tma, block_k1=bk, block_k2=bk, stages1=stages,
+                                                        stages2=stages), itemsize, budget)
+            candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
     out: dict[str, moekit.ExpertsConfig] = {}
     for name, cfg in candidates.items():
         cfg = cfg if name == "table" else fit_shared_memory(cfg, itemsize, budget)
@@ -97,7 +125,7 @@ def describe(cfg: moekit.ExpertsConfig, ran: moekit.ExpertsConfig) -> str:
     note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
     return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
             f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "
-            f"s={cfg.stages1}/{cfg.stages2}{note}")
+            f"s={cfg.stages1}/{cfg.stages2} g={cfg.group_m}{' persistent' if cfg.persistent else ''}{note}")
 
 
 def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: torch.device,
@@ -111,7 +139,7 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
     table_err = None
     rows = []
     for name, cfg in variants(get_config(shape, t, dtype, dev), parse_tiles(args.tma_tiles), dtype.itemsize,
-                              budget).items():
+                              budget, args.set).items():
         ran = resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
         tiles = describe(cfg, ran)
         row = dict(tokens=t, config=name, tma_ran=ran.tma_weights,
@@ -160,8 +188,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--set", default="persistent", choices=("persistent", "tma"),
+                   help="which variants: persistent kernels and block shapes, or the TMA study's")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
-                   help="block_k:stages pairs tried with TMA weights on top of the table config")
+                   help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")
