@@ -20,6 +20,8 @@ Paths (GEMM1's flags; GEMM2 takes HAS_BIAS and TMA_W):
     persistent            PERSISTENT (`ExpertsConfig.persistent`): the tile loop, SwiGLU, no bias
     persistent+tma        + TMA_W
     gpt-oss+persistent+tma  gpt-oss's experts (GPT_OSS, HAS_BIAS, INTERLEAVED), PERSISTENT and TMA_W
+    flatten, flatten+tma  persistent (+ TMA_W) with FLATTEN (experimental `PERSISTENT_FLATTEN`: the
+                          tile and K loops fused; paired tiles run without it)
 over the Qwen3-30B-A3B tiles (bf16) below, paired tiles on and off. A path whose TMA the runtime
 would refuse (`resolve_tma`: e.g. an interleaved box over 256 rows) is reported as such, not compiled.
 
@@ -79,7 +81,7 @@ TILES = {
     "L": moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
                               block_n2=128, block_k2=64, warps2=8, stages2=4, group_m=8),
 }
-# name: (activation, biases, interleaved, tma, persistent)
+# name: (activation, biases, interleaved, tma, persistent: False, True or "flatten")
 PATHS = {
     "default": ("swiglu", False, False, False, False),
     "tma": ("swiglu", False, False, True, False),
@@ -92,6 +94,8 @@ PATHS = {
     "persistent": ("swiglu", False, False, False, True),
     "persistent+tma": ("swiglu", False, False, True, True),
     "gpt-oss+persistent+tma": ("gpt_oss", True, True, True, True),
+    "flatten": ("swiglu", False, False, False, "flatten"),
+    "flatten+tma": ("swiglu", False, False, True, "flatten"),
 }
 QUICK = (("S", "default"), ("S", "gpt-oss+tma"), ("M", "persistent"))    # the CPU test's subset
 
@@ -201,6 +205,14 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
                          interleaved=interleaved, bias=inp.gate_up_bias if biases else None)
         gemm2_weighted(h, inp.down, inp.w, align, cfg, bias=inp.down_bias if biases else None)
 
+    if persistent == "flatten":
+        import moekit.grouped_gemm as gg
+
+        gg.PERSISTENT_FLATTEN = True
+        try:
+            return run_variant(inp, cfg, path.replace("flatten", "persistent"), target, dump, name, regs)
+        finally:
+            gg.PERSISTENT_FLATTEN = False
     if tma:   # TMA names are imported here only: the other paths also run on commits without them
         import moekit.grouped_gemm as gg
 

@@ -16,6 +16,11 @@ earlier one are skipped, at most 6), `--set persistent` (the default):
                      table's tile at T = 2048-4096)
     p+tma bm64       the same with 64-row tiles, not paired
 
+`--set flatten`: the experimental fused loops (`moekit.grouped_gemm.PERSISTENT_FLATTEN`, persistent
+kernels without paired tiles; a name ending in " flat" runs with it, its config made unpaired):
+
+    table, persistent, persistent flat, persistent+tma, persistent+tma flat, p+tma bm128 flat
+
 `--set tma` (the TMA study of 2026-11-30):
 
     table            the tuned config
@@ -33,7 +38,7 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--set persistent|tma] [--tokens 1024,2048,...]
+Usage: python scripts/tile_compare.py [--set persistent|flatten|tma] [--tokens 1024,2048,...]
        [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
@@ -84,10 +89,16 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
              budget: int, which: str = "persistent") -> dict[str, moekit.ExpertsConfig]:
     """Named configs for one T, duplicates dropped, at most MAX_VARIANTS."""
     tma = dataclasses.replace(base, tma_weights=True)
+    persistent = dataclasses.replace(base, persistent=True)
     if which == "persistent":
-        persistent = dataclasses.replace(base, persistent=True)
         candidates = {"table": base, "persistent": persistent,
                       "persistent+tma": dataclasses.replace(persistent, tma_weights=True), **BLOCK_SHAPES}
+    elif which == "flatten":
+        flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
+        candidates = {"table": base, "persistent": persistent, "persistent flat": flat,
+                      "persistent+tma": dataclasses.replace(persistent, tma_weights=True),
+                      "persistent+tma flat": dataclasses.replace(flat, tma_weights=True),
+                      "p+tma bm128 flat": BIG_TILE}
     else:
         paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
         candidates = {"table": base, "tma": tma, "paired": paired,
@@ -99,9 +110,26 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
     out: dict[str, moekit.ExpertsConfig] = {}
     for name, cfg in candidates.items():
         cfg = cfg if name == "table" else fit_shared_memory(cfg, itemsize, budget)
-        if cfg not in out.values() and len(out) < MAX_VARIANTS:
+        seen = {(c, flattened(n)) for n, c in out.items()}
+        if (cfg, flattened(name)) not in seen and len(out) < MAX_VARIANTS:
             out[name] = cfg
     return out
+
+
+def flattened(name: str) -> bool:
+    """Whether variant `name` runs with the fused persistent loops (`PERSISTENT_FLATTEN`)."""
+    return name.endswith(" flat")
+
+
+def run_flattened(flat: bool, fn):
+    """fn() with `PERSISTENT_FLATTEN` set to flat while it launches (and while a graph captures it)."""
+    import moekit.grouped_gemm as gg
+
+    gg.PERSISTENT_FLATTEN = flat
+    try:
+        return fn()
+    finally:
+        gg.PERSISTENT_FLATTEN = False
 
 
 def padding(ids: torch.Tensor, num_experts: int, cfg: moekit.ExpertsConfig) -> float:
@@ -145,7 +173,8 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
         row = dict(tokens=t, config=name, tma_ran=ran.tma_weights,
                    **{f"cfg_{k}": v for k, v in cfg.to_dict().items()})
         rows.append(row)
-        fn = functools.partial(experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg)
+        fn = functools.partial(run_flattened, flattened(name), functools.partial(
+            experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg))
         try:
             out = fn()
             if dev.type == "cuda":
@@ -188,8 +217,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,2048,4096,8192,16384")
-    p.add_argument("--set", default="persistent", choices=("persistent", "tma"),
-                   help="which variants: persistent kernels and block shapes, or the TMA study's")
+    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma"),
+                   help="which variants: persistent kernels and block shapes, the fused loops, or the "
+                        "TMA study's")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
                    help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")

@@ -494,6 +494,26 @@ def test_persistent_edge_cases(cfg, id_dtype, three_programs):
     assert any(g[2] and g[1] == 3 for g in three_programs)     # some launch looped
 
 
+def test_persistent_flatten_switch(monkeypatch, three_programs):
+    """The experimental fused loops (PERSISTENT_FLATTEN) reach the kernels of persistent launches
+    without paired tiles only; the interpreter runs the loops as written: same outputs."""
+    import moekit.grouped_gemm as gg
+
+    flags = []
+    for kernel in (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel):
+        def spy(*args, _real=kernel.run, **kwargs):
+            flags.append(kwargs["FLATTEN"])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
+    plain = experts_triton(x, gate_up, down, w, ids, config=PERSISTENT)
+    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", True)
+    for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
+        assert torch.equal(experts_triton(x, gate_up, down, w, ids, config=cfg), plain)
+    assert flags == [False, False, True, True, False, False, False, False]
+
+
 def test_persistent_program_count_off_the_gpu(monkeypatch):
     import moekit.grouped_gemm as gg
 
@@ -516,21 +536,25 @@ def _persistent_configs(shape, num_tokens):
     """The table's config, and its paired-tile form, persistent; with TMA weights too."""
     table = get_config(shape, num_tokens, torch.bfloat16, "cuda")
     paired = fit_shared_memory(dataclasses.replace(table, pair_blocks=2), 2, shared_memory_budget("cuda"))
+    unpaired = dataclasses.replace(table, pair_blocks=1, persistent=True)
     return {"table": dataclasses.replace(table, persistent=True),
             "table+tma": dataclasses.replace(table, persistent=True, tma_weights=True),
             "paired": dataclasses.replace(paired, persistent=True),
-            "paired+tma": dataclasses.replace(paired, persistent=True, tma_weights=True)}
+            "paired+tma": dataclasses.replace(paired, persistent=True, tma_weights=True),
+            "flat": unpaired, "flat+tma": dataclasses.replace(unpaired, tma_weights=True)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["table", "table+tma", "paired", "paired+tma"])
+@pytest.mark.parametrize("variant", ["table", "table+tma", "paired", "paired+tma", "flat", "flat+tma"])
 @pytest.mark.parametrize("num_tokens", [1, 64, 1000, 4096])
-def test_persistent_bf16_qwen3(qwen_layer, num_tokens, variant):
+def test_persistent_bf16_qwen3(qwen_layer, num_tokens, variant, monkeypatch):
     """The persistent path against the fp32 reference (2x plain bf16 PyTorch's error) and against
     the one-tile kernels (bit for bit, or within the same bound); the launch starts no more
-    programs than the device holds, without a warning (the occupancy was read)."""
+    programs than the device holds, without a warning (the occupancy was read). "flat": the
+    experimental fused loops (PERSISTENT_FLATTEN)."""
     import moekit.grouped_gemm as gg
 
+    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", variant.startswith("flat"))
     shape = qwen_layer.shape
     x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     w, ids = qwen_layer.route(x)

@@ -123,6 +123,9 @@ def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k:
 
 
 OFF_GPU_SMS = 4          # persistent kernels off CUDA (the interpreter): this many programs at most
+# Experimental, for measurements (scripts/tile_compare.py --flatten): persistent kernels without paired
+# tiles fuse their tile and K loops (`tl.range(..., flatten=True)`). Read at each launch.
+PERSISTENT_FLATTEN = False
 
 
 @functools.lru_cache(maxsize=16)
@@ -173,6 +176,7 @@ def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: t
     """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
     tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
     (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles)."""
+    kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
     if cfg.persistent:
         units = triton.cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))

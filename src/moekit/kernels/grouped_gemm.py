@@ -276,13 +276,16 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    PAIRED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr):
+                   GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr,
+                   FLATTEN: tl.constexpr):
     """Run `_paired(TILE, ...)` on this program's tile (`_tile_ids`: one tile, none past num_padded),
     or with PERSISTENT on tiles program_id, program_id + num_programs, ... below the live count
     (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order.
     PERSISTENT and PAIRED: a tile is two row blocks (2u, 2u + 1), each run as `_paired` runs it, so
     that every tile holds work (a pair's second block alone holds none) and the static round robin
-    stays balanced; GROUP_M // 2 such tiles share a weight tile."""
+    stays balanced; GROUP_M // 2 such tiles share a weight tile. FLATTEN (experimental, PERSISTENT
+    without PAIRED): `tl.range(..., flatten=True)`, the compiler fuses the tile loop and the K loop into
+    one software-pipelined loop (the next tile's loads overlap this tile's last steps and epilogue)."""
     if PERSISTENT:
         num_m = tl.load(num_padded_ptr) // BLOCK_M
         if PAIRED:
@@ -295,7 +298,7 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
                             stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                             DOT_PRECISION, PAIRED, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
         else:
-            for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0)):
+            for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0), flatten=FLATTEN):
                 pid_m, pid_n = _swizzle(tile, num_m, num_n_tiles, GROUP_M)
                 _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
                         sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
@@ -319,7 +322,7 @@ def moe_gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
-    TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
@@ -329,7 +332,7 @@ def moe_gemm1_swiglu_kernel(
                    expert_ids_ptr, x_ptr, w, h_ptr, x_ptr, sorted_ids_ptr, S, N, K, stride_xt, stride_xk,
                    stride_we, stride_wn, stride_wk, stride_hm, stride_hn, bias_ptr, stride_be, stride_bn,
                    alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
-                   SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+                   SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W, FLATTEN)
 
 
 @triton.jit
@@ -381,6 +384,7 @@ def moe_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     # w: down (E, N, K), or with TMA_W its descriptor over (E * N, K), block [BLOCK_N, BLOCK_K].
@@ -389,7 +393,7 @@ def moe_gemm2_kernel(
                    expert_ids_ptr, h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm,
                    stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn, bias_ptr, stride_be,
                    stride_bn, 0.0, 0.0, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
-                   MUL_W, HAS_BIAS, False, False, TMA_W)
+                   MUL_W, HAS_BIAS, False, False, TMA_W, FLATTEN)
 
 
 @triton.jit
