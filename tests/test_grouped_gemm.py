@@ -61,16 +61,22 @@ def make(num_tokens, num_experts, hidden, inter, top_k, invalid=False):
     return x, gate_up, down, w, ids
 
 
+def aligned(ids, num_experts, block_m):
+    """(alignment, rows in use, mask of the pairs placed): the rows a kernel must write."""
+    align = align_block_size(ids, num_experts, block_m, backend="torch")
+    live = int(align.num_padded)
+    placed = torch.zeros(ids.numel(), dtype=torch.bool)
+    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    return align, live, placed
+
+
 @pytest.mark.parametrize("cfg", [CFG, PAIRED], ids=["blocks", "paired"])
 @pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
 def test_kernels_match_their_twins(case, invalid, cfg):
     x, gate_up, down, w, ids = make(*case, invalid=invalid)
     num_experts, top_k = case[1], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
         y = gemm2_weighted(h, down, w, align, cfg)
@@ -104,10 +110,7 @@ def test_epilogues_switched_off_match_their_twins(case, cfg):
     the fused kernel once the left-out step is applied by hand."""
     x, gate_up, down, w, ids = make(*case, invalid=True)
     num_experts, inter, top_k = case[1], case[3], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     with poisoning():
         pre = gemm1_swiglu(x, gate_up, align, top_k, cfg, swiglu=False)
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
@@ -152,10 +155,7 @@ def make_tma(num_tokens, num_experts, hidden, inter, top_k, dtype, invalid=False
 def test_tma_weights_match_the_twins_and_the_pointer_path(case, invalid, cfg, dtype, descriptors):
     x, gate_up, down, w, ids = make_tma(*case, dtype, invalid=invalid)
     num_experts, top_k = case[1], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     pointer = dataclasses.replace(cfg, tma_weights=False)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
@@ -254,6 +254,16 @@ def qwen_layer():
     return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)
 
 
+def qwen_case(layer, num_tokens):
+    """(x, the expert path's arguments, the fp32 reference, 2x plain bf16 PyTorch's error): T tokens
+    routed by the layer."""
+    x = torch.randn(num_tokens, layer.shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = layer.route(x)
+    args = (x, layer.gate_up_proj, layer.down_proj, w, ids)
+    ref = moe_experts_ref(*args)
+    return x, args, ref, same_dtype_bound(*args, ref)
+
+
 def _tma_configs(shape, num_tokens):
     """(pointer config, its TMA twin) for the table's config and its paired-tile form."""
     base = get_config(shape, num_tokens, torch.bfloat16, "cuda")
@@ -268,11 +278,7 @@ def test_tma_weights_bf16_qwen3(qwen_layer, num_tokens, variant, descriptors):
     """The TMA path against the fp32 reference (2x plain bf16 PyTorch's error), and against the
     pointer path (bit for bit, or within the same bound)."""
     shape = qwen_layer.shape
-    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    w, ids = qwen_layer.route(x)
-    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
-    ref = moe_experts_ref(*args)
-    bound = same_dtype_bound(*args, ref)
+    x, args, ref, bound = qwen_case(qwen_layer, num_tokens)
     pointer = _tma_configs(shape, num_tokens)[variant]
     tma = dataclasses.replace(pointer, tma_weights=True)
     assert resolve_tma(tma, qwen_layer.gate_up_proj, qwen_layer.down_proj) == tma, "no TMA on this GPU"
@@ -308,20 +314,24 @@ def test_tma_weights_bf16_odd_shape_tails(tiles, descriptors):
 
 
 @pytest.mark.gpu
-def test_tma_weights_replay_from_a_cuda_graph(qwen_layer):
-    """Host descriptors are encoded at launch: a captured graph replays them on new inputs."""
+@pytest.mark.parametrize("variant,num_tokens", [("tma", 512), ("persistent", 2048), ("persistent+tma", 2048)])
+def test_replay_from_a_cuda_graph(qwen_layer, variant, num_tokens):
+    """Host descriptors are encoded at launch, persistent kernels read the live tile count on the
+    device: a captured graph replays on new inputs and new routing (16 experts: other tile counts)
+    as an eager call computes them."""
     shape = qwen_layer.shape
-    cfg = dataclasses.replace(get_config(shape, 512, torch.bfloat16, "cuda"), tma_weights=True)
-    x = torch.randn(512, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    switches = {"tma_weights": "tma" in variant, "persistent": "persistent" in variant}
+    cfg = dataclasses.replace(get_config(shape, num_tokens, torch.bfloat16, "cuda"), **switches)
+    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     w, ids = qwen_layer.route(x)
     out = torch.empty_like(x)
     call = functools.partial(experts_triton, x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids,
                              config=cfg, out=out)
     graph, _ = capture_graph(call, torch.device("cuda"))
     x.copy_(torch.randn_like(x))
-    w2, ids2 = qwen_layer.route(x)
-    w.copy_(w2)
-    ids.copy_(ids2)
+    skewed = torch.rand(ids.shape[0], 16, device="cuda").argsort(1)[:, :ids.shape[1]]
+    ids.copy_(skewed.to(ids.dtype))
+    w.copy_(torch.rand_like(w))
     graph.replay()
     torch.cuda.synchronize()
     eager = experts_triton(x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids, config=cfg)
@@ -387,10 +397,7 @@ def persistent_bound(align, cfg, n_tiles):
 def test_persistent_kernels_match_the_twins_and_the_one_tile_kernels(case, invalid, cfg, three_programs):
     x, gate_up, down, w, ids = make(*case, invalid=invalid)
     num_experts, hidden, inter, top_k = case[1], case[2], case[3], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     one_tile = dataclasses.replace(cfg, persistent=False)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
@@ -434,10 +441,7 @@ def test_persistent_kernels_with_tma_weights(case, cfg, dtype, descriptors, thre
     x, gate_up, down, w, ids = make_tma(*case, dtype, invalid=True)
     num_experts, top_k = case[1], case[4]
     tma = dataclasses.replace(cfg, tma_weights=True)
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, tma)
         y = gemm2_weighted(h, down, w, align, tma)
@@ -556,11 +560,7 @@ def test_persistent_bf16_qwen3(qwen_layer, num_tokens, variant, monkeypatch):
 
     monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", variant.startswith("flat"))
     shape = qwen_layer.shape
-    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    w, ids = qwen_layer.route(x)
-    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
-    ref = moe_experts_ref(*args)
-    bound = same_dtype_bound(*args, ref)
+    x, args, ref, bound = qwen_case(qwen_layer, num_tokens)
     cfg = _persistent_configs(shape, num_tokens)[variant]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="moekit: cannot tell how many programs")
@@ -594,27 +594,3 @@ def test_persistent_bf16_odd_shape_tails():
             assert rel_err(out, ref) <= bound, cfg
     finally:
         gg.num_sms = real
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_persistent_replay_from_a_cuda_graph(qwen_layer, tma):
-    """The persistent launch reads the live tile count on the device: a captured graph replays on
-    new routing (another tile count) as an eager call computes it."""
-    shape = qwen_layer.shape
-    table = get_config(shape, 2048, torch.bfloat16, "cuda")
-    cfg = dataclasses.replace(table, persistent=True, tma_weights=tma)
-    x = torch.randn(2048, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    w, ids = qwen_layer.route(x)
-    out = torch.empty_like(x)
-    call = functools.partial(experts_triton, x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids,
-                             config=cfg, out=out)
-    graph, _ = capture_graph(call, torch.device("cuda"))
-    x.copy_(torch.randn_like(x))
-    skewed = torch.rand(ids.shape[0], 16, device="cuda").argsort(1)[:, :ids.shape[1]]   # 16 experts only
-    ids.copy_(skewed.to(ids.dtype))
-    w.copy_(torch.rand_like(w))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = experts_triton(x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids, config=cfg)
-    assert torch.equal(out, eager)
