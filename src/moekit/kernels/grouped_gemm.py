@@ -283,7 +283,7 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
     (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order.
     PERSISTENT and PAIRED: a tile is two row blocks (2u, 2u + 1), each run as `_paired` runs it, so
     that every tile holds work (a pair's second block alone holds none) and the static round robin
-    stays balanced; GROUP_M // 2 such tiles share a weight tile. FLATTEN (experimental, PERSISTENT
+    stays balanced; (GROUP_M + 1) // 2 such tiles share a weight tile. FLATTEN (experimental, PERSISTENT
     without PAIRED): `tl.range(..., flatten=True)`, the compiler fuses the tile loop and the K loop into
     one software-pipelined loop (the next tile's loads overlap this tile's last steps and epilogue)."""
     if PERSISTENT:
@@ -291,7 +291,7 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
         if PAIRED:
             num_units = (num_m + 1) // 2
             for tile in tl.range(tl.program_id(0), num_units * num_n_tiles, tl.num_programs(0)):
-                pid_u, pid_n = _swizzle(tile, num_units, num_n_tiles, max(GROUP_M // 2, 1))
+                pid_u, pid_n = _swizzle(tile, num_units, num_n_tiles, (GROUP_M + 1) // 2)
                 for pid_m in tl.range(2 * pid_u, tl.minimum(2 * pid_u + 2, num_m)):
                     _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
                             sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be,
