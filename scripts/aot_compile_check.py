@@ -17,20 +17,27 @@ Paths (GEMM1's flags; GEMM2 takes HAS_BIAS and TMA_W):
     interleaved+tma       + TMA_W (gate_up box [2 BN, BK])
     gpt-oss               GPT_OSS, HAS_BIAS, INTERLEAVED: gpt-oss's experts
     gpt-oss+tma           + TMA_W
+    persistent            PERSISTENT (`ExpertsConfig.persistent`): the tile loop, SwiGLU, no bias
+    persistent+tma        + TMA_W
+    gpt-oss+persistent+tma  gpt-oss's experts (GPT_OSS, HAS_BIAS, INTERLEAVED), PERSISTENT and TMA_W
+    flatten, flatten+tma  persistent (+ TMA_W) with FLATTEN (experimental `PERSISTENT_FLATTEN`: the
+                          tile and K loops fused; paired tiles run without it)
 over the Qwen3-30B-A3B tiles (bf16) below, paired tiles on and off. A path whose TMA the runtime
 would refuse (`resolve_tma`: e.g. an interleaved box over 256 rows) is reported as such, not compiled.
 
-Prints one line per variant, OK (GEMM1/GEMM2 shared memory in bytes) or FAIL with the error, and
+Prints one line per variant, OK (GEMM1/GEMM2 shared memory in bytes, and with --regs the registers
+per thread and any local memory (spills) from `cuobjdump -res-usage`) or FAIL with the error, and
 exits 1 on any failure; 2 when this Triton has no CUDA backend, ptxas or cuobjdump. `--dump DIR`
 writes each kernel's PTX and SASS (cuobjdump) there; `--compare DIR` then checks them against
-another commit's dump (same instructions: PTX without its debug lines, SASS as is). The paths
-without TMA run on commits that predate it, e.g. to show that the flags off compile to main's kernels:
+another commit's dump (same instructions: PTX without its debug lines and labels, SASS as is). The
+paths without TMA (or PERSISTENT) run on commits that predate it, e.g. to show that the flags off
+compile to main's kernels:
 
     PYTHONPATH=<main>/src python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/main
     python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
 
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
-       [--quick] [--dump DIR [--compare DIR]]
+       [--quick] [--regs] [--dump DIR [--compare DIR]]
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ os.environ["TRITON_INTERPRET"] = "0"   # compile, never interpret: before triton
 
 import argparse
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -73,18 +81,23 @@ TILES = {
     "L": moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
                               block_n2=128, block_k2=64, warps2=8, stages2=4, group_m=8),
 }
-# name: (activation, biases, interleaved, tma)
+# name: (activation, biases, interleaved, tma, persistent: False, True or "flatten")
 PATHS = {
-    "default": ("swiglu", False, False, False),
-    "tma": ("swiglu", False, False, True),
-    "gpt-oss+bias": ("gpt_oss", True, False, False),
-    "gpt-oss+bias+tma": ("gpt_oss", True, False, True),
-    "interleaved": ("swiglu", False, True, False),
-    "interleaved+tma": ("swiglu", False, True, True),
-    "gpt-oss": ("gpt_oss", True, True, False),
-    "gpt-oss+tma": ("gpt_oss", True, True, True),
+    "default": ("swiglu", False, False, False, False),
+    "tma": ("swiglu", False, False, True, False),
+    "gpt-oss+bias": ("gpt_oss", True, False, False, False),
+    "gpt-oss+bias+tma": ("gpt_oss", True, False, True, False),
+    "interleaved": ("swiglu", False, True, False, False),
+    "interleaved+tma": ("swiglu", False, True, True, False),
+    "gpt-oss": ("gpt_oss", True, True, False, False),
+    "gpt-oss+tma": ("gpt_oss", True, True, True, False),
+    "persistent": ("swiglu", False, False, False, True),
+    "persistent+tma": ("swiglu", False, False, True, True),
+    "gpt-oss+persistent+tma": ("gpt_oss", True, True, True, True),
+    "flatten": ("swiglu", False, False, False, "flatten"),
+    "flatten+tma": ("swiglu", False, False, True, "flatten"),
 }
-QUICK = (("S", "default"), ("S", "gpt-oss+tma"))    # the CPU test's subset
+QUICK = (("S", "default"), ("S", "gpt-oss+tma"), ("M", "persistent"))    # the CPU test's subset
 
 
 def cuda_backend_missing() -> str | None:
@@ -161,11 +174,30 @@ def make_inputs(shape: moekit.MoEShape, dtype: torch.dtype) -> Inputs:
                   torch.empty(e, 2 * i, dtype=dtype), torch.empty(e, h, dtype=dtype))
 
 
-def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump: Path | None, name: str):
+def resource_usage(cubin: bytes) -> str:
+    """'<registers>r', plus ' local <bytes>B' (spills) when it uses local memory: a cubin's kernel, from
+    `cuobjdump -res-usage`."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", out)
+    local = re.search(r"LOCAL:(\d+)", out)
+    spills = f" local {local.group(1)}B" if local and local.group(1) != "0" else ""
+    return f"{regs.group(1) if regs else '?'}r{spills}"
+
+
+def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump: Path | None, name: str,
+                regs: bool = False):
     """'OK ...' or 'SKIP ...' for one (tiles, path); raises when a kernel fails to compile."""
-    activation, biases, interleaved, tma = PATHS[path]
+    activation, biases, interleaved, tma, persistent = PATHS[path]
     act = SWIGLU if activation == "swiglu" else GatedActivation(activation)
     cfg = dataclasses.replace(cfg, tma_weights=True) if tma else cfg
+    # The field is named only when asked for: the other paths also run on commits without it.
+    cfg = dataclasses.replace(cfg, persistent=True) if persistent else cfg
     align = align_block_size(inp.ids, inp.gate_up.shape[0], cfg.block_m, backend="torch")
 
     def call():
@@ -173,6 +205,14 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
                          interleaved=interleaved, bias=inp.gate_up_bias if biases else None)
         gemm2_weighted(h, inp.down, inp.w, align, cfg, bias=inp.down_bias if biases else None)
 
+    if persistent == "flatten":
+        import moekit.grouped_gemm as gg
+
+        gg.PERSISTENT_FLATTEN = True
+        try:
+            return run_variant(inp, cfg, path.replace("flatten", "persistent"), target, dump, name, regs)
+        finally:
+            gg.PERSISTENT_FLATTEN = False
     if tma:   # TMA names are imported here only: the other paths also run on commits without them
         import moekit.grouped_gemm as gg
 
@@ -190,8 +230,12 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
     for kernel, args, kwargs in launches:
         if kwargs.get("TMA_W", False) is not tma:
             raise RuntimeError(f"{kernel.__name__} launched with TMA_W={kwargs.get('TMA_W')}, wanted {tma}")
+        if kwargs.get("PERSISTENT", False) is not persistent:
+            raise RuntimeError(f"{kernel.__name__} launched with PERSISTENT={kwargs.get('PERSISTENT')}, "
+                               f"wanted {persistent}")
         compiled = compile_launch(kernel, args, kwargs, target)
-        notes.append(f"{compiled.metadata.shared}B")
+        usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
+        notes.append(f"{compiled.metadata.shared}B{usage}")
         if dump is not None:
             stem = f"{name}.{kernel.__name__}"
             (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
@@ -199,16 +243,21 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
     return "OK  shared " + "/".join(notes)
 
 
+DEBUG_LABEL = re.compile(r"\$L__tmp\d+:")
+
+
 def instructions(path: Path) -> list[str]:
-    """A dumped kernel's instructions: SASS as is; PTX without comments, .loc/.file lines and the
-    DWARF sections (they name source lines, which move when unrelated code does)."""
+    """A dumped kernel's instructions: SASS as is; PTX without comments, .loc/.file lines, the
+    DWARF sections (they name source lines, which move when unrelated code does) and the $L__tmp
+    labels (they only delimit inlined calls for the debug info: one more @triton.jit call level
+    between a kernel and its code renumbers them, and nothing branches to them)."""
     if path.suffix == ".sass":
         return path.read_text().splitlines()
     lines = []
     for line in (raw.strip() for raw in path.read_text().splitlines()):
         if line.startswith(".section") and ".debug" in line:
             break
-        if line and not line.startswith(("//", ".loc", ".file")):
+        if line and not line.startswith(("//", ".loc", ".file")) and not DEBUG_LABEL.fullmatch(line):
             lines.append(line)
     return lines
 
@@ -232,6 +281,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the CPU test's subset: " + str(QUICK))
     p.add_argument("--dump", type=Path, default=None, help="write each kernel's PTX and SASS here")
     p.add_argument("--compare", type=Path, default=None, help="compare the dump with this one (needs --dump)")
+    p.add_argument("--regs", action="store_true",
+                   help="also registers per thread and local memory (cuobjdump)")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -255,12 +306,12 @@ def main() -> int:
         name = f"{tiles}.{path}"
         started = time.perf_counter()
         try:
-            status = run_variant(inp, TILES[tiles], path, target, args.dump, name)
+            status = run_variant(inp, TILES[tiles], path, target, args.dump, name, args.regs)
         except Exception as exc:
             failed += 1
             text = str(exc).strip().splitlines()
             status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
-        print(f"{name:<22} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+        print(f"{name:<28} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{len(pairs) - failed}/{len(pairs)} variants compile" + (f", {failed} FAILED" if failed else ""))
     if args.compare is not None:
         differ = compare(args.dump, args.compare)

@@ -1,10 +1,27 @@
-"""Tile check for the triton path: the tuned config against paired-tile and TMA-weight variants.
+"""Tile check for the triton path: the tuned config against persistent, paired-tile and TMA variants.
 
 For each T, each config runs the whole expert path (align, GEMM1, GEMM2, sum) from a CUDA graph,
 each call alone after an L2 flush (`moekit.bench.timing.time_fn`), on the same routing; the table
 gives the median, % of the roofline floor (ceilings measured in this run), the rows computed per
 useful row (padding) and the error against the fp32 reference. Variants per T (duplicates of an
-earlier one are skipped, at most 6):
+earlier one are skipped, at most 6), `--set persistent` (the default):
+
+    table            the tuned config
+    persistent       table + persistent (`ExpertsConfig.persistent`: one program per resident slot,
+                     each looping over tiles)
+    persistent+tma   persistent + tma_weights
+    p+tma bm128      persistent + tma_weights, 128-row tiles: block_n 128/256, block_k 64, 8 warps,
+                     4/3 stages (the table's tile from T = 8192)
+    p+tma paired     the same with paired tiles of 2 x 64 rows over 64-row blocks, 4/4 stages (the
+                     table's tile at T = 2048-4096)
+    p+tma bm64       the same with 64-row tiles, not paired
+
+`--set flatten`: the experimental fused loops (`moekit.grouped_gemm.PERSISTENT_FLATTEN`, persistent
+kernels without paired tiles; a name ending in " flat" runs with it, its config made unpaired):
+
+    table, persistent, persistent flat, persistent+tma, persistent+tma flat, p+tma bm128 flat
+
+`--set tma` (the TMA study of 2026-11-30):
 
     table            the tuned config
     tma              table + tma_weights (expert weights read through TMA descriptors)
@@ -21,8 +38,8 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--tokens 1024,2048,...] [--tma-tiles 64:5,128:3,32:6] [--rep N]
-       [--out FILE]
+Usage: python scripts/tile_compare.py [--set persistent|flatten|tma] [--tokens 1024,2048,...]
+       [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -57,23 +74,62 @@ def parse_tiles(text: str) -> list[tuple[int, int]]:
     return out
 
 
+# The persistent set's block shapes, all with TMA weights (`--set persistent`).
+BIG_TILE = moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
+                                block_n2=256, block_k2=64, warps2=8, stages2=3, group_m=8,
+                                tma_weights=True, persistent=True)
+BLOCK_SHAPES = {
+    "p+tma bm128": BIG_TILE,
+    "p+tma paired": dataclasses.replace(BIG_TILE, block_m=64, pair_blocks=2, stages2=4),
+    "p+tma bm64": dataclasses.replace(BIG_TILE, block_m=64, stages2=4),
+}
+
+
 def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], itemsize: int,
-             budget: int) -> dict[str, moekit.ExpertsConfig]:
+             budget: int, which: str = "persistent") -> dict[str, moekit.ExpertsConfig]:
     """Named configs for one T, duplicates dropped, at most MAX_VARIANTS."""
     tma = dataclasses.replace(base, tma_weights=True)
-    paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
-    candidates = {"table": base, "tma": tma, "paired": paired,
-                  "paired+tma": dataclasses.replace(paired, tma_weights=True)}
-    for bk, stages in tma_tiles:
-        cfg = fit_shared_memory(dataclasses.replace(tma, block_k1=bk, block_k2=bk, stages1=stages,
-                                                    stages2=stages), itemsize, budget)
-        candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
+    persistent = dataclasses.replace(base, persistent=True)
+    if which == "persistent":
+        candidates = {"table": base, "persistent": persistent,
+                      "persistent+tma": dataclasses.replace(persistent, tma_weights=True), **BLOCK_SHAPES}
+    elif which == "flatten":
+        flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
+        candidates = {"table": base, "persistent": persistent, "persistent flat": flat,
+                      "persistent+tma": dataclasses.replace(persistent, tma_weights=True),
+                      "persistent+tma flat": dataclasses.replace(flat, tma_weights=True),
+                      "p+tma bm128 flat": BIG_TILE}
+    else:
+        paired = dataclasses.replace(base, block_m=64, pair_blocks=2, block_n2=256)
+        candidates = {"table": base, "tma": tma, "paired": paired,
+                      "paired+tma": dataclasses.replace(paired, tma_weights=True)}
+        for bk, stages in tma_tiles:
+            cfg = fit_shared_memory(dataclasses.replace(tma, block_k1=bk, block_k2=bk, stages1=stages,
+                                                        stages2=stages), itemsize, budget)
+            candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
     out: dict[str, moekit.ExpertsConfig] = {}
     for name, cfg in candidates.items():
         cfg = cfg if name == "table" else fit_shared_memory(cfg, itemsize, budget)
-        if cfg not in out.values() and len(out) < MAX_VARIANTS:
+        seen = {(c, flattened(n)) for n, c in out.items()}
+        if (cfg, flattened(name)) not in seen and len(out) < MAX_VARIANTS:
             out[name] = cfg
     return out
+
+
+def flattened(name: str) -> bool:
+    """Whether variant `name` runs with the fused persistent loops (`PERSISTENT_FLATTEN`)."""
+    return name.endswith(" flat")
+
+
+def run_flattened(flat: bool, fn):
+    """fn() with `PERSISTENT_FLATTEN` set to flat while it launches (and while a graph captures it)."""
+    import moekit.grouped_gemm as gg
+
+    gg.PERSISTENT_FLATTEN = flat
+    try:
+        return fn()
+    finally:
+        gg.PERSISTENT_FLATTEN = False
 
 
 def padding(ids: torch.Tensor, num_experts: int, cfg: moekit.ExpertsConfig) -> float:
@@ -97,7 +153,7 @@ def describe(cfg: moekit.ExpertsConfig, ran: moekit.ExpertsConfig) -> str:
     note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
     return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
             f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "
-            f"s={cfg.stages1}/{cfg.stages2}{note}")
+            f"s={cfg.stages1}/{cfg.stages2} g={cfg.group_m}{' persistent' if cfg.persistent else ''}{note}")
 
 
 def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: torch.device,
@@ -111,13 +167,14 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
     table_err = None
     rows = []
     for name, cfg in variants(get_config(shape, t, dtype, dev), parse_tiles(args.tma_tiles), dtype.itemsize,
-                              budget).items():
+                              budget, args.set).items():
         ran = resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
         tiles = describe(cfg, ran)
         row = dict(tokens=t, config=name, tma_ran=ran.tma_weights,
                    **{f"cfg_{k}": v for k, v in cfg.to_dict().items()})
         rows.append(row)
-        fn = functools.partial(experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg)
+        fn = functools.partial(run_flattened, flattened(name), functools.partial(
+            experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg))
         try:
             out = fn()
             if dev.type == "cuda":
@@ -160,8 +217,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma"),
+                   help="which variants: persistent kernels and block shapes, the fused loops, or the "
+                        "TMA study's")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
-                   help="block_k:stages pairs tried with TMA weights on top of the table config")
+                   help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")

@@ -14,13 +14,14 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
-from moekit import PRESETS, ExpertsConfig, MoELayer, align_block_size
+from moekit import PRESETS, ExpertsConfig, MoELayer, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
@@ -60,16 +61,22 @@ def make(num_tokens, num_experts, hidden, inter, top_k, invalid=False):
     return x, gate_up, down, w, ids
 
 
+def aligned(ids, num_experts, block_m):
+    """(alignment, rows in use, mask of the pairs placed): the rows a kernel must write."""
+    align = align_block_size(ids, num_experts, block_m, backend="torch")
+    live = int(align.num_padded)
+    placed = torch.zeros(ids.numel(), dtype=torch.bool)
+    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    return align, live, placed
+
+
 @pytest.mark.parametrize("cfg", [CFG, PAIRED], ids=["blocks", "paired"])
 @pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
 def test_kernels_match_their_twins(case, invalid, cfg):
     x, gate_up, down, w, ids = make(*case, invalid=invalid)
     num_experts, top_k = case[1], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
         y = gemm2_weighted(h, down, w, align, cfg)
@@ -103,10 +110,7 @@ def test_epilogues_switched_off_match_their_twins(case, cfg):
     the fused kernel once the left-out step is applied by hand."""
     x, gate_up, down, w, ids = make(*case, invalid=True)
     num_experts, inter, top_k = case[1], case[3], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     with poisoning():
         pre = gemm1_swiglu(x, gate_up, align, top_k, cfg, swiglu=False)
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
@@ -151,10 +155,7 @@ def make_tma(num_tokens, num_experts, hidden, inter, top_k, dtype, invalid=False
 def test_tma_weights_match_the_twins_and_the_pointer_path(case, invalid, cfg, dtype, descriptors):
     x, gate_up, down, w, ids = make_tma(*case, dtype, invalid=invalid)
     num_experts, top_k = case[1], case[4]
-    align = align_block_size(ids, num_experts, cfg.block_m, backend="torch")
-    live = int(align.num_padded)
-    placed = torch.zeros(ids.numel(), dtype=torch.bool)
-    placed[align.sorted_ids[:live][align.sorted_ids[:live] < ids.numel()].long()] = True
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
     pointer = dataclasses.replace(cfg, tma_weights=False)
     with poisoning():
         h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
@@ -253,6 +254,16 @@ def qwen_layer():
     return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)
 
 
+def qwen_case(layer, num_tokens):
+    """(x, the expert path's arguments, the fp32 reference, 2x plain bf16 PyTorch's error): T tokens
+    routed by the layer."""
+    x = torch.randn(num_tokens, layer.shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = layer.route(x)
+    args = (x, layer.gate_up_proj, layer.down_proj, w, ids)
+    ref = moe_experts_ref(*args)
+    return x, args, ref, same_dtype_bound(*args, ref)
+
+
 def _tma_configs(shape, num_tokens):
     """(pointer config, its TMA twin) for the table's config and its paired-tile form."""
     base = get_config(shape, num_tokens, torch.bfloat16, "cuda")
@@ -267,11 +278,7 @@ def test_tma_weights_bf16_qwen3(qwen_layer, num_tokens, variant, descriptors):
     """The TMA path against the fp32 reference (2x plain bf16 PyTorch's error), and against the
     pointer path (bit for bit, or within the same bound)."""
     shape = qwen_layer.shape
-    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    w, ids = qwen_layer.route(x)
-    args = (x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids)
-    ref = moe_experts_ref(*args)
-    bound = same_dtype_bound(*args, ref)
+    x, args, ref, bound = qwen_case(qwen_layer, num_tokens)
     pointer = _tma_configs(shape, num_tokens)[variant]
     tma = dataclasses.replace(pointer, tma_weights=True)
     assert resolve_tma(tma, qwen_layer.gate_up_proj, qwen_layer.down_proj) == tma, "no TMA on this GPU"
@@ -307,20 +314,24 @@ def test_tma_weights_bf16_odd_shape_tails(tiles, descriptors):
 
 
 @pytest.mark.gpu
-def test_tma_weights_replay_from_a_cuda_graph(qwen_layer):
-    """Host descriptors are encoded at launch: a captured graph replays them on new inputs."""
+@pytest.mark.parametrize("variant,num_tokens", [("tma", 512), ("persistent", 2048), ("persistent+tma", 2048)])
+def test_replay_from_a_cuda_graph(qwen_layer, variant, num_tokens):
+    """Host descriptors are encoded at launch, persistent kernels read the live tile count on the
+    device: a captured graph replays on new inputs and new routing (16 experts: other tile counts)
+    as an eager call computes them."""
     shape = qwen_layer.shape
-    cfg = dataclasses.replace(get_config(shape, 512, torch.bfloat16, "cuda"), tma_weights=True)
-    x = torch.randn(512, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    switches = {"tma_weights": "tma" in variant, "persistent": "persistent" in variant}
+    cfg = dataclasses.replace(get_config(shape, num_tokens, torch.bfloat16, "cuda"), **switches)
+    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
     w, ids = qwen_layer.route(x)
     out = torch.empty_like(x)
     call = functools.partial(experts_triton, x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids,
                              config=cfg, out=out)
     graph, _ = capture_graph(call, torch.device("cuda"))
     x.copy_(torch.randn_like(x))
-    w2, ids2 = qwen_layer.route(x)
-    w.copy_(w2)
-    ids.copy_(ids2)
+    skewed = torch.rand(ids.shape[0], 16, device="cuda").argsort(1)[:, :ids.shape[1]]
+    ids.copy_(skewed.to(ids.dtype))
+    w.copy_(torch.rand_like(w))
     graph.replay()
     torch.cuda.synchronize()
     eager = experts_triton(x, qwen_layer.gate_up_proj, qwen_layer.down_proj, w, ids, config=cfg)
@@ -332,9 +343,9 @@ def test_tma_weights_replay_from_a_cuda_graph(qwen_layer):
 
 
 def test_forward_kernels_compile_for_sm90_ahead_of_time(tmp_path):
-    """The default kernels and gpt-oss's (biases, interleaved rows) with TMA weights compile for
-    sm_90 as their launchers would launch them; the TMA kernels load the weights with TMA
-    instructions (UTMALDG), the default kernels do not."""
+    """The default kernels, gpt-oss's (biases, interleaved rows) with TMA weights and the persistent
+    ones compile for sm_90 as their launchers would launch them; the TMA kernels load the weights
+    with TMA instructions (UTMALDG), the default kernels do not."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "scripts" / "aot_compile_check.py"), "--quick",
                            "--dump", str(tmp_path)], capture_output=True, text=True, timeout=300,
@@ -342,7 +353,244 @@ def test_forward_kernels_compile_for_sm90_ahead_of_time(tmp_path):
     if done.returncode == 2:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2/2 variants compile" in done.stdout
+    assert "3/3 variants compile" in done.stdout
     for kernel in ("moe_gemm1_swiglu_kernel", "moe_gemm2_kernel"):
         assert "UTMALDG" in (tmp_path / f"S.gpt-oss+tma.{kernel}.sass").read_text(), kernel
         assert "UTMALDG" not in (tmp_path / f"S.default.{kernel}.sass").read_text(), kernel
+
+
+# Persistent kernels (`ExpertsConfig.persistent`): fewer programs than tiles, each looping over tiles.
+# Off the GPU the launch takes `OFF_GPU_SMS` SMs; the `three_programs` fixture makes it 3, so the
+# loops really iterate (checked on the launched grids). Each tile is computed as the one-tile-per-
+# program kernels compute it: the outputs are bitwise equal to theirs.
+
+PERSISTENT = dataclasses.replace(CFG, persistent=True)
+PERSISTENT_PAIRED = dataclasses.replace(PAIRED, persistent=True)
+
+
+@pytest.fixture
+def three_programs(monkeypatch):
+    """Persistent launches start at most 3 programs; yields the grids of the grouped GEMM launches,
+    as (kernel name, programs, PERSISTENT)."""
+    import moekit.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "num_sms", lambda device: 3)
+    grids = []
+    for kernel in (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel):
+        def spy(*args, grid, warmup, _real=kernel.run, _name=kernel.__name__, **kwargs):
+            grids.append((_name, grid[0], kwargs.get("PERSISTENT", False)))
+            return _real(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy, raising=False)
+    return grids
+
+
+def persistent_bound(align, cfg, n_tiles):
+    """The tiles a persistent launch may loop over: row blocks (pairs of them when paired) x n_tiles."""
+    blocks = align.max_blocks
+    return (blocks + 1) // 2 * n_tiles if cfg.pair_blocks == 2 else blocks * n_tiles
+
+
+@pytest.mark.parametrize("cfg", [PERSISTENT, PERSISTENT_PAIRED], ids=["blocks", "paired"])
+@pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_persistent_kernels_match_the_twins_and_the_one_tile_kernels(case, invalid, cfg, three_programs):
+    x, gate_up, down, w, ids = make(*case, invalid=invalid)
+    num_experts, hidden, inter, top_k = case[1], case[2], case[3], case[4]
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
+    one_tile = dataclasses.replace(cfg, persistent=False)
+    with poisoning():
+        h = gemm1_swiglu(x, gate_up, align, top_k, cfg)
+        y = gemm2_weighted(h, down, w, align, cfg)
+        h_one = gemm1_swiglu(x, gate_up, align, top_k, one_tile)
+        y_one = gemm2_weighted(h, down, w, align, one_tile)
+    h_ref = gemm1_swiglu_torch(x, gate_up, align, top_k)
+    assert rel_err(h[:live], h_ref[:live]) <= 1e-5
+    assert rel_err(y[placed], gemm2_weighted_torch(h_ref, down, w, align)[placed]) <= 1e-5
+    assert torch.equal(h[:live], h_one[:live]) and torch.equal(y[placed], y_one[placed])
+    bounds = [persistent_bound(align, cfg, -(-inter // cfg.block_n1)),
+              persistent_bound(align, cfg, -(-hidden // cfg.block_n2))]
+    assert [g[1:] for g in three_programs[:2]] == [(min(3, b), True) for b in bounds]
+    blocks = len(align.expert_ids)
+    assert three_programs[2:] == [("moe_gemm1_swiglu_kernel", blocks * -(-inter // 16), False),
+                                  ("moe_gemm2_kernel", blocks * -(-hidden // 16), False)]
+
+
+def test_the_persistent_loops_iterate_and_cover_every_tile(three_programs):
+    """Many tiles per program (3 programs, dozens of tiles; paired: two row blocks per tile), every
+    row of h and every placed row of y written (NaN-poisoned workspaces)."""
+    x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
+    for cfg in (PERSISTENT, PERSISTENT_PAIRED):
+        del three_programs[:]
+        align = align_block_size(ids, 3, cfg.block_m, backend="torch")
+        with poisoning():
+            h = gemm1_swiglu(x, gate_up, align, 3, cfg)
+            y = gemm2_weighted(h, down, w, align, cfg)
+        assert int(align.num_padded) // cfg.block_m >= 8             # >= 4 tiles per program
+        assert [g[1] for g in three_programs] == [3, 3]
+        assert not h[:int(align.num_padded)].isnan().any() and not y.isnan().any()
+        assert rel_err(y, gemm2_weighted_torch(h, down, w, align)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("cfg", [PERSISTENT, PERSISTENT_PAIRED], ids=["blocks", "paired"])
+@pytest.mark.parametrize("case", TMA_CASES[2:], ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_persistent_kernels_with_tma_weights(case, cfg, dtype, descriptors, three_programs):
+    """Persistent + TMA weights (N and K tails, sentinels, the last expert's tiles past the weights'
+    end) against the twins and bitwise against the one-tile TMA kernels."""
+    x, gate_up, down, w, ids = make_tma(*case, dtype, invalid=True)
+    num_experts, top_k = case[1], case[4]
+    tma = dataclasses.replace(cfg, tma_weights=True)
+    align, live, placed = aligned(ids, num_experts, cfg.block_m)
+    with poisoning():
+        h = gemm1_swiglu(x, gate_up, align, top_k, tma)
+        y = gemm2_weighted(h, down, w, align, tma)
+        h_one = gemm1_swiglu(x, gate_up, align, top_k, dataclasses.replace(tma, persistent=False))
+        y_one = gemm2_weighted(h, down, w, align, dataclasses.replace(tma, persistent=False))
+    assert len(descriptors) == 4 and [g[2] for g in three_programs] == [True, True, False, False]
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_err(h[:live], gemm1_swiglu_torch(x, gate_up, align, top_k)[:live]) <= tol
+    assert rel_err(y[placed], gemm2_weighted_torch(h, down, w, align)[placed]) <= tol
+    assert torch.equal(h[:live], h_one[:live]) and torch.equal(y[placed], y_one[placed])
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "concat"])
+@pytest.mark.parametrize("cfg", [PERSISTENT, PERSISTENT_PAIRED], ids=["blocks", "paired"])
+def test_persistent_gpt_oss_with_biases(cfg, interleaved, three_programs):
+    """gpt-oss's expert math (biases, clamped activation) in the persistent kernels: the fp32
+    reference, and the one-tile kernels bit for bit."""
+    x, gate_up, down, w, ids = make(40, 3, 24, 40, 2, invalid=True)
+    gate_up = gate_up * 6
+    kw = dict(gate_up_bias=torch.randn(3, 80) * 3, down_bias=torch.randn(3, 24), activation="gpt_oss",
+              interleaved=interleaved)
+    ref = moe_experts_ref(x, gate_up, down, w, ids, **kw)
+    out = moe_experts(x, gate_up, down, w, ids, backend="triton", config=cfg, ignore_invalid_ids=True,
+                      out=poisoned(x.shape, x.dtype, "cpu"), **kw)
+    one = moe_experts(x, gate_up, down, w, ids, backend="triton", ignore_invalid_ids=True,
+                      config=dataclasses.replace(cfg, persistent=False), **kw)
+    assert rel_err(out, ref) <= 1e-5 and torch.equal(out, one)
+    assert [g[2] for g in three_programs] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("cfg", [PERSISTENT, PERSISTENT_PAIRED], ids=["blocks", "paired"])
+def test_persistent_edge_cases(cfg, id_dtype, three_programs):
+    """T = 0, T = 1, every pair on one expert, experts without tokens, invalid ids skipped
+    (ignore_invalid_ids), odd N and K tails; NaN-poisoned outputs, the fp32 reference."""
+    gate_up, down = torch.randn(5, 22, 37) / 37**0.5, torch.randn(5, 37, 11) / 11**0.5   # H 37, I 11
+    run = functools.partial(moe_experts, gate_up_proj=gate_up, down_proj=down, backend="triton", config=cfg,
+                            ignore_invalid_ids=True)
+
+    def check(x, w, ids):
+        out = run(x, topk_weights=w, topk_ids=ids, out=poisoned(x.shape, x.dtype, "cpu"))
+        assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5 or x.shape[0] == 0
+        return out
+
+    assert check(torch.randn(0, 37), torch.rand(0, 2), torch.empty(0, 2, dtype=id_dtype)).shape == (0, 37)
+    check(torch.randn(1, 37), torch.rand(1, 2), torch.tensor([[4, 1]], dtype=id_dtype))
+    x = torch.randn(70, 37)                                     # 70 pairs on expert 3: five 16-row blocks
+    check(x, torch.rand(70, 1), torch.full((70, 1), 3, dtype=id_dtype))
+    ids = distinct_topk_ids(70, 5, 2, dtype=id_dtype)           # expert 4 empty
+    ids[::4, 1] = -1
+    ids[1::4, 0] = 5                                            # past E: skipped too
+    out = check(x, torch.rand(70, 2), ids)
+    assert not out.isnan().any()
+    assert any(g[2] and g[1] == 3 for g in three_programs)     # some launch looped
+
+
+def test_persistent_flatten_switch(monkeypatch, three_programs):
+    """The experimental fused loops (PERSISTENT_FLATTEN) reach the kernels of persistent launches
+    without paired tiles only; the interpreter runs the loops as written: same outputs."""
+    import moekit.grouped_gemm as gg
+
+    flags = []
+    for kernel in (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel):
+        def spy(*args, _real=kernel.run, **kwargs):
+            flags.append(kwargs["FLATTEN"])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
+    plain = experts_triton(x, gate_up, down, w, ids, config=PERSISTENT)
+    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", True)
+    for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
+        assert torch.equal(experts_triton(x, gate_up, down, w, ids, config=cfg), plain)
+    assert flags == [False, False, True, True, False, False, False, False]
+
+
+def test_persistent_program_count_off_the_gpu(monkeypatch):
+    import moekit.grouped_gemm as gg
+
+    assert gg.num_sms(torch.device("cpu")) == gg.OFF_GPU_SMS
+    assert gg.programs_per_sm(gg.moe_gemm1_swiglu_kernel, (), {}, torch.device("cpu")) == 1
+    grids = []
+    monkeypatch.setattr(gg.moe_gemm2_kernel, "run",
+                        lambda *args, grid, warmup, **kwargs: grids.append(grid[0]), raising=False)
+    x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
+    for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
+        align = align_block_size(ids, 3, cfg.block_m, backend="torch")
+        gemm2_weighted(torch.zeros(align.sorted_ids.numel(), 40), down, w, align, cfg)
+    assert grids == [gg.OFF_GPU_SMS, gg.OFF_GPU_SMS, len(align.expert_ids) * 2]
+
+
+# Persistent kernels on the GPU (H200): compiled, bf16 at the Qwen3-30B-A3B shape.
+
+
+def _persistent_configs(shape, num_tokens):
+    """The table's config, and its paired-tile form, persistent; with TMA weights too."""
+    table = get_config(shape, num_tokens, torch.bfloat16, "cuda")
+    paired = fit_shared_memory(dataclasses.replace(table, pair_blocks=2), 2, shared_memory_budget("cuda"))
+    unpaired = dataclasses.replace(table, pair_blocks=1, persistent=True)
+    return {"table": dataclasses.replace(table, persistent=True),
+            "table+tma": dataclasses.replace(table, persistent=True, tma_weights=True),
+            "paired": dataclasses.replace(paired, persistent=True),
+            "paired+tma": dataclasses.replace(paired, persistent=True, tma_weights=True),
+            "flat": unpaired, "flat+tma": dataclasses.replace(unpaired, tma_weights=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["table", "table+tma", "paired", "paired+tma", "flat", "flat+tma"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 1000, 4096])
+def test_persistent_bf16_qwen3(qwen_layer, num_tokens, variant, monkeypatch):
+    """The persistent path against the fp32 reference (2x plain bf16 PyTorch's error) and against
+    the one-tile kernels (bit for bit, or within the same bound); the launch starts no more
+    programs than the device holds, without a warning (the occupancy was read). "flat": the
+    experimental fused loops (PERSISTENT_FLATTEN)."""
+    import moekit.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", variant.startswith("flat"))
+    shape = qwen_layer.shape
+    x, args, ref, bound = qwen_case(qwen_layer, num_tokens)
+    cfg = _persistent_configs(shape, num_tokens)[variant]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="moekit: cannot tell how many programs")
+        out = experts_triton(*args, config=cfg, out=poisoned(x.shape, x.dtype, "cuda"))
+    one = experts_triton(*args, config=dataclasses.replace(cfg, persistent=False),
+                         out=poisoned(x.shape, x.dtype, "cuda"))
+    err = rel_err(out, ref)
+    assert err <= bound, f"T={num_tokens} {variant}: {err:.2e} > {bound:.2e} (2x plain bf16 PyTorch)"
+    assert torch.equal(out, one) or rel_err(out, one) <= bound
+    assert all(1 <= v <= 32 for v in gg._RESIDENT.values())
+
+
+@pytest.mark.gpu
+def test_persistent_bf16_odd_shape_tails():
+    """N and K tails in compiled code (H = 200, I = 72), an empty expert, sentinels, more tiles than
+    programs (num_sms forced to 3): the persistent kernels by the 2x rule."""
+    import moekit.grouped_gemm as gg
+
+    x, gate_up, down, w, ids = (t.cuda() for t in make_tma(300, 6, 200, 72, 2, torch.float32, invalid=True))
+    x, gate_up, down = x.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    bound = same_dtype_bound(x, gate_up, down, w, ids, ref)
+    base = ExpertsConfig(block_m=64, block_n1=64, block_k1=64, warps1=4, stages1=3, block_n2=64, block_k2=64,
+                         warps2=4, stages2=3, group_m=4, persistent=True)
+    real = gg.num_sms
+    gg.num_sms = lambda device: 3
+    try:
+        for cfg in (base, dataclasses.replace(base, block_m=32, pair_blocks=2),
+                    dataclasses.replace(base, tma_weights=torch.cuda.get_device_capability()[0] >= 9)):
+            out = experts_triton(x, gate_up, down, w, ids, config=cfg, out=poisoned(x.shape, x.dtype, "cuda"))
+            assert rel_err(out, ref) <= bound, cfg
+    finally:
+        gg.num_sms = real

@@ -88,13 +88,14 @@ def test_experts_opcheck(backend):
     torch.library.opcheck(torch.ops.moekit.experts.default, (wide[:, 8:40],) + args[1:])
 
 
-def test_op_config_list_carries_the_tma_switch():
-    """tma_weights travels in the op's int list as 0 or 1 and comes back a bool."""
+@pytest.mark.parametrize("switch", ["tma_weights", "persistent"])
+def test_op_config_list_carries_the_switches(switch):
+    """tma_weights and persistent travel in the op's int list as 0 or 1 and come back bools."""
     x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
     cfg = [int(getattr(SMALL, f)) for f in CONFIG_FIELDS]
-    cfg[CONFIG_FIELDS.index("tma_weights")] = 1
-    assert _config_of(cfg) == dataclasses.replace(SMALL, tma_weights=True)
-    assert _config_of(cfg[:-1]) == SMALL                   # a list without it: off
+    cfg[CONFIG_FIELDS.index(switch)] = 1
+    assert _config_of(cfg) == dataclasses.replace(SMALL, **{switch: True})
+    assert _config_of(cfg[:CONFIG_FIELDS.index(switch)]) == SMALL      # a list without it: off
     out = torch.ops.moekit.experts(x, gate_up, down, w, ids, "triton", cfg)
     assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
 

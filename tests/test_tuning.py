@@ -188,6 +188,7 @@ BAD_TABLES = [
     ("config-not-object", '{"k": {"1": [16]}}', "expected an object of tiles"),
     ("tma-not-bool", '{"k": {"1": {"tma_weights": 1}}}', "tma_weights must be true or false"),
     ("tma-string", '{"k": {"1": {"tma_weights": "yes"}}}', "tma_weights must be true or false"),
+    ("persistent-not-bool", '{"k": {"1": {"persistent": 0}}}', "persistent must be true or false"),
     ("top-level-list", "[1]", "expected an object of shape keys"),
 ]
 
@@ -221,6 +222,21 @@ def test_tma_weights_switch_serialises_backwards_compatibly(table_dir):
         assert not any(cfg.tma_weights for cfg in entry.values())
     with pytest.raises(ValueError, match="tma_weights must be true or false"):
         ExpertsConfig(tma_weights=1)
+
+
+def test_persistent_switch_serialises_backwards_compatibly(table_dir):
+    """persistent, like tma_weights: a bool left out of table entries while off."""
+    shape = PRESETS["tiny"]
+    off, on = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32, persistent=True, tma_weights=True)
+    assert off.persistent is False and "persistent" not in off.to_dict()
+    assert on.to_dict()["persistent"] is True and ExpertsConfig.from_dict(on.to_dict()) == on
+    table_dir({shape_key(shape, torch.float32): {"1": off.to_dict(), "1024": on.to_dict()}})
+    assert get_config(shape, 1, torch.float32, "cpu") == off
+    assert get_config(shape, 1024, torch.float32, "cpu") == on
+    for entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").values():
+        assert not any(cfg.persistent for cfg in entry.values())
+    with pytest.raises(ValueError, match="persistent must be true or false"):
+        ExpertsConfig(persistent="yes")
 
 
 def test_write_table_keeps_a_tma_entry_and_leaves_the_others_without_the_key(tmp_path):

@@ -22,11 +22,20 @@ the device-side kind needs a global `triton.set_allocator`, which a library shou
 It combines with the expert math: the biases and activations are epilogues on the accumulators,
 and interleaved gate/up rows are read as one [2 BN, BK] box per step (`gate_up_block_n`), so
 interleaved weights take TMA while 2 * block_n1 fits TMA's box (<= 256 rows), else the pointer path.
+
+`ExpertsConfig.persistent` (opt-in) launches GEMM1 and GEMM2 as persistent kernels
+(`persistent_programs`): as many programs as the device runs at once (SMs times the programs one SM
+holds, from the compiled kernel's registers, shared memory and warps; cached), at most the tile
+bound, each looping over tiles up to the live count read on the device. Off the GPU (the interpreter)
+the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles a persistent tile is two row
+blocks (`moekit.kernels.grouped_gemm._for_each_tile`), so the bound is cdiv(max_blocks, 2) times
+the column tiles.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import replace
 
 import torch
@@ -113,6 +122,69 @@ def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, block_k]), True
 
 
+OFF_GPU_SMS = 4          # persistent kernels off CUDA (the interpreter): this many programs at most
+# Experimental, for measurements (scripts/tile_compare.py --flatten): persistent kernels without paired
+# tiles fuse their tile and K loops (`tl.range(..., flatten=True)`). Read at each launch.
+PERSISTENT_FLATTEN = False
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); OFF_GPU_SMS elsewhere."""
+    if device.type != "cuda" or interpreting():
+        return OFF_GPU_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def programs_per_sm(kernel, args: tuple, kwargs: dict, device: torch.device) -> int:
+    """How many programs of this launch one SM holds at once: limited by the compiled kernel's
+    registers, shared memory and warps (`kernel.warmup` compiles without running). Cached per
+    specialization; 1 off CUDA, or when the compiled kernel does not say."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    key = (id(kernel), tuple(sorted(kwargs.items())), args[0].dtype, type(args[1]).__name__, device)
+    if key not in _RESIDENT:
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            if hasattr(compiled, "_init_handles"):
+                compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            warps = kwargs.get("num_warps", 4)
+            per_warp = -(-max(1, int(compiled.n_regs)) * 32 // 256) * 256       # allocated in 256s
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+            smem = int(compiled.metadata.shared)
+            by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (smem + 1024)
+            _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
+        except Exception as exc:  # an API this Triton lacks: one program per SM is always safe
+            warnings.warn(f"moekit: cannot tell how many programs of {getattr(kernel, '__name__', kernel)} "
+                          f"an SM holds ({type(exc).__name__}: {exc}); the persistent launch starts one "
+                          "per SM", stacklevel=4)
+            _RESIDENT[key] = 1
+    return _RESIDENT[key]
+
+
+def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
+            kwargs: dict) -> None:
+    """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
+    tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
+    (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles)."""
+    kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
+    if cfg.persistent:
+        units = triton.cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
+        grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
+    else:
+        grid = max_blocks * n_tiles
+    kernel[(grid,)](*args, **kwargs)
+
+
 def twin_dtype(t: torch.Tensor) -> torch.dtype:
     """The twins compute in fp32, or in fp64 for fp64 inputs (so gradcheck can run on them)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -135,17 +207,17 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
                          device=x.device)
     n_tiles = triton.cdiv(inter, cfg.block_n1)
     w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
-    moe_gemm1_swiglu_kernel[(align.max_blocks * n_tiles,)](
-        x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
-        align.num_pairs, inter, hidden, n_tiles,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
-        *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit),
+    args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
+            align.num_pairs, inter, hidden, n_tiles,
+            x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+            *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit))
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma,
+        GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
-    )
+    ))
     return h
 
 
@@ -157,17 +229,18 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = triton.cdiv(hidden, cfg.block_n2)
     w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2)
-    moe_gemm2_kernel[(align.max_blocks * n_tiles,)](
-        h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
-        align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
-        hidden, inter, n_tiles,
-        h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1), *_bias_args(bias, down_proj),
+    args = (h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
+            align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
+            hidden, inter, n_tiles,
+            h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
+            *_bias_args(bias, down_proj))
+    _launch(moe_gemm2_kernel, align.max_blocks, n_tiles, cfg, h.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
-        TMA_W=tma,
+        TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
-    )
+    ))
     return y
 
 

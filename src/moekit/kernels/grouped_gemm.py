@@ -37,6 +37,16 @@ that runs past N (N not a multiple of BN) reads the rows after it (the up half, 
 expert): those accumulator columns are dropped by the store mask (n_in), and past the last expert
 TMA fills zeros. Columns past K read zeros. TMA_W changes only where the weight tiles come from:
 the bias, activation and routing-weight epilogues are the pointer path's.
+
+With PERSISTENT (`ExpertsConfig.persistent`), the launchers start as many programs as the device
+holds at once (at most the tile bound) and each loops over tiles program_id, + num_programs, ...
+(`_for_each_tile`) up to the live count, num_padded // BLOCK_M row blocks times the column tiles,
+read on the device (no host sync; the grid stays a host-side bound, so the launch is graph-safe).
+Tile numbers map to (row block, column tile) as the one-tile-per-program grid's do (`_swizzle`: GROUP_M
+row blocks, in sorted order so one expert's blocks, then the next column tile): the programs in flight
+share each weight tile in L2. The tile itself (TMA_W or pointers, PAIRED, every epilogue) is unchanged.
+With PAIRED a persistent tile number covers two row blocks (a pair's second block holds no work: a
+round robin over single blocks would hand some programs mostly empty tiles).
 """
 
 import triton
@@ -44,17 +54,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _swizzle(tile, num_m, num_n_tiles, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number `tile`: GROUP_M row blocks share each weight tile while it is
+    in L2 (the row blocks of a group, then the next column tile)."""
+    per_group = GROUP_M * num_n_tiles
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    group_rows = tl.maximum(group_rows, 1)
+    pid_m = first_m + (tile % per_group) % group_rows
+    pid_n = (tile % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n, live) with GROUP_M row blocks sharing each weight tile while it is in L2."""
+    """(pid_m, pid_n, live) of this program's tile (`_swizzle`); live False past num_padded."""
     pid = tl.program_id(0)
     num_m = tl.load(num_padded_ptr) // BLOCK_M
     live = pid < num_m * num_n_tiles
-    per_group = GROUP_M * num_n_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    group_rows = tl.maximum(group_rows, 1)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _swizzle(pid, num_m, num_n_tiles, GROUP_M)
     return pid_m, pid_n, live
 
 
@@ -252,6 +270,50 @@ def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a
 
 
 @triton.jit
+def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr, num_n_tiles,
+                   block_codes_ptr, expert_ids_ptr, a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, S, N, K,
+                   s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn, alpha, limit,
+                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   PAIRED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr,
+                   FLATTEN: tl.constexpr):
+    """Run `_paired(TILE, ...)` on this program's tile (`_tile_ids`: one tile, none past num_padded),
+    or with PERSISTENT on tiles program_id, program_id + num_programs, ... below the live count
+    (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order.
+    PERSISTENT and PAIRED: a tile is two row blocks (2u, 2u + 1), each run as `_paired` runs it, so
+    that every tile holds work (a pair's second block alone holds none) and the static round robin
+    stays balanced; (GROUP_M + 1) // 2 such tiles share a weight tile. FLATTEN (experimental, PERSISTENT
+    without PAIRED): `tl.range(..., flatten=True)`, the compiler fuses the tile loop and the K loop into
+    one software-pipelined loop (the next tile's loads overlap this tile's last steps and epilogue)."""
+    if PERSISTENT:
+        num_m = tl.load(num_padded_ptr) // BLOCK_M
+        if PAIRED:
+            num_units = (num_m + 1) // 2
+            for tile in tl.range(tl.program_id(0), num_units * num_n_tiles, tl.num_programs(0)):
+                pid_u, pid_n = _swizzle(tile, num_units, num_n_tiles, (GROUP_M + 1) // 2)
+                for pid_m in tl.range(2 * pid_u, tl.minimum(2 * pid_u + 2, num_m)):
+                    _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
+                            sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be,
+                            stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                            DOT_PRECISION, PAIRED, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+        else:
+            for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0), flatten=FLATTEN):
+                pid_m, pid_n = _swizzle(tile, num_m, num_n_tiles, GROUP_M)
+                _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
+                        sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
+                        alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
+                        EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+    else:
+        pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
+        if live:
+            _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
+                    sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
+                    alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
+                    EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+
+
+@triton.jit
 def moe_gemm1_swiglu_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
@@ -260,18 +322,17 @@ def moe_gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
-    TMA_W: tl.constexpr,
+    TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     # w: gate_up (E, 2N, K), or with TMA_W its descriptor over (E * 2N, K), block [BLOCK_N, BLOCK_K]
-    # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED).
-    pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
-    if live:
-        _paired(_gemm1_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, x_ptr, w, h_ptr, x_ptr,
-                sorted_ids_ptr, S, N, K, stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                stride_hn, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                EVEN_K, DOT_PRECISION, PAIRED, SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+    # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED). PERSISTENT: each program loops over tiles.
+    _for_each_tile(_gemm1_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
+                   expert_ids_ptr, x_ptr, w, h_ptr, x_ptr, sorted_ids_ptr, S, N, K, stride_xt, stride_xk,
+                   stride_we, stride_wn, stride_wk, stride_hm, stride_hn, bias_ptr, stride_be, stride_bn,
+                   alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
+                   SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W, FLATTEN)
 
 
 @triton.jit
@@ -322,16 +383,17 @@ def moe_gemm2_kernel(
     bias_ptr, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
-    MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_W: tl.constexpr,
+    MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     # w: down (E, N, K), or with TMA_W its descriptor over (E * N, K), block [BLOCK_N, BLOCK_K].
-    pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
-    if live:
-        _paired(_gemm2_tile, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, h_ptr, w, y_ptr,
-                topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm, stride_hk, stride_we, stride_wn,
-                stride_wk, stride_ym, stride_yn, bias_ptr, stride_be, stride_bn, 0.0, 0.0, 1, BLOCK_M,
-                BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED, MUL_W, HAS_BIAS, False, False, TMA_W)
+    # PERSISTENT: each program loops over tiles.
+    _for_each_tile(_gemm2_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
+                   expert_ids_ptr, h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm,
+                   stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn, bias_ptr, stride_be,
+                   stride_bn, 0.0, 0.0, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
+                   MUL_W, HAS_BIAS, False, False, TMA_W, FLATTEN)
 
 
 @triton.jit

@@ -67,6 +67,10 @@ class ExpertsConfig:
             path runs (the triton backend records the decision in the config it resolves,
             `resolve_tma`). A table entry without the key reads False, and `to_dict` leaves it
             out while it is False.
+        persistent: opt-in: the forward GEMMs run as persistent kernels, as many programs as the
+            device holds at once, each looping over tiles in the usual L2-friendly order (with any
+            of the above: TMA weights, paired tiles, expert math). Off: the one-tile-per-program
+            kernels, compiled exactly as before. Absent from a table entry: False (as tma_weights).
     """
 
     block_m: int = 64
@@ -81,6 +85,7 @@ class ExpertsConfig:
     group_m: int = 8
     pair_blocks: int = 1
     tma_weights: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in TILE_FIELDS:
@@ -114,7 +119,7 @@ class ExpertsConfig:
             raise ValueError(f"{source}: {exc}") from None
 
 
-SWITCH_FIELDS = ("tma_weights",)    # bool fields of ExpertsConfig, off by default
+SWITCH_FIELDS = ("tma_weights", "persistent")    # bool fields of ExpertsConfig, off by default
 TILE_FIELDS = tuple(f.name for f in fields(ExpertsConfig) if f.name not in SWITCH_FIELDS)
 
 
