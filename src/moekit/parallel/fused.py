@@ -113,7 +113,8 @@ def route(topk_ids: torch.Tensor, placement: Placement, rank: int,
         num_tokens, placement.num_experts, n, placement.slots_per_rank, rank, capacity or 0,
         topk_ids.stride(0), topk_ids.stride(1), table.stride(0),
         K=top_k, K_PAD=k_pad, R_PAD=r_pad, BLOCK_T=block_t, HAS_REPLICAS=replicas,
-        COUNT_DROPS=capacity is not None, num_warps=4 if block_t * k_pad <= 2048 else 8,
+        COUNT_DROPS=capacity is not None,
+        num_warps=4 if block_t * max(k_pad, r_pad if replicas else 1) <= 2048 else 8,
     )
     return dest, local, hit.view(torch.bool), counts, pos, drops
 
