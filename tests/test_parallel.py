@@ -40,6 +40,7 @@ from moekit.parallel import (
     disable_nvls,
     dispatch,
     ep_moe_experts,
+    fused,
     run_local_experts,
 )
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
@@ -271,6 +272,11 @@ def join_group(rank: int, world: int, port: int, dist_backend: str) -> torch.dev
     """In a spawned child: join the parent's store and start the process group; this rank's device."""
     disable_nvls()  # NVLink multicast off, before any process group starts
     torch.set_num_threads(1)  # 4 processes on a 2-core machine: no oversubscription
+    if dist_backend == "gloo" and rank % 2 == 0:
+        # Even ranks run the fused EP kernels (interpreted), odd ranks their torch twins: the rows
+        # and metadata on the wire are the same bits, so every world checks both paths and that
+        # they interoperate. (On GPUs every rank runs the kernels.)
+        os.environ["MOEKIT_EP_TRITON"] = "1"
     timeout = datetime.timedelta(seconds=WORLD_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     device = torch.device("cpu")
@@ -289,6 +295,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -
         cases = _cases(world) if dist_backend == "gloo" else _gpu_cases(world)
         results = {c.name: _run_case(c, rank, world, device) for c in cases}
         results["_env"] = {k: os.environ.get(k) for k in NVLS_OFF}
+        results["_ep_path"] = fused.path_for(torch.zeros(1, device=device))
         if dist_backend == "gloo":
             results["_checks"] = _run_world_checks(rank, world)
             if world == 2:
@@ -391,6 +398,7 @@ def test_gloo_argument_errors(gloo_world):
         out = results[r]["_checks"]["invalid_out"]
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         assert results[r]["_env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+        assert results[r]["_ep_path"] == ("triton" if r % 2 == 0 else "torch")     # see join_group
 
 
 def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from moekit.parallel import (
     ExpertParallelMoE,
     disable_nvls,
     ep_moe_experts,
+    fused,
     low_latency_combine,
     low_latency_dispatch,
     low_latency_experts,
@@ -242,7 +243,7 @@ def _run_checks(rank: int, world: int) -> dict:
         ordered = ep_moe_experts(x_all[mine], gate_up, down, w_all[mine], ids_all[mine], placement=placement,
                                  mode="low_latency", capacity=2, config=CFG)
     return {"errors": errors, "ordered": ordered, "host_read": host_read,
-            "host_read_dropped": int(stats.get("dropped", -1))}
+            "host_read_dropped": int(stats.get("dropped", -1)), "ep_path": fused.path_for(x)}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
@@ -566,6 +567,8 @@ def test_low_latency_makes_no_host_read(ll_world):
     world, results = ll_world
     for r in range(world):
         assert results[r]["_checks"]["host_read"] is None, results[r]["_checks"]["host_read"]
+        # even ranks ran the fused kernels (interpreted), odd ranks the torch twins (join_group)
+        assert results[r]["_checks"]["ep_path"] == ("triton" if r % 2 == 0 else "torch")
     assert sum(results[r]["_checks"]["host_read_dropped"] for r in range(world)) > 0
 
 

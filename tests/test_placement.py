@@ -87,6 +87,32 @@ def test_assign_matches_predicted_loads(num_experts, num_ranks, top_k, source_ra
             assert sum(got) == int(loads[e]) and max(got) - min(got) <= 1
 
 
+def test_assign_without_replicas_skips_the_sort(monkeypatch):
+    """No expert has a second copy: every pair runs on copy 0, read from a table (no sort), and ids
+    outside [0, E) (int64 ones past 2**32 included) run nowhere; with replicas the sort is back."""
+    import moekit.placement as placement_mod
+
+    calls = []
+    real = placement_mod.sort_pairs
+    monkeypatch.setattr(placement_mod, "sort_pairs", lambda *a: calls.append(1) or real(*a))
+    for placement in (contiguous_placement(13, 3, spare_slots=1), strided_placement(13, 5)):
+        for dtype in (torch.int32, torch.int64):
+            ids = torch.randint(0, 13, (41, 3), dtype=dtype)
+            ids[0, 0], ids[1, 2], ids[2, 1] = -1, 13, -7
+            if dtype == torch.int64:
+                ids[3, 0] = 2**32 + 2
+            a = assign(ids, placement, source_rank=2)
+            assert a.rank.dtype == a.local_ids.dtype == torch.int32 and a.rank.shape == ids.shape
+            for (t, k), e in zip(torch.cartesian_prod(torch.arange(41), torch.arange(3)).tolist(),
+                                 ids.reshape(-1).tolist(), strict=True):
+                want = next(((r, s.index(e)) for r, s in enumerate(placement.slots) if e in s), (-1, -1))
+                assert (int(a.rank[t, k]), int(a.local_ids[t, k])) == want
+    assert not calls
+    replicated = Placement(4, ((0, 1, 2), (2, 3)), 3)
+    assign(torch.tensor([[2, 0]]), replicated)
+    assert calls
+
+
 def test_replication_hand_example():
     base = contiguous_placement(4, 2, spare_slots=1)           # rank 0: {0, 1}, rank 1: {2, 3}
     p = replicate_hot_experts([10, 0, 1, 1], base)

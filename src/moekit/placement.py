@@ -23,14 +23,15 @@ Data (T tokens, K top_k, E global experts, N ranks, L = slots_per_rank):
 Placements: `contiguous_placement` (rank r holds experts [r*E/N, (r+1)*E/N), plus free slots),
 `strided_placement` (rank r holds r, r+N, ...) and `replicate_hot_experts` (fills free slots with
 copies of the hottest experts). `rank_loads` predicts pairs per rank from pairs per expert; `assign`
-maps topk_ids to ranks on the device (no host sync, CUDA-graph safe); `rank_weights` copies out one
-rank's experts.
+maps topk_ids to ranks on the device (no host sync, CUDA-graph safe; without replicas a table
+lookup, with them a sort for each pair's rank among its expert's pairs); `rank_weights` copies out
+one rank's experts. `Placement.device_tables` keeps the lookup tables on each device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 
 import torch
@@ -92,14 +93,33 @@ class Placement:
                 out[e].append((r, i))
         return tuple(tuple(c) for c in out)
 
-    @property
+    @cached_property
     def num_copies(self) -> tuple[int, ...]:
         return tuple(len(c) for c in self.copies)
 
-    @property
+    @cached_property
     def num_replicas(self) -> int:
         """Copies beyond the first, over all experts."""
         return sum(self.num_copies) - self.num_experts
+
+    @cached_property
+    def _on_device(self) -> dict[torch.device, DeviceTables]:
+        return {}
+
+    def __getstate__(self) -> dict:
+        # The fields only: a pickled placement (spawned ranks, all_gather_object) carries no cached
+        # property, in particular no device tensor.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def device_tables(self, device: torch.device | str) -> DeviceTables:
+        """The placement's lookup tables on `device`, built on the first call for that device and
+        kept (later calls make no copy, so they are safe inside a CUDA graph capture)."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev not in self._on_device:
+            self._on_device[dev] = DeviceTables.build(self, dev)
+        return self._on_device[dev]
 
     def copy_table(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device tables for `assign`: (table int64 (E, max copies), n_copies int64 (E,)).
@@ -113,6 +133,46 @@ class Placement:
             flat = [r * self.slots_per_rank + i for r, i in cs]
             table[e] = torch.tensor(flat + [flat[0]] * (width - len(flat)))
         return table.to(device), torch.tensor(self.num_copies, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class DeviceTables:
+    """A placement's lookup tables on one device (`Placement.device_tables`). E experts, N ranks.
+
+    Attributes:
+        table, n_copies: `Placement.copy_table(device)`.
+        rep_index: int32 (E,), expert e's index among the replicated experts (those with more than
+            one copy, in ascending id), -1 for an expert with one copy.
+        num_replicated: R, the replicated experts.
+        rank0, local0: int32 (E + 1,), copy 0's rank and local index; entry E (what an id outside
+            [0, E) is clamped to, or -1 wraps to) is -1.
+        dest0, local0_long: int64 (E + 1,), the same for `plan_routes`: entry E is N (nowhere) and -1.
+    """
+
+    table: torch.Tensor
+    n_copies: torch.Tensor
+    rep_index: torch.Tensor
+    num_replicated: int
+    rank0: torch.Tensor
+    local0: torch.Tensor
+    dest0: torch.Tensor
+    local0_long: torch.Tensor
+
+    @classmethod
+    def build(cls, placement: Placement, device: torch.device) -> DeviceTables:
+        table, n_copies = placement.copy_table(device)
+        replicated = [e for e, n in enumerate(placement.num_copies) if n > 1]
+        rep = [-1] * placement.num_experts
+        for i, e in enumerate(replicated):
+            rep[e] = i
+        first = [c[0] for c in placement.copies]
+        ranks = [r for r, _ in first]
+        locals_ = [i for _, i in first]
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(table, n_copies, torch.tensor(rep, **i32), len(replicated),
+                   torch.tensor(ranks + [-1], **i32), torch.tensor(locals_ + [-1], **i32),
+                   torch.tensor(ranks + [placement.num_ranks], **i64), torch.tensor(locals_ + [-1], **i64))
 
 
 def contiguous_placement(num_experts: int, num_ranks: int, spare_slots: int = 0) -> Placement:
@@ -268,7 +328,16 @@ def assign(topk_ids: torch.Tensor, placement: Placement, *, source_rank: int = 0
     """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
     e_count, dev = placement.num_experts, topk_ids.device
-    table, n_copies = tables if tables is not None else placement.copy_table(dev)
+    if placement.num_replicas == 0:
+        # Every expert has one copy: copy 0 whatever the pair's rank among its expert's pairs, so
+        # no sort. An id outside [0, E) clamps to -1 or E, both the "nowhere" entry E.
+        t = placement.device_tables(dev)
+        key = topk_ids.clamp(-1, e_count)
+        return Assignment(t.rank0[key], t.local0[key], placement.num_ranks)
+    if tables is None:
+        t = placement.device_tables(dev)
+        tables = (t.table, t.n_copies)
+    table, n_copies = tables
     pairs = sort_pairs(topk_ids, e_count)
     flat, valid = topk_ids.reshape(-1).long(), pairs.valid
     j = pairs.ranks()               # how many earlier pairs (lower pair index) went to the same expert

@@ -6,6 +6,8 @@
                     (E_r, C_e, H) experts, overflow dropped and counted (or refused); no host sync
     ep.py           ExpertParallelMoE (nn.Module, mode="normal" | "low_latency", capture for CUDA
                     graphs) and ep_moe_experts (the functional form)
+    fused.py        the Triton launchers of both modes' plan, pack and reduce (one launch each, the
+                    CUDA path; the torch functions in dispatch.py / low_latency.py are their twins)
 
 Placements (who holds which experts, replicas of hot experts) come from `moekit.placement`. The
 lab measures this runtime: `moekit ep-bench` (`moekit.bench.ep_bench`, launched with torchrun) and

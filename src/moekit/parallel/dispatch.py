@@ -13,6 +13,12 @@ Dataflow on one rank of N (T local tokens, K top_k, H hidden; S rows sent, R row
     back     all_to_all_single: (R, H) -> (S, H), the reverse splits
     reduce   out[t] = sum of t's partial rows in increasing rank order, in fp32
 
+plan, pack and reduce run as one Triton launch each on CUDA (`moekit.parallel.fused`; no host read):
+the plan's kernel also gives each (token, rank) its row among the rank's rows (pos), so the pack
+places rows at start_d + pos from the device counts. The torch functions here (`plan_routes_torch`,
+`pack_torch`, `reduce_partials_torch`) are their twins: the reference the kernels equal exactly,
+and the CPU path (MOEKIT_EP_TORCH=1 picks them on CUDA too).
+
 The sync point: all_to_all_single takes its split sizes as host integers, so the counts are copied
 to the host once per layer call (send and receive together, one device-to-host copy). Every other
 step is sized from those integers and runs without a sync. Avoiding it needs fixed-size buffers
@@ -36,6 +42,7 @@ import torch.distributed as dist
 
 from moekit._validation import FLOAT_DTYPES, ID_DTYPES, check_expert_ids_in_range, check_shape, check_tensor
 from moekit.experts import moe_experts
+from moekit.parallel import fused
 from moekit.placement import Placement, assign
 
 Probe = Callable[[str], None]
@@ -57,12 +64,20 @@ class RoutePlan:
         local: (T, K) int64 expert index on the destination rank; -1 where dest == N.
         hit: (T, N) bool, token t has at least one pair on rank d.
         send_counts: (N,) int64 on the device, rows for each rank (= hit.sum(0)).
+        pos: (T, N) int32, tokens before t with a pair on rank d (`route_positions(hit)`): t's row
+            among d's rows where hit. Set by the fused plan only (None: the torch pack computes it).
+        drops: (2, N) int64, per destination the rows and the pairs past `capacity` (rows with
+            pos >= capacity): the fused plan for the low-latency mode only, else None.
+        capacity: the C `drops` counts for, or None.
     """
 
     dest: torch.Tensor
     local: torch.Tensor
     hit: torch.Tensor
     send_counts: torch.Tensor
+    pos: torch.Tensor | None = None
+    drops: torch.Tensor | None = None
+    capacity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,19 +143,40 @@ def check_group(x: torch.Tensor, placement: Placement,
 
 
 def plan_routes(topk_ids: torch.Tensor, placement: Placement, rank: int,
-                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutePlan:
+                tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                capacity: int | None = None) -> RoutePlan:
     """Destination rank and local expert of every pair of `rank`'s tokens (no communication).
 
-    `tables` is `placement.copy_table(device)`, to reuse across calls.
+    `tables` is `placement.copy_table(device)`, to reuse across calls. On the fused path (CUDA) one
+    launch, which also fills `pos` and, given the low-latency `capacity`, `drops`.
     """
+    if fused.path_for(topk_ids) == "triton":
+        return RoutePlan(*fused.route(topk_ids, placement, rank, tables, capacity), capacity=capacity)
+    return plan_routes_torch(topk_ids, placement, rank, tables)
+
+
+def plan_routes_torch(topk_ids: torch.Tensor, placement: Placement, rank: int,
+                      tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> RoutePlan:
+    """`plan_routes` in torch ops (the fused plan's twin): pos and drops stay None."""
     n = placement.num_ranks
-    a = assign(topk_ids, placement, source_rank=rank, tables=tables)
-    dest = torch.where(a.rank >= 0, a.rank.long(), n)
-    local = a.local_ids.long()
+    if placement.num_replicas == 0:
+        # Copy 0 of every expert: two lookups, entry E (ids outside [0, E), clamped to -1 or E) nowhere.
+        t = placement.device_tables(topk_ids.device)
+        key = topk_ids.clamp(-1, placement.num_experts)
+        dest, local = t.dest0[key], t.local0_long[key]
+    else:
+        a = assign(topk_ids, placement, source_rank=rank, tables=tables)
+        dest = torch.where(a.rank >= 0, a.rank.long(), n)
+        local = a.local_ids.long()
     hit = torch.zeros(topk_ids.shape[0], n + 1, dtype=torch.bool, device=topk_ids.device)
     hit.scatter_(1, dest, True)  # column N collects the pairs that go nowhere
     hit = hit[:, :n]
     return RoutePlan(dest, local, hit, hit.sum(0))
+
+
+def route_positions(hit: torch.Tensor) -> torch.Tensor:
+    """int32 (T, N): tokens before t with a pair on rank d (`RoutePlan.pos`), in torch ops."""
+    return (torch.cumsum(hit, 0) - hit.long()).to(torch.int32)
 
 
 def pack(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan,
@@ -149,7 +185,16 @@ def pack(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan,
 
     Returns:
         (send_x (S, H), send_meta (S, 2K) int32, combine_index (T, D) int64).
+    One launch for a fused plan (it carries pos), else `pack_torch`.
     """
+    if plan.pos is not None:
+        return fused.pack(x, topk_weights, plan, num_rows)
+    return pack_torch(x, topk_weights, plan, num_rows)
+
+
+def pack_torch(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan,
+               num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack` in torch ops (the fused pack's twin)."""
     num_tokens, top_k = plan.dest.shape
     n = plan.hit.shape[1]
     dev = x.device
@@ -260,7 +305,16 @@ def run_local_experts(tokens: DispatchedTokens, gate_up_proj: torch.Tensor, down
 
 
 def reduce_partials(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(S + 1, H) partial rows (last row zero) -> (T, H): each token's rows summed in rank order, fp32."""
+    """(S + 1, H) partial rows (last row zero) -> (T, H): each token's rows summed in rank order, fp32.
+    One launch on the fused path, else `reduce_partials_torch` (the same bits)."""
+    if fused.path_for(back) == "triton":
+        return fused.reduce(back, combine_index, dtype)
+    return reduce_partials_torch(back, combine_index, dtype)
+
+
+def reduce_partials_torch(back: torch.Tensor, combine_index: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """`reduce_partials` in torch ops (the fused reduce's twin)."""
     num_tokens, d = combine_index.shape
     if num_tokens == 0:
         return back.new_empty(0, back.shape[1], dtype=dtype)

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.masked import masked_layout, masked_moe
+from moekit.parallel import fused
 from moekit.parallel.dispatch import (
     Probe,
     RoutePlan,
@@ -134,8 +135,19 @@ def pack_fixed(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan, cap
                ) -> tuple[torch.Tensor, torch.Tensor, LowLatencyHandle]:
     """Send buffers of one rank, (N * C, H) and (N * C, 2K + 1) int32, and the combine handle.
 
-    Sizes follow from (T, K, H, N, C) only; no host sync.
+    Sizes follow from (T, K, H, N, C) only; no host sync. One launch for a fused plan made with this
+    capacity (`plan_routes(..., capacity=C)`: it carries pos and the drop counters), else
+    `pack_fixed_torch`.
     """
+    if plan.pos is not None and plan.drops is not None and plan.capacity == capacity:
+        send_x, send_meta, combine_index, dropped = fused.pack_fixed(x, topk_weights, plan, capacity)
+        return send_x, send_meta, LowLatencyHandle(combine_index, dropped[0], dropped[1], capacity, x.dtype)
+    return pack_fixed_torch(x, topk_weights, plan, capacity)
+
+
+def pack_fixed_torch(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan, capacity: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, LowLatencyHandle]:
+    """`pack_fixed` in torch ops (the fused pack's twin)."""
     num_tokens, top_k = plan.dest.shape
     n, c, dev = plan.hit.shape[1], capacity, x.device
     rows = n * c
@@ -183,7 +195,7 @@ def low_latency_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     rank, _ = check_group(x, placement, group)
     check_capacity("capacity", capacity)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
-    plan = plan_routes(topk_ids, placement, rank, tables)
+    plan = plan_routes(topk_ids, placement, rank, tables, capacity=capacity)
     mark(probe, "plan")
     send_x, send_meta, handle = pack_fixed(x, topk_weights, plan, capacity)
     mark(probe, "pack")
