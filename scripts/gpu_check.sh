@@ -10,7 +10,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 steps=${*:-tests compare}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/gpu.txt"
-export MOEKIT_COMMIT=${MOEKIT_COMMIT:-$(cat COMMIT 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null)}
+# The commit measured: a COMMIT file written before the call, else git's HEAD, marked "+dirty" when the
+# tree differs from it (the device's copy can carry an older HEAD than the tree it runs).
+export MOEKIT_COMMIT=${MOEKIT_COMMIT:-$(cat COMMIT 2>/dev/null || echo "$(git rev-parse --short=12 HEAD 2>/dev/null)$(git status --porcelain 2>/dev/null | grep -q . && echo +dirty)")}
 echo "commit $MOEKIT_COMMIT" | tee -a "$OUT/gpu.txt"
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
     echo "editable install failed (see install.log)"
