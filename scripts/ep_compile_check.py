@@ -1,11 +1,13 @@
-"""Compile the expert-parallel kernels (`moekit.kernels.ep`) for sm_90 without a GPU.
+"""Compile the expert-parallel kernels (`moekit.kernels.ep`, and the masked layout's
+`masked_layout_kernel` the low-latency mode runs) for sm_90 without a GPU.
 
 The interpreter (TRITON_INTERPRET=1, what the CPU tests run) executes kernels op by op in NumPy and
 does not see compiled-mode errors: a loop-carried variable changing type, a constexpr misused, an
-op the GPU backend does not lower. This script runs the launchers of `moekit.parallel.fused` on CPU
-tensors with the kernels swapped for recorders, then compiles every recorded launch with
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 128))` down to a cubin (ptxas, bundled
-with Triton), specializing integer arguments as the JIT does (1 becomes a constexpr).
+op the GPU backend does not lower. This script runs the launchers of `moekit.parallel.fused` (and
+`moekit.masked.masked_layout_triton`) on CPU tensors with the kernels swapped for recorders, then
+compiles every recorded launch with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90,
+128))` down to a cubin (ptxas, bundled with Triton), specializing integer arguments as the JIT does
+(1 becomes a constexpr).
 
     python scripts/ep_compile_check.py [--quick]        # exit status 1 if any fails
 
@@ -33,6 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from moekit import masked  # noqa: E402
 from moekit.parallel import fused  # noqa: E402
 from moekit.parallel.dispatch import RoutePlan  # noqa: E402
 from moekit.placement import Placement, contiguous_placement  # noqa: E402
@@ -81,6 +84,8 @@ def record_launches(quick: bool = False) -> list:
     calls: list = []
     for name in KERNELS:
         setattr(fused, name, Recorder(getattr(fused, name), calls))
+    masked.masked_layout_kernel = Recorder(masked.masked_layout_kernel, calls)
+    masked.check_triton_device = lambda name, t: None          # CPU tensors, no interpreter here
     gen = torch.Generator().manual_seed(0)
     cases = [  # (T, K, E, N, spare slots, ids dtype, x dtype, weights dtype, capacity)
         (4096, 8, 128, 2, 0, torch.int64, torch.bfloat16, torch.float32, None),
@@ -113,6 +118,12 @@ def record_launches(quick: bool = False) -> list:
             fused.pack_fixed(x, w, plan, cap)
         fused.reduce(torch.zeros(t * min(k, n) + 1, hidden, dtype=x_dtype),
                      torch.zeros(t, min(k, n), dtype=torch.int64), x_dtype)
+    layouts = [  # (R, K, E, C, ids dtype): the low-latency mode's received ids, the masked backend's
+        (256, 8, 32, 64, torch.int64), (1, 8, 128, 1, torch.int32), (0, 2, 4, 3, torch.int64),
+        (4096, 8, 256, 128, torch.int32), (16, 1, 4096, 16, torch.int64),
+    ]
+    for r, k, e, cap, id_dtype in layouts[:2] if quick else layouts:
+        masked.masked_layout_triton(torch.zeros(r, k, dtype=id_dtype), e, cap)
     return calls
 
 

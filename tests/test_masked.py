@@ -20,6 +20,7 @@ from moekit import ExpertsConfig, masked_experts, moe_experts
 from moekit._workspace import poisoning
 from moekit.experts import get_backend
 from moekit.masked import (
+    layout_path_for,
     masked_combine,
     masked_combine_torch,
     masked_dispatch,
@@ -29,6 +30,9 @@ from moekit.masked import (
     masked_gemm2,
     masked_gemm2_torch,
     masked_layout,
+    masked_layout_torch,
+    masked_layout_triton,
+    use_layout_path,
 )
 from moekit.reference import moe_experts_ref
 
@@ -181,11 +185,13 @@ def kept_by_hand(ids: torch.Tensor, num_experts: int, capacity: int) -> tuple[li
     return kept, [min(n, capacity) for n in seen], dropped
 
 
-def test_masked_layout_by_hand():
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_masked_layout_by_hand(path):
     # Pairs p = 3t + k. Expert 2: p 0, 4, 7, 8, 11 (5 pairs); expert 0: p 1, 5; invalid: p 2 (-1), p 10 (4);
     # expert 1: none; expert 3: p 3, 6, 9. C = 3: expert 2 keeps p 0, 4, 7 and drops p 8 and 11.
     ids = torch.tensor([[2, 0, -1], [3, 2, 0], [3, 2, 2], [3, 4, 2]])
-    layout = masked_layout(ids, 4, 3)
+    with use_layout_path(path):
+        layout = masked_layout(ids, 4, 3)
     dest = [2 * 3 + 0, 0 * 3 + 0, -1, 3 * 3 + 0, 2 * 3 + 1, 0 * 3 + 1,
             3 * 3 + 1, 2 * 3 + 2, -1, 3 * 3 + 2, -1, -1]
     assert layout.dest.tolist() == dest and layout.dest.dtype == torch.int64
@@ -193,6 +199,83 @@ def test_masked_layout_by_hand():
     assert int(layout.dropped) == 2 and layout.capacity == 3
     kept, counts, dropped = kept_by_hand(ids, 4, 3)
     assert [d >= 0 for d in dest] == kept and counts == [2, 0, 3, 3] and dropped == 2
+
+
+LAYOUT_CASES = [  # (R, K, E, C, ids): "rand" ids in [-2, E + 2) (some invalid), "one" all on expert E - 1
+    (0, 2, 4, 3, "rand"),            # R = 0
+    (1, 1, 4, 1, "rand"),            # K = 1
+    (5, 8, 4, 2, "rand"),            # K > E, experts over capacity
+    (37, 1, 8, 3, "rand"),
+    (100, 8, 16, 5, "rand"),
+    (300, 4, 130, 3, "rand"),        # E not a power of two, several pair blocks
+    (2000, 8, 8, 4096, "rand"),      # nothing dropped, many blocks
+    (64, 2, 1, 7, "rand"),           # E = 1
+    (50, 4, 6, 9, "one"),            # all pairs on one expert, over capacity
+    (3, 2, 5, 0, "rand"),            # C = 0: every valid pair dropped
+]
+
+
+def layout_ids(rows, top_k, num_experts, kind, dtype, gen):
+    if kind == "one":
+        return torch.full((rows, top_k), num_experts - 1, dtype=dtype)
+    return torch.randint(-2, num_experts + 2, (rows, top_k), generator=gen).to(dtype)
+
+
+def assert_same_layout(got, want):
+    for name in ("dest", "counts", "dropped"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, name
+        assert torch.equal(a, b), (name, a, b)
+    assert got.capacity == want.capacity
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_layout_kernel_equals_its_twin(case, dtype):
+    """The one-program kernel against the torch twin, integers equal, into poisoned buffers (every
+    output element must be written); the twin against the hand count."""
+    rows, top_k, num_experts, capacity, kind = case
+    gen = torch.Generator().manual_seed(rows * 1000 + top_k * 100 + num_experts)
+    for _ in range(2):                                              # fresh ids each time
+        ids = layout_ids(rows, top_k, num_experts, kind, dtype, gen)
+        want = masked_layout_torch(ids, num_experts, capacity)
+        with poisoning():
+            got = masked_layout_triton(ids, num_experts, capacity)
+        assert_same_layout(got, want)
+        assert got.dropped.dim() == 0
+        kept, counts, dropped = kept_by_hand(ids, num_experts, capacity)
+        assert (want.dest >= 0).tolist() == kept and want.counts.tolist() == counts
+        assert int(want.dropped) == dropped
+
+
+def test_layout_kernel_odd_inputs():
+    """Strided (non-contiguous) ids, ids far outside int32 (never placed), E = 0."""
+    ids = torch.randint(0, 6, (20, 8))[:, ::2]
+    assert_same_layout(masked_layout_triton(ids, 6, 3), masked_layout_torch(ids, 6, 3))
+    far = torch.tensor([[2**40, -2**40, 1], [1, 2**33 + 1, -1]])
+    assert_same_layout(masked_layout_triton(far, 4, 2), masked_layout_torch(far, 4, 2))
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    assert_same_layout(masked_layout_triton(ids, 0, 2), masked_layout_torch(ids, 0, 2))
+
+
+def test_layout_path_selection(monkeypatch):
+    """As the EP steps' paths: the twin on CPU tensors unless MOEKIT_LAYOUT_TRITON=1 (interpreted),
+    MOEKIT_LAYOUT_TORCH=1 wins, use_layout_path overrides both; over MAX_TRITON_EXPERTS the twin."""
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    monkeypatch.delenv("MOEKIT_LAYOUT_TRITON", raising=False)
+    monkeypatch.delenv("MOEKIT_LAYOUT_TORCH", raising=False)
+    assert layout_path_for(ids, 8) == "torch"
+    monkeypatch.setenv("MOEKIT_LAYOUT_TRITON", "1")
+    assert layout_path_for(ids, 8) == "triton" and layout_path_for(ids, 5000) == "torch"
+    monkeypatch.setenv("MOEKIT_LAYOUT_TORCH", "1")
+    assert layout_path_for(ids, 8) == "torch"
+    with use_layout_path("triton"):
+        assert layout_path_for(ids, 8) == "triton"
+        with use_layout_path("auto"):
+            assert layout_path_for(ids, 8) == "torch"
+    with pytest.raises(ValueError, match="path must be one of"):
+        with use_layout_path("fast"):
+            pass
 
 
 @pytest.mark.parametrize("capacity", [1, 4, 12])

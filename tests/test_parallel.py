@@ -277,6 +277,7 @@ def join_group(rank: int, world: int, port: int, dist_backend: str) -> torch.dev
         # and metadata on the wire are the same bits, so every world checks both paths and that
         # they interoperate. (On GPUs every rank runs the kernels.)
         os.environ["MOEKIT_EP_TRITON"] = "1"
+        os.environ["MOEKIT_LAYOUT_TRITON"] = "1"      # and the masked layout's kernel (low-latency mode)
     timeout = datetime.timedelta(seconds=WORLD_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     device = torch.device("cpu")

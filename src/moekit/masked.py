@@ -3,7 +3,8 @@ per-expert row counts stay on the device, and the dispatch / combine that build 
 
     masked_experts   x_masked (E, C, H), counts (E,) -> GEMM1 + SwiGLU -> h (E, C, I)
                      -> GEMM2 (* optional row weight) -> y (E, C, H)
-    masked_layout    topk_ids (T, K) -> MaskedLayout (each pair's row in the (E * C) buffer, counts)
+    masked_layout    topk_ids (T, K) -> MaskedLayout (each pair's row in the (E * C) buffer, counts):
+                     one single-program kernel on CUDA (`layout_path_for`), twin `masked_layout_torch`
     masked_dispatch  x (T, H) -> x_masked (E, C, H)         (DeepEP's low-latency dispatch, one GPU)
     masked_combine   y (E, C, H), topk_weights (T, K) -> (T, H), fp32 weighted sum in slot order
     masked_moe       the four in a row after the layout: x (T, H) -> (T, H) (the `masked` backend)
@@ -21,6 +22,7 @@ expert), H hidden, I intermediate.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +30,11 @@ import torch.nn.functional as F
 import triton
 
 from moekit import _workspace
+from moekit._paths import PathSwitch
 from moekit._validation import (
     FLOAT_DTYPES,
     ID_DTYPES,
+    MAX_TRITON_EXPERTS,
     check_out,
     check_shape,
     check_tensor,
@@ -43,11 +47,14 @@ from moekit.kernels.masked import (
     masked_dispatch_kernel,
     masked_gemm1_swiglu_kernel,
     masked_gemm2_kernel,
+    masked_layout_kernel,
 )
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, default_config
 
 MAX_GRID = 2**31 - 1     # CUDA's limit on a grid's x dimension
+LAYOUT_TILE = 4096       # elements of the layout kernel's (BLOCK_P, BLOCK_E) one-hot tile
+_layout_switch = PathSwitch("MOEKIT_LAYOUT")     # MOEKIT_LAYOUT_TORCH / MOEKIT_LAYOUT_TRITON
 
 
 @dataclass(frozen=True)
@@ -69,15 +76,58 @@ class MaskedLayout:
     capacity: int
 
 
+def layout_path_for(topk_ids: torch.Tensor, num_experts: int) -> str:
+    """"triton" or "torch": which implementation `masked_layout` runs for these ids. As the EP steps'
+    (`moekit._paths`): the kernel on CUDA tensors, the twin on CPU tensors, unless
+    MOEKIT_LAYOUT_TORCH=1 (the twin everywhere) or MOEKIT_LAYOUT_TRITON=1 (the kernel on CPU tensors
+    too, interpreted: TRITON_INTERPRET=1, the tests); `use_layout_path` overrides both in a block.
+    More than MAX_TRITON_EXPERTS experts always take the twin (the kernel's (BP, E) tile)."""
+    return "torch" if num_experts > MAX_TRITON_EXPERTS else _layout_switch.path_for(topk_ids)
+
+
+def use_layout_path(path: str) -> contextlib.AbstractContextManager[None]:
+    """Run `masked_layout` with `path` ("auto", "torch" or "triton") inside the block."""
+    return _layout_switch.use(path)
+
+
 def masked_layout(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> MaskedLayout:
-    """The masked layout of (T, K) ids with C = capacity rows per expert: torch ops, no host sync.
-    A pair's rank in its expert is `moekit.align.sort_pairs(...).ranks()`, as the padded backend's."""
+    """The masked layout of (T, K) ids with C = capacity rows per expert, no host sync: one kernel
+    launch (`masked_layout_triton`) or its torch twin (`masked_layout_torch`), by `layout_path_for`.
+    Both give the same integers: pairs placed in pair order, the first C of each expert kept."""
+    if layout_path_for(topk_ids, num_experts) == "triton":
+        return masked_layout_triton(topk_ids, num_experts, capacity)
+    return masked_layout_torch(topk_ids, num_experts, capacity)
+
+
+def masked_layout_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> MaskedLayout:
+    """Twin of `masked_layout_triton` in torch ops (~25 small ops). A pair's rank in its expert is
+    `moekit.align.sort_pairs(...).ranks()`, as the padded backend's."""
     pairs = sort_pairs(topk_ids, num_experts)
     rank = pairs.ranks()
     kept = pairs.valid & (rank < capacity)
     dest = torch.where(kept, pairs.key * capacity + rank, -1)
     counts = pairs.counts[:num_experts].clamp(max=capacity).to(torch.int32)
     return MaskedLayout(dest, counts, (pairs.valid & ~kept).sum(), capacity)
+
+
+def masked_layout_triton(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> MaskedLayout:
+    """`masked_layout` in one launch of `masked_layout_kernel` (a single program, the pairs in
+    blocks in pair order, a carried per-expert counter): dest, counts and dropped all written by it."""
+    check_triton_device("topk_ids", topk_ids)
+    if num_experts > MAX_TRITON_EXPERTS:
+        raise ValueError(f"the layout kernel supports num_experts <= {MAX_TRITON_EXPERTS}, got {num_experts}")
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_pairs, dev = ids.numel(), ids.device
+    dest = _workspace.empty(num_pairs, dtype=torch.int64, device=dev)
+    counts = _workspace.empty(num_experts, dtype=torch.int32, device=dev)
+    dropped = _workspace.empty(dtype=torch.int64, device=dev)
+    block_e = triton.next_power_of_2(max(num_experts, 1))
+    block_p = max(1, min(LAYOUT_TILE // block_e, triton.next_power_of_2(max(num_pairs, 1))))
+    masked_layout_kernel[(1,)](ids, dest, counts, dropped, num_pairs, num_experts, capacity,
+                               BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    return MaskedLayout(dest, counts, dropped, capacity)
 
 
 def masked_config(capacity: int, hidden: int, inter: int, itemsize: int,

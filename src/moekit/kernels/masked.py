@@ -9,6 +9,8 @@ I intermediate, BM/BN/BK tile sizes.
     DISPATCH x (T, H) row p // K -> x_masked flat row dest[p] (E * C rows) for pairs with dest >= 0
     COMBINE  out[t] = sum over slots j with dest[t*K + j] >= 0 of w[t, j] * y_flat[dest[t*K + j]],
              in fp32, in slot order (deterministic)
+    LAYOUT   ids (S,) -> dest (S,), counts (E,), dropped: one program walks the pairs in blocks of
+             BP in pair order with a carried per-expert counter (no atomics: deterministic)
 
 The GEMM grid is fixed by (E, C, tiles): program (e, m, n) with m * BM >= count_e exits at once, so
 the host never needs the counts and the launch can be captured in a CUDA graph. Counts are clamped
@@ -136,3 +138,29 @@ def masked_combine_kernel(
         acc += y.to(tl.float32) * wt[:, None]
     o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])
+
+
+@triton.jit
+def masked_layout_kernel(ids_ptr, dest_ptr, counts_ptr, dropped_ptr, S, E, C,
+                         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: pair p (in pair order) with id e in [0, E) takes rank seen[e] (+ the pairs of e
+    before it in its block: an exclusive cumsum of the (BP, BE) one-hot tile), dest = e * C + rank
+    if rank < C else -1 (dropped, counted); other ids get -1. counts = min(seen, C), int32."""
+    experts = tl.arange(0, BLOCK_E)
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    dropped = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for start in range(0, S, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        in_range = p < S
+        e = tl.load(ids_ptr + p, mask=in_range, other=-1).to(tl.int64)
+        valid = (e >= 0) & (e < E)
+        hit = (e[:, None] == experts[None, :]) & valid[:, None]
+        hit_i = hit.to(tl.int32)
+        before = tl.cumsum(hit_i, axis=0) - hit_i                      # earlier pairs of e in the block
+        rank = tl.sum(tl.where(hit, before + seen[None, :], 0), axis=1)
+        seen += tl.sum(hit_i, axis=0)
+        kept = valid & (rank < C)
+        tl.store(dest_ptr + p, tl.where(kept, e * C + rank, -1), mask=in_range)
+        dropped += (valid & (rank >= C)).to(tl.int32)
+    tl.store(counts_ptr + experts, tl.minimum(seen, C).to(tl.int32), mask=experts < E)
+    tl.store(dropped_ptr, tl.sum(dropped.to(tl.int64), axis=0))

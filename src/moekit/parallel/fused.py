@@ -23,59 +23,33 @@ inside a block, in this process.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from moekit import _workspace
-from moekit._validation import interpreting
+from moekit._paths import PATHS, PathSwitch  # noqa: F401  (PATHS: the accepted names)
 from moekit.kernels.ep import ep_pack_kernel, ep_reduce_kernel, ep_route_kernel
 
 if TYPE_CHECKING:
     from moekit.parallel.dispatch import RoutePlan
     from moekit.placement import Placement
 
-PATHS = ("auto", "torch", "triton")
-_forced: str | None = None
+_switch = PathSwitch("MOEKIT_EP")       # MOEKIT_EP_TORCH / MOEKIT_EP_TRITON
 
 ROUTE_TILE = 4096      # elements of a route kernel's (BLOCK_T, K) and (BLOCK_T, R) tiles
 PACK_TILE = 4096       # elements of a pack / reduce program's (BLOCK_T, BLOCK_H) row tile
 
 
-def _requested() -> str:
-    if _forced is not None:
-        return _forced
-    if os.environ.get("MOEKIT_EP_TORCH", "0") not in ("", "0"):
-        return "torch"
-    if os.environ.get("MOEKIT_EP_TRITON", "0") not in ("", "0"):
-        return "triton"
-    return "auto"
-
-
 def path_for(t: torch.Tensor) -> str:
     """"triton" or "torch": which implementation runs the EP steps on t's device (module docstring)."""
-    want = _requested()
-    if want == "torch":
-        return "torch"
-    if t.is_cuda:
-        return "triton"
-    return "triton" if want == "triton" and t.device.type == "cpu" and interpreting() else "torch"
+    return _switch.path_for(t)
 
 
-@contextlib.contextmanager
-def use_path(path: str) -> Iterator[None]:
+def use_path(path: str) -> contextlib.AbstractContextManager[None]:
     """Run the EP steps with `path` ("auto", "torch" or "triton") inside the block."""
-    global _forced
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    before, _forced = _forced, (None if path == "auto" else path)
-    try:
-        yield
-    finally:
-        _forced = before
+    return _switch.use(path)
 
 
 def _pow2(n: int) -> int:
