@@ -177,3 +177,22 @@ def assert_alignment_equals(a, expected: dict[str, torch.Tensor]) -> None:
         got = getattr(a, name).cpu()
         assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, tuple(got.shape))
         assert torch.equal(got, want), name
+
+
+def run_cli(argv: list[str]) -> int:
+    """`moekit` with argv, in this process; its exit status (argparse's SystemExit code included)."""
+    from moekit.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def error_line(capsys, prog: str) -> str:
+    """The single error line the command printed to stderr (argparse may print its usage before it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import error_line, run_cli
 from moekit.bench import cli as bench_cli
 from moekit.bench import imbalance, imbalance_report, report, study
 from moekit.bench.ceilings import Ceilings
@@ -20,22 +21,6 @@ from moekit.cli import main
 from result_rows import imbalance_rows, make_row, sample_rows
 
 NO_CUDA_INDEX = "cuda:999"   # refused with or without CUDA on this machine
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
-
-
-def error_line(capsys, prog: str) -> str:
-    """The single error line the command printed to stderr (argparse may print its usage before it)."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture

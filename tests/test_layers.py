@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import error_line, run_cli
 from moekit.bench.layers import Layer, file_stem, parse_shape, read_config
 from moekit.bench.results import read_csv
 from moekit.cli import main
@@ -16,21 +17,6 @@ from moekit.shapes import PRESETS, MoEShape
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 MIXTRAL, QWEN3 = CONFIGS / "mixtral_tiny.json", CONFIGS / "qwen3_moe_tiny.json"
-
-
-def run_cli(argv: list[str]) -> int:
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
-
-
-def error_line(capsys, prog: str) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # --shape
