@@ -534,13 +534,18 @@ def _capture_worker(rank: int, world: int, port: int, out_dir: str, dist_backend
         dist.destroy_process_group()
 
 
+def _nccl_world(world: int, tmp_path, worker) -> list[dict]:
+    """`worker` in an NCCL world of `world` GPUs (skipped where fewer are visible)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    return _spawn_world(world, tmp_path, "nccl", worker=worker, timeout_s=GPU_WORLD_TIMEOUT_S)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_nccl_low_latency_cases(world, tmp_path):
     """The gloo cases on GPUs over NCCL (world 2 needs two GPUs), against the fp32 reference."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = _spawn_world(world, tmp_path, "nccl", worker=_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
+    results = _nccl_world(world, tmp_path, _worker)
     for case in _cases(world):
         _, ref_kept, _, count = _expected(case, world)
         key = "again" if case.overflow == "raise" and count.dropped else "out"
@@ -551,9 +556,7 @@ def test_nccl_low_latency_cases(world, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_nccl_low_latency_layer_in_cuda_graphs(world, tmp_path):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = _spawn_world(world, tmp_path, "nccl", worker=_capture_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
+    results = _nccl_world(world, tmp_path, _capture_worker)
     for r in range(world):
         for step in results[r]:
             assert torch.equal(step["out"], step["eager"]), (r, step["t"])
@@ -625,9 +628,7 @@ def test_nccl_low_latency_decode_latency(world, tmp_path):
     """Qwen3-30B-A3B, bf16, T = 1..128 per rank: the captured low-latency layer agrees with the normal
     mode (both bf16 paths, so a loose bound) and drops nothing at capacity 128; the medians are
     printed (run with -s), not asserted."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    results = _spawn_world(world, tmp_path, "nccl", worker=_latency_worker, timeout_s=GPU_WORLD_TIMEOUT_S)
+    results = _nccl_world(world, tmp_path, _latency_worker)
     print(f"\nEP decode latency, Qwen3-30B-A3B bf16, {world} rank(s), median ms per call:")
     for r in range(world):
         for row in results[r]:
