@@ -57,3 +57,12 @@ def descriptors(monkeypatch):
     real = gg.TensorDescriptor
     monkeypatch.setattr(gg, "TensorDescriptor", spy)
     return made
+
+
+@pytest.fixture(scope="module")
+def qwen_layer():
+    """Qwen3-30B-A3B's layer in bf16 on the GPU, seeded, for inference (the GPU tests' shared layer)."""
+    from moekit import PRESETS, MoELayer
+
+    torch.manual_seed(0)
+    return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)

@@ -25,12 +25,6 @@ pytestmark = pytest.mark.gpu
 QWEN = PRESETS["qwen3-30b-a3b"]
 
 
-@pytest.fixture(scope="module")
-def qwen_layer():
-    torch.manual_seed(0)
-    return MoELayer(QWEN, dtype=torch.bfloat16, device="cuda").requires_grad_(False)   # inference
-
-
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 1000, 4096])
 def test_backends_bf16_qwen3(qwen_layer, num_tokens):
     x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -10,18 +10,12 @@ import pytest
 import torch
 
 from helpers import poisoned, rel_err, same_dtype_bound
-from moekit import PRESETS, MoELayer, masked_experts, moe_experts
+from moekit import PRESETS, masked_experts, moe_experts
 from moekit._workspace import poisoning
 from moekit.reference import moe_experts_ref
 
 pytestmark = pytest.mark.gpu
 QWEN = PRESETS["qwen3-30b-a3b"]
-
-
-@pytest.fixture(scope="module")
-def qwen_layer():
-    torch.manual_seed(0)
-    return MoELayer(QWEN, dtype=torch.bfloat16, device="cuda").requires_grad_(False)   # inference
 
 
 @pytest.mark.parametrize("num_tokens", [1, 16, 64])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
-from moekit import PRESETS, ExpertsConfig, MoELayer, align_block_size, moe_experts
+from moekit import ExpertsConfig, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
@@ -247,11 +247,11 @@ def test_resolve_tma_records_the_fallback_and_the_backend_uses_it(descriptors):
 
 
 @pytest.fixture(scope="module")
-def qwen_layer():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+def qwen_layer(qwen_layer):
+    """conftest's layer, on a GPU with TMA only."""
+    if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA GPU with TMA (capability >= 9)")
-    torch.manual_seed(0)
-    return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)
+    return qwen_layer
 
 
 def qwen_case(layer, num_tokens):
