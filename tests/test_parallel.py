@@ -526,6 +526,10 @@ def test_gloo_ep_bench(gloo_world):
                 mine = {r.phase: r for r in group if r.rank == k}
                 # dispatch is the sum of its steps in every iteration: its median is at least theirs
                 assert mine["dispatch"].median_ms >= mine["rows"].median_ms
+                # every step the mode has was marked by its probe (a missing mark reads 0 ms)
+                for step_name in STEPS:
+                    timed = mine[step_name].median_ms > 0
+                    assert timed == (mode == "normal" or step_name != "counts"), (mode, step_name)
             pairs = [next(r for r in group if r.rank == k and r.phase == "experts").pairs_recv
                      for k in range(2)]
             assert sum(pairs) == 2 * tokens * 2  # N * T * K: every pair runs exactly once
