@@ -27,9 +27,9 @@ for step in $steps; do
             # tests keep it on (cudaMalloc is not allowed while a stream captures).
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-25} MOEKIT_FUZZ_SECONDS=150 \
                 timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
-                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py tests/test_gpu_reliability.py \
-                tests/test_gpu_sanitizer.py tests/test_gpu_masked.py tests/test_grouped_gemm_backward.py \
-                -k "not capture and not graph and not long_context and not bitwise and not 1000 and not 4096" \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider ${MEMCHECK_TESTS:-tests/test_gpu_core.py tests/test_gpu_reliability.py \
+                tests/test_gpu_sanitizer.py tests/test_gpu_masked.py tests/test_grouped_gemm_backward.py} \
+                -k "${MEMCHECK_K:-not capture and not graph and not long_context and not bitwise and not 1000 and not 4096}" \
                 2>&1 | tee "$OUT/memcheck_kernels.log" | tail -4
             timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
                 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py -k "capture or graph" \

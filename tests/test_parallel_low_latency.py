@@ -529,6 +529,9 @@ def _capture_worker(rank: int, world: int, port: int, out_dir: str, dist_backend
                 ref = layer(x) if t else x
             results.append({"t": t, "out": out.cpu(), "eager": eager.cpu(), "ref": ref.cpu(), "stats": stats})
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        captured.close()        # before destroying the group: a live capture holds NCCL's communicator
+        with pytest.raises(RuntimeError, match="closed"):
+            captured(x)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -617,6 +620,7 @@ def _latency_worker(rank: int, world: int, port: int, out_dir: str, dist_backend
                     rows.append({"t": t, "path": name, "ms": _median_ms(partial(fn, x), device),
                                  "rel_err": err, "dropped": int(captured.stats["dropped"])})
         torch.save(rows, f"{out_dir}/rank{rank}.pt")
+        captured.close()        # before destroying the group (see CapturedEP)
         dist.barrier()
     finally:
         dist.destroy_process_group()
