@@ -416,3 +416,22 @@ def test_workspace_that_cannot_fit_is_refused(monkeypatch):
     with pytest.raises(moekit.PaddedWorkspaceTooLarge, match=r"masked backend's \(E, C=128, \*\) buffers"):
         run(x, gate_up, down, torch.rand(64, 2), ids)
     run(x, gate_up, down, torch.rand(64, 2), ids, capacity_factor=0.02)   # C = 1 fits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_layout_kernel_on_cuda_equals_its_twin(dtype):
+    """Compiled on the GPU: the kernel's integers equal the twin's (computed on the CPU), into
+    poisoned buffers, on the edge cases and at serving sizes (decode to a 16,384-token prefill)."""
+    gen = torch.Generator().manual_seed(7)
+    cases = LAYOUT_CASES + [(1, 8, 128, 4, "rand"), (128, 8, 128, 16, "rand"), (4096, 8, 128, 320, "rand"),
+                            (16384, 8, 128, 1024, "rand"), (16384, 8, 128, 64, "one")]
+    for rows, top_k, num_experts, capacity, kind in cases:
+        ids = layout_ids(rows, top_k, num_experts, kind, dtype, gen)
+        want = masked_layout_torch(ids, num_experts, capacity)
+        with poisoning():
+            got = masked_layout_triton(ids.cuda(), num_experts, capacity)
+        for name in ("dest", "counts", "dropped"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.is_cuda and a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a.cpu(), b), (rows, top_k, num_experts, capacity, kind, name)
