@@ -343,7 +343,7 @@ class CapturedEP:
                 graph.reset()
             self.graphs.clear()
 
-    def __enter__(self) -> "CapturedEP":
+    def __enter__(self) -> CapturedEP:
         return self
 
     def __exit__(self, *exc) -> None:
