@@ -179,16 +179,20 @@ def k_loop_tma(a_ptrs, w_desc, b_row, valid, K, stride_ak,
 
 
 @triton.jit
-def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
-                stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-                bias_ptr, stride_be, stride_bn, alpha, limit,
+def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                TMA_W: tl.constexpr):
-    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature).
-    SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N). w: the
-    gate_up pointer, or with TMA_W its descriptor over (E * 2N, K)."""
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, flags):
+    """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature:
+    strides of x, gate_up and h; flags (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)). SWIGLU
+    False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N). w: the gate_up
+    pointer, or with TMA_W its descriptor over (E * 2N, K)."""
+    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn = strides
+    bias_ptr, stride_be, stride_bn, alpha, limit = epilogue
+    SWIGLU: tl.constexpr = flags[0]     # annotated: a plain or tuple assignment makes a constexpr a tensor
+    HAS_BIAS: tl.constexpr = flags[1]
+    GPT_OSS: tl.constexpr = flags[2]
+    INTERLEAVED: tl.constexpr = flags[3]
+    TMA_W: tl.constexpr = flags[4]
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
     pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
     valid = pair < S
@@ -246,38 +250,34 @@ def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, 
 
 @triton.jit
 def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr,
-            aux_ptr, sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
-            alpha, limit, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
-            EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr,
-            INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr):
+            aux_ptr, sorted_ids_ptr, S, N, K, strides, epilogue, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            PAIRED: tl.constexpr, flags):
     """Run TILE (`_gemm1_tile` or `_gemm2_tile`) for row block pid_m: a lone block of BLOCK_M rows,
     or, when PAIRED, per `Alignment.block_codes`: 2 = a tile of this and the next block, 1 = this
-    block alone, 0 = nothing (the block before covers it). EPILOGUE: the tile's fused epilogue
-    switch (SWIGLU of GEMM1, MUL_W of GEMM2); HAS_BIAS, GPT_OSS, INTERLEAVED as in the module
-    docstring (GEMM2 reads HAS_BIAS only). w: weights pointer, or descriptor when TMA_W."""
+    block alone, 0 = nothing (the block before covers it). The groups both GEMMs pass through come
+    as tuples the tile unpacks: strides, the 7 strides of a (2), w (3) and o (2); epilogue =
+    (bias_ptr, stride_be, stride_bn, alpha, limit); flags = the constexprs (EPILOGUE, HAS_BIAS,
+    GPT_OSS, INTERLEAVED, TMA_W), EPILOGUE the tile's fused epilogue switch (SWIGLU of GEMM1, MUL_W
+    of GEMM2), the others as in the module docstring (GEMM2 reads HAS_BIAS and TMA_W only).
+    w: weights pointer, or descriptor when TMA_W."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     row0 = pid_m * BLOCK_M
     code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
     if code == 2:
-        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, 2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue, TOP_K,
+             2 * BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, flags)
     elif code == 1:
-        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, s0, s1, s2, s3, s4, s5,
-             s6, bias_ptr, stride_be, stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-             DOT_PRECISION, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+        TILE(a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue, TOP_K,
+             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, flags)
 
 
 @triton.jit
 def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr, num_n_tiles,
                    block_codes_ptr, expert_ids_ptr, a_ptr, w, o_ptr, aux_ptr, sorted_ids_ptr, S, N, K,
-                   s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn, alpha, limit,
-                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   PAIRED: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr, TMA_W: tl.constexpr,
-                   FLATTEN: tl.constexpr):
+                   strides, epilogue, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr, flags, FLATTEN: tl.constexpr):
     """Run `_paired(TILE, ...)` on this program's tile (`_tile_ids`: one tile, none past num_padded),
     or with PERSISTENT on tiles program_id, program_id + num_programs, ... below the live count
     (num_padded // BLOCK_M row blocks times num_n_tiles, read on the device), in `_swizzle` order.
@@ -294,23 +294,20 @@ def _for_each_tile(TILE: tl.constexpr, PERSISTENT: tl.constexpr, num_padded_ptr,
                 pid_u, pid_n = _swizzle(tile, num_units, num_n_tiles, (GROUP_M + 1) // 2)
                 for pid_m in tl.range(2 * pid_u, tl.minimum(2 * pid_u + 2, num_m)):
                     _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
-                            sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be,
-                            stride_bn, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                            DOT_PRECISION, PAIRED, EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+                            sorted_ids_ptr, S, N, K, strides, epilogue, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            EVEN_K, DOT_PRECISION, PAIRED, flags)
         else:
             for tile in tl.range(tl.program_id(0), num_m * num_n_tiles, tl.num_programs(0), flatten=FLATTEN):
                 pid_m, pid_n = _swizzle(tile, num_m, num_n_tiles, GROUP_M)
                 _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
-                        sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
-                        alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
-                        EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+                        sorted_ids_ptr, S, N, K, strides, epilogue, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                        DOT_PRECISION, PAIRED, flags)
     else:
         pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
         if live:
             _paired(TILE, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a_ptr, w, o_ptr, aux_ptr,
-                    sorted_ids_ptr, S, N, K, s0, s1, s2, s3, s4, s5, s6, bias_ptr, stride_be, stride_bn,
-                    alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, PAIRED,
-                    EPILOGUE, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)
+                    sorted_ids_ptr, S, N, K, strides, epilogue, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                    DOT_PRECISION, PAIRED, flags)
 
 
 @triton.jit
@@ -328,25 +325,27 @@ def moe_gemm1_swiglu_kernel(
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     # w: gate_up (E, 2N, K), or with TMA_W its descriptor over (E * 2N, K), block [BLOCK_N, BLOCK_K]
     # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED). PERSISTENT: each program loops over tiles.
+    strides = (stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn)
     _for_each_tile(_gemm1_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
-                   expert_ids_ptr, x_ptr, w, h_ptr, x_ptr, sorted_ids_ptr, S, N, K, stride_xt, stride_xk,
-                   stride_we, stride_wn, stride_wk, stride_hm, stride_hn, bias_ptr, stride_be, stride_bn,
-                   alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
-                   SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W, FLATTEN)
+                   expert_ids_ptr, x_ptr, w, h_ptr, x_ptr, sorted_ids_ptr, S, N, K, strides,
+                   (bias_ptr, stride_be, stride_bn, alpha, limit), TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                   EVEN_K, DOT_PRECISION, PAIRED, (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W), FLATTEN)
 
 
 @triton.jit
-def _gemm2_tile(h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K,
-                stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-                bias_ptr, stride_be, stride_bn, alpha, limit,
+def _gemm2_tile(h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, MUL_W: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
-                TMA_W: tl.constexpr):
+                EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, flags):
     """One [M, BLOCK_N] tile of y: M sorted rows from row0 (expert e), scattered to pair rows
-    (`_paired`'s signature; TOP_K, alpha, limit, GPT_OSS and INTERLEAVED unused), plus down_bias[e]
-    when HAS_BIAS, times the routing weight when MUL_W. w: the down pointer, or with TMA_W its
-    descriptor over (E * N, K)."""
+    (`_paired`'s signature: strides of h, down and y; flags (MUL_W, HAS_BIAS, GPT_OSS, INTERLEAVED,
+    TMA_W); TOP_K, alpha, limit, GPT_OSS and INTERLEAVED unused), plus down_bias[e] when HAS_BIAS,
+    times the routing weight when MUL_W. w: the down pointer, or with TMA_W its descriptor over
+    (E * N, K)."""
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn = strides
+    bias_ptr, stride_be, stride_bn, _alpha, _limit = epilogue
+    MUL_W: tl.constexpr = flags[0]
+    HAS_BIAS: tl.constexpr = flags[1]
+    TMA_W: tl.constexpr = flags[4]
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -389,11 +388,29 @@ def moe_gemm2_kernel(
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     # w: down (E, N, K), or with TMA_W its descriptor over (E * N, K), block [BLOCK_N, BLOCK_K].
     # PERSISTENT: each program loops over tiles.
+    strides = (stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn)
     _for_each_tile(_gemm2_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
-                   expert_ids_ptr, h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, stride_hm,
-                   stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn, bias_ptr, stride_be,
-                   stride_bn, 0.0, 0.0, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, DOT_PRECISION, PAIRED,
-                   MUL_W, HAS_BIAS, False, False, TMA_W, FLATTEN)
+                   expert_ids_ptr, h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, strides,
+                   (bias_ptr, stride_be, stride_bn, 0.0, 0.0), 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                   DOT_PRECISION, PAIRED, (MUL_W, HAS_BIAS, False, False, TMA_W), FLATTEN)
+
+
+@triton.jit
+def token_tile(T, H, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(rt, rh, t_in, h_in, acc) of this program's [BLOCK_T, BLOCK_H] tile of a (T, H) output summed
+    over top_k slots: token rows rt [BT], columns rh [BH], their masks, a zero fp32 accumulator.
+    Shared by the contiguous and masked layouts; `store_token_tile` writes acc."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [BT]
+    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)             # [BH]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    return rt, rh, rt < T, rh < H, acc
+
+
+@triton.jit
+def store_token_tile(out_ptr, acc, rt, rh, t_in, h_in, stride_ot, stride_oh):
+    """Store `token_tile`'s accumulator in out's dtype."""
+    o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])
 
 
 @triton.jit
@@ -402,16 +419,11 @@ def moe_sum_kernel(
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum of y[t*K + j] over slots j whose expert id is in [0, E), in fp32."""
-    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)             # [BT]
-    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)             # [BH]
-    t_in = rt < T
-    h_in = rh < H
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    rt, rh, t_in, h_in, acc = token_tile(T, H, BLOCK_T, BLOCK_H)
     for j in tl.static_range(TOP_K):
         pair = rt.to(tl.int64) * TOP_K + j
         e = tl.load(ids_ptr + pair, mask=t_in, other=-1)
         use = t_in & (e >= 0) & (e < E)
         y = tl.load(y_ptr + pair[:, None] * H + rh[None, :], mask=use[:, None] & h_in[None, :], other=0.0)
         acc += y.to(tl.float32)
-    o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])
+    store_token_tile(out_ptr, acc, rt, rh, t_in, h_in, stride_ot, stride_oh)

@@ -21,7 +21,7 @@ read or written: whatever they hold (NaN, stale rows) cannot reach a valid row.
 import triton
 import triton.language as tl
 
-from moekit.kernels.grouped_gemm import k_loop, swiglu_k_loop
+from moekit.kernels.grouped_gemm import k_loop, store_token_tile, swiglu_k_loop, token_tile
 
 
 @triton.jit
@@ -124,11 +124,7 @@ def masked_combine_kernel(
 ):
     """out[t] = sum over slots j with dest >= 0 of w[t, j] * y_flat[dest[t*K + j]], fp32, slot order.
     y_flat (E * C, H) and w (T, K) contiguous."""
-    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)            # [BT]
-    rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)            # [BH]
-    t_in = rt < T
-    h_in = rh < H
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    rt, rh, t_in, h_in, acc = token_tile(T, H, BLOCK_T, BLOCK_H)
     for j in tl.static_range(TOP_K):
         pair = rt.to(tl.int64) * TOP_K + j
         dest = tl.load(dest_ptr + pair, mask=t_in, other=-1)           # int64
@@ -136,8 +132,7 @@ def masked_combine_kernel(
         wt = tl.load(w_ptr + pair, mask=use, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + dest[:, None] * H + rh[None, :], mask=use[:, None] & h_in[None, :], other=0.0)
         acc += y.to(tl.float32) * wt[:, None]
-    o_ptrs = out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rh[None, :] * stride_oh
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_in[:, None] & h_in[None, :])
+    store_token_tile(out_ptr, acc, rt, rh, t_in, h_in, stride_ot, stride_oh)
 
 
 @triton.jit
