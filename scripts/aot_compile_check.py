@@ -36,8 +36,15 @@ compile to main's kernels:
     PYTHONPATH=<main>/src python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/main
     python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
 
+`--wgrad [all|old,default,<i>,...]` checks the weight-gradient kernel instead (`moe_wgrad_kernel`,
+both launches of a training step: d gate_up_proj, A by sorted row and B by token; d down_proj, A by
+token and B by sorted row) with its tiles (`moekit.tuning.WgradConfig`): the old ones (the forward's
+L tiles capped at 64), the default and `moekit.bench.wgrad.CANDIDATES` (by index); with --regs its
+lines give shared memory, registers and spills per launch.
+
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
+       python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -117,15 +124,15 @@ def cuda_backend_missing() -> str | None:
     return None
 
 
-def capture_launches(call) -> list[tuple]:
-    """(kernel, args, kwargs) of each grouped GEMM launch `call` makes; nothing runs."""
+def capture_launches(call, kernels=KERNELS) -> list[tuple]:
+    """(kernel, args, kwargs) of each launch of `kernels` that `call` makes; nothing runs."""
     seen = []
-    for kernel in KERNELS:      # JITFunction[grid](...) calls self.run: an instance attribute wins
+    for kernel in kernels:      # JITFunction[grid](...) calls self.run: an instance attribute wins
         kernel.run = lambda *args, grid, warmup, _k=kernel, **kwargs: seen.append((_k, args, kwargs))
     try:
         call()
     finally:
-        for kernel in KERNELS:
+        for kernel in kernels:
             del kernel.run
     return seen
 
@@ -190,6 +197,55 @@ def resource_usage(cubin: bytes) -> str:
     return f"{regs.group(1) if regs else '?'}r{spills}"
 
 
+def compile_launches(launches: list[tuple], target, dump: Path | None, names: list[str], regs: bool) -> str:
+    """'<shared>B[ <regs>r[ local <n>B]]' per launch, '/'-joined; each kernel's PTX and SASS dumped
+    as <name>.<kernel>.ptx / .sass."""
+    notes = []
+    for (kernel, args, kwargs), name in zip(launches, names, strict=True):
+        compiled = compile_launch(kernel, args, kwargs, target)
+        usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
+        notes.append(f"{compiled.metadata.shared}B{usage}")
+        if dump is not None:
+            stem = f"{name}.{kernel.__name__}"
+            (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+            (dump / f"{stem}.sass").write_text(sass(compiled.asm["cubin"]))
+    return "/".join(notes)
+
+
+def wgrad_variants(spec: str) -> dict[str, object]:
+    """name -> tiles per launch ({"gate_up": WgradConfig, "down": WgradConfig}) for --wgrad SPEC."""
+    from moekit.bench.wgrad import CANDIDATES, LAUNCHES, legacy_tiles
+    from moekit.tuning import WgradConfig
+
+    named = {"old": legacy_tiles(TILES["L"]), "default": dict.fromkeys(LAUNCHES, WgradConfig())}
+    named.update({str(i): dict.fromkeys(LAUNCHES, t) for i, t in enumerate(CANDIDATES)})
+    keys = list(named) if spec == "all" else spec.split(",")
+    unknown = [k for k in keys if k not in named]
+    if unknown:
+        raise SystemExit(f"--wgrad: unknown {unknown}; names are old, default, 0..{len(CANDIDATES) - 1}")
+    return {k: named[k] for k in keys}
+
+
+def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, regs: bool) -> str:
+    """'OK  shared gate_up/down ...' for the two weight-gradient launches with these tiles."""
+    from moekit.grouped_gemm_backward import down_proj_grad, gate_up_proj_grad
+    from moekit.kernels.grouped_gemm_backward import moe_wgrad_kernel
+
+    top_k = inp.ids.shape[1]
+    align = align_block_size(inp.ids, inp.gate_up.shape[0], 64, backend="torch")
+    dpre = torch.empty(align.sorted_ids.numel(), inp.gate_up.shape[1], dtype=inp.x.dtype)
+    h = torch.empty(align.sorted_ids.numel(), inp.down.shape[2], dtype=inp.x.dtype)
+
+    def call():
+        gate_up_proj_grad(dpre, inp.x, inp.w, align, top_k, inp.x.dtype, tiles["gate_up"])
+        down_proj_grad(inp.x, h, inp.w, align, top_k, inp.x.dtype, tiles["down"])
+
+    launches = capture_launches(call, (moe_wgrad_kernel,))
+    label = " / ".join(dict.fromkeys(t.label() for t in tiles.values()))
+    usage = compile_launches(launches, target, dump, [f"{name}.gate_up", f"{name}.down"], regs)
+    return f"OK  shared {usage}  [{label}]"
+
+
 def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump: Path | None, name: str,
                 regs: bool = False):
     """'OK ...' or 'SKIP ...' for one (tiles, path); raises when a kernel fails to compile."""
@@ -226,21 +282,13 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
             gg._device_has_tma = has_tma
     else:
         launches = capture_launches(call)
-    notes = []
-    for kernel, args, kwargs in launches:
+    for kernel, _, kwargs in launches:
         if kwargs.get("TMA_W", False) is not tma:
             raise RuntimeError(f"{kernel.__name__} launched with TMA_W={kwargs.get('TMA_W')}, wanted {tma}")
         if kwargs.get("PERSISTENT", False) is not persistent:
             raise RuntimeError(f"{kernel.__name__} launched with PERSISTENT={kwargs.get('PERSISTENT')}, "
                                f"wanted {persistent}")
-        compiled = compile_launch(kernel, args, kwargs, target)
-        usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
-        notes.append(f"{compiled.metadata.shared}B{usage}")
-        if dump is not None:
-            stem = f"{name}.{kernel.__name__}"
-            (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
-            (dump / f"{stem}.sass").write_text(sass(compiled.asm["cubin"]))
-    return "OK  shared " + "/".join(notes)
+    return "OK  shared " + compile_launches(launches, target, dump, [name] * len(launches), regs)
 
 
 DEBUG_LABEL = re.compile(r"\$L__tmp\d+:")
@@ -273,6 +321,22 @@ def compare(ours: Path, theirs: Path) -> int:
     return differ
 
 
+def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
+    failed = 0
+    for name, tiles in variants.items():
+        started = time.perf_counter()
+        try:
+            status = run_wgrad(inp, tiles, target, dump, f"wgrad.{name}", regs)
+        except Exception as exc:
+            failed += 1
+            text = str(exc).strip().splitlines()
+            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+        print(f"wgrad {name:<22} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(variants) - failed}/{len(variants)} wgrad variants compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -283,6 +347,8 @@ def main() -> int:
     p.add_argument("--compare", type=Path, default=None, help="compare the dump with this one (needs --dump)")
     p.add_argument("--regs", action="store_true",
                    help="also registers per thread and local memory (cuobjdump)")
+    p.add_argument("--wgrad", nargs="?", const="all", default=None,
+                   help="the weight-gradient kernel's tiles instead: all, or old,default,<index>,...")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -296,9 +362,11 @@ def main() -> int:
     if args.dump is not None:
         shutil.rmtree(args.dump, ignore_errors=True)
         args.dump.mkdir(parents=True)
-    pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
     inp = make_inputs(moekit.get_shape(args.preset), torch.bfloat16)
     print(f"triton {triton.__version__}, target {TARGET}, {args.preset} bf16, T={NUM_TOKENS}", flush=True)
+    if args.wgrad is not None:
+        return check_wgrad(inp, wgrad_variants(args.wgrad), target, args.dump, args.regs)
+    pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
     for tiles in dict.fromkeys(t for t, _ in pairs):
         print(f"  tiles {tiles}: " + " ".join(f"{k}={v}" for k, v in TILES[tiles].to_dict().items()))
     failed = 0

@@ -33,7 +33,14 @@ from moekit.grouped_gemm_backward import (
     swiglu_backward_torch,
 )
 from moekit.reference import moe_experts_ref
-from moekit.tuning import default_config, load_table, shared_memory_budget
+from moekit.tuning import (
+    WGRAD_ENV,
+    WgradConfig,
+    default_config,
+    load_table,
+    shared_memory_budget,
+    wgrad_config,
+)
 
 CFG = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1,
                     block_n2=16, block_k2=16, warps2=4, stages2=1, group_m=2)
@@ -122,8 +129,8 @@ def test_backward_kernels_match_their_twins(case):
     with poisoning():
         sw = swiglu_backward(x, gate_up, down, dout, align, top_k, CFG)
         dx = hidden_states_grad(sw.dpre, gate_up, w, ids, align, CFG)
-        d_gu = gate_up_proj_grad(sw.dpre, x, w, align, top_k, CFG, torch.float32)
-        d_down = down_proj_grad(dout, sw.h, w, align, top_k, CFG, torch.float32)
+        d_gu = gate_up_proj_grad(sw.dpre, x, w, align, top_k, torch.float32)
+        d_down = down_proj_grad(dout, sw.h, w, align, top_k, torch.float32)
     tw = swiglu_backward_torch(x, gate_up, down, dout, align, top_k)
     assert rel_err(sw.dpre[:live], tw.dpre[:live]) <= 1e-5
     assert rel_err(sw.h[:live], tw.h[:live]) <= 1e-5
@@ -268,6 +275,41 @@ def test_backward_tiles_fit_shared_memory():
             tiles = BackwardTiles.fit(cfg, itemsize)
             used = tiles.stages * (2 * cfg.block_m * tiles.block_k + 3 * tiles.block_k * tiles.block_n)
             assert used * itemsize <= shared_memory_budget(None), (cfg, itemsize, tiles)
+
+
+# The weight gradients' own tiles (`WgradConfig`): small ones so every expert spans several N and C
+# tiles and row steps; BN < BC scales the [BN, BM] operand, BN >= BC the [BM, BC] one.
+WGRAD_TILES = [WgradConfig(16, 32, 16, 4, 1), WgradConfig(32, 16, 32, 4, 2), WgradConfig(16, 16, 16, 2, 3)]
+
+
+@pytest.mark.parametrize("tiles", WGRAD_TILES, ids=WgradConfig.label)
+@pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=case_id)
+def test_weight_gradients_with_their_own_tiles(case, tiles):
+    num_tokens, num_experts, hidden, inter, top_k, kind = case
+    x, gate_up, down, w, ids, dout = make(*case)
+    align = align_block_size(ids, num_experts, CFG.block_m, backend="torch")
+    sw = swiglu_backward_torch(x, gate_up, down, dout, align, top_k)
+    dpre, h = sw.dpre.clone(), sw.h.clone()
+    with poisoning():
+        d_gu = gate_up_proj_grad(dpre, x, w, align, top_k, torch.float32, tiles)
+        d_down = down_proj_grad(dout, h, w, align, top_k, torch.float32, tiles)
+    assert rel_err(d_gu, gate_up_proj_grad_torch(dpre, x, w, align, top_k)) <= 1e-5
+    assert rel_err(d_down, down_proj_grad_torch(dout, h, w, align, top_k)) <= 1e-5
+    check_exact_zeros((None, d_gu, d_down, None), ids, num_experts)
+
+
+def test_wgrad_tiles_from_the_environment(monkeypatch):
+    monkeypatch.setenv(WGRAD_ENV, "block_n=32, block_m=16,stages=2")
+    assert wgrad_config(2) == WgradConfig(block_n=32, block_m=16, stages=2)
+    for bad in ("block_n=48", "block_k=64", "block_m=256", "warps=x", "stages", "block_n=32,block_n=64"):
+        monkeypatch.setenv(WGRAD_ENV, bad)
+        with pytest.raises(ValueError, match=WGRAD_ENV):
+            wgrad_config(2)
+    monkeypatch.delenv(WGRAD_ENV)
+    for itemsize in (2, 4):                     # the default fits the budget in 16 and 32 bits
+        tiles = wgrad_config(itemsize)
+        assert tiles.pipeline_bytes(itemsize) <= shared_memory_budget(None), tiles
+    assert wgrad_config(2) == WgradConfig()
 
 
 @pytest.mark.parametrize("num_tokens", [3, 40])

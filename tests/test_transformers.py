@@ -34,7 +34,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import moekit.experts
 import moekit.experts.triton as triton_experts
 import moekit.ops
-from helpers import experts_same_dtype, layer_ref, rel_err, same_dtype_bound
+from helpers import experts_same_dtype, layer_ref, load_script, rel_err, same_dtype_bound
 from moekit import MoELayer, MoEShape
 from moekit.reference import moe_experts_ref
 
@@ -690,14 +690,7 @@ def test_auto_trains_on_the_cpu_loop(kind, warns):
 
 def gpu_script():
     """scripts/gpu_transformers.py, the one home of the published models' sizes."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_transformers.py"
-    spec = importlib.util.spec_from_file_location("gpu_transformers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_transformers")
 
 
 @pytest.mark.gpu

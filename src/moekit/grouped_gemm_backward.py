@@ -17,6 +17,7 @@ Launchers, in the order the autograd Function (`moekit.experts.triton`) calls th
     hidden_states_grad  dpre -> dx (T, H): the forward's GEMM2 with gate_up_e as the (H, 2I) matrix,
                         then its slot sum
     gate_up_proj_grad   dpre, x -> (E, 2I, H);  down_proj_grad  dout, h -> (E, H, I)
+                        (both `wgrad`, with their own tiles)
 
 Metadata: the forward's `Alignment` (sorted_ids (L,), expert_ids (L / block_m,), num_padded, and
 `Alignment.row_starts()` (E + 1,) for the weight gradients). Every grid is sized from
@@ -29,8 +30,9 @@ Tiles, until the backward has its own tuned table: dx reuses GEMM2 with the forw
 (same operand tiles, so it fits wherever the forward does). The SwiGLU backward streams five tiles
 per step (x and dout rows, gate, up and down columns), so it takes GEMM1's tiles capped at 64 and
 drops stages, then halves block_k, until they fit the device's shared-memory budget
-(`BackwardTiles.fit`). The weight gradients take each GEMM's tiles capped at 64 and step over rows
-min(max(block_m, 16), 64) at a time.
+(`BackwardTiles.fit`). The weight gradients have tiles of their own, independent of the forward's
+and of the align block size (`moekit.tuning.WgradConfig`: the default fitted to the device, or
+$MOEKIT_WGRAD_TILES, or `tiles=` on the launchers).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from moekit.grouped_gemm import (
     twin_dtype,
 )
 from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel, moe_wgrad_kernel
-from moekit.tuning import ExpertsConfig, shared_memory_budget
+from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, wgrad_config
 
 TILE_CAP = 64
 
@@ -141,38 +143,40 @@ def hidden_states_grad(dpre: torch.Tensor, gate_up_proj: torch.Tensor, topk_weig
     return moe_sum(y, topk_ids, gate_up_proj.shape[0], dx)
 
 
-def _wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
-           shape: tuple[int, int, int], dtype: torch.dtype, *, a_by_token: bool, b_by_token: bool,
-           block_n: int, block_c: int) -> torch.Tensor:
+def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
+          shape: tuple[int, int, int], dtype: torch.dtype, *, a_by_token: bool, b_by_token: bool,
+          tiles: WgradConfig | None = None) -> torch.Tensor:
+    """(E, N, C) in `dtype`: expert e's sum over its rows of (w_p A[ra])^T B[rb] (`moe_wgrad_kernel`),
+    with `tiles` (default: `moekit.tuning.wgrad_config` for the wider operand's dtype and the device)."""
+    tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
     num_experts, n, c = shape
-    block_n, block_c = min(block_n, TILE_CAP), min(block_c, TILE_CAP)
-    rows = min(max(align.block_m, 16), TILE_CAP)    # tl.dot needs 16 along the reduced rows
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
-    n_tiles, c_tiles = triton.cdiv(n, block_n), triton.cdiv(c, block_c)
+    n_tiles, c_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(c, tiles.block_c)
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
         a, b, topk_weights, grad, align.sorted_ids, align.row_starts(),
         align.num_pairs, n, c, n_tiles, c_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
-        TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=rows,
-        BLOCK_N=block_n, BLOCK_C=block_c, DOT_PRECISION=_dot_precision(a.dtype), num_warps=4,
+        TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c, NUM_STAGES=tiles.stages,
+        DOT_PRECISION=_dot_precision(b.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return grad
 
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
-                   top_k: int, cfg: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
+                   top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None) -> torch.Tensor:
     """(E, H, I): sum over each expert's rows of (w_p dout[t])^T h[r]; experts with no rows get 0."""
     shape = (align.tokens_per_expert.numel(), dout.shape[1], h.shape[1])
-    return _wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True, b_by_token=False,
-                  block_n=cfg.block_n2, block_c=cfg.block_k2)
+    return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True, b_by_token=False,
+                 tiles=tiles)
 
 
 def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
-                      top_k: int, cfg: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
+                      top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None) -> torch.Tensor:
     """(E, 2I, H): sum over each expert's rows of (w_p dpre[r])^T x[t]; experts with no rows get 0."""
     shape = (align.tokens_per_expert.numel(), dpre.shape[1], x.shape[1])
-    return _wgrad(dpre, x, topk_weights, align, top_k, shape, dtype, a_by_token=False, b_by_token=True,
-                  block_n=cfg.block_n1, block_c=cfg.block_k1)
+    return wgrad(dpre, x, topk_weights, align, top_k, shape, dtype, a_by_token=False, b_by_token=True,
+                 tiles=tiles)
 
 
 def swiglu_backward_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -204,9 +208,12 @@ def hidden_states_grad_torch(dpre: torch.Tensor, gate_up_proj: torch.Tensor, top
     return moe_sum_torch(y, topk_ids, gate_up_proj.shape[0])
 
 
-def _wgrad_torch(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
-                 *, a_by_token: bool, b_by_token: bool) -> torch.Tensor:
-    acc = twin_dtype(a)
+def wgrad_torch(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
+                *, a_by_token: bool, b_by_token: bool,
+                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Twin of `wgrad` in fp32 (`twin_dtype`); with `compute_dtype`, plain PyTorch in that dtype (the
+    weights too): the same-dtype baseline of the error rule."""
+    acc = compute_dtype or twin_dtype(a)
     num_experts = align.tokens_per_expert.numel()
     grad = torch.zeros(num_experts, a.shape[1], b.shape[1], dtype=acc, device=a.device)
     w = topk_weights.reshape(-1).to(acc)
@@ -222,10 +229,10 @@ def _wgrad_torch(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, a
 def down_proj_grad_torch(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
                          top_k: int) -> torch.Tensor:
     """Twin of `down_proj_grad` in fp32."""
-    return _wgrad_torch(dout, h, topk_weights, align, top_k, a_by_token=True, b_by_token=False)
+    return wgrad_torch(dout, h, topk_weights, align, top_k, a_by_token=True, b_by_token=False)
 
 
 def gate_up_proj_grad_torch(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
                             align: Alignment, top_k: int) -> torch.Tensor:
     """Twin of `gate_up_proj_grad` in fp32."""
-    return _wgrad_torch(dpre, x, topk_weights, align, top_k, a_by_token=False, b_by_token=True)
+    return wgrad_torch(dpre, x, topk_weights, align, top_k, a_by_token=False, b_by_token=True)

@@ -88,9 +88,9 @@ def experts_triton_backward(
     if need_x:
         dx = hidden_states_grad(dpre, gate_up_proj, topk_weights, topk_ids, align, config)
     if need_gu:
-        d_gu = gate_up_proj_grad(dpre, x, topk_weights, align, top_k, config, gate_up_proj.dtype)
+        d_gu = gate_up_proj_grad(dpre, x, topk_weights, align, top_k, gate_up_proj.dtype)
     if need_down:
-        d_down = down_proj_grad(dout, h, topk_weights, align, top_k, config, down_proj.dtype)
+        d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)
     return dx, d_gu, d_down, d_w
 
 

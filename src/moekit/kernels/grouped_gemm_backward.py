@@ -13,7 +13,8 @@ t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the g
                 -> part (L, n_tiles) = sum over the tile's columns of g * h (for d topk_weights)
     TILE_SUM    dw[p] = sum over the I tiles of part[r], in tile order, stored at the pair row
     WGRAD       C[e] (N, C) = sum over e's rows of w_p * A[row]^T @ B[row]: one program per
-                (e, N tile, C tile) walking the expert's row blocks in order. No atomics: deterministic.
+                (e, N tile, C tile) walking the expert's rows in order, BM at a time (its own
+                tiles, `moekit.tuning.WgradConfig`). No atomics: deterministic.
                 d down_e     = (w dout[t])^T @ h[r]      A gathered by token, B sorted rows
                 d gate_up_e  = (w dpre[r])^T @ x[t]      A sorted rows, B gathered by token
     dx          the forward's GEMM2 on (dpre, gate_up_e viewed as (H, 2I)), then SUM over the slots.
@@ -133,12 +134,18 @@ def moe_wgrad_kernel(
     S, N, C, num_n_tiles, num_c_tiles,
     stride_ar, stride_an, stride_br, stride_bc, stride_ce, stride_cn, stride_cc,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """C[e] (N, C) = sum over expert e's sorted rows r of scale[p] * A[ra]^T B[rb].
 
     ra / rb is the token t = p // K when *_BY_TOKEN, else the sorted row r. Rows of e lie in
-    [row_starts[e], row_starts[e + 1]); an expert with no rows gets an exact zero tile.
+    [row_starts[e], row_starts[e + 1]); an expert with no rows gets an exact zero tile. Programs
+    run expert by expert (e slowest), so the programs in flight share one expert's rows in L2 and
+    walk them in step. Row, pair and token indices are int32 (fewer than 2**31 pairs); element
+    offsets are int64 (T * H may not be). The routing weight scales the smaller operand tile (B
+    on a tie), in fp32 with one rounding back, as w * A would be; the other goes from global to
+    shared memory untouched, so the pipeliner streams it asynchronously.
     """
     pid = tl.program_id(0)
     tiles = num_n_tiles * num_c_tiles
@@ -151,31 +158,30 @@ def moe_wgrad_kernel(
     rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                       # [BC]
     n_in = rn < N
     c_in = rc < C
-    rn64 = rn.to(tl.int64)
-    rc64 = rc.to(tl.int64)
+    a_cols = a_ptr + rn.to(tl.int64)[:, None] * stride_an              # [BN, 1]
+    b_cols = b_ptr + rc.to(tl.int64)[None, :] * stride_bc              # [1, BC]
     rm = tl.arange(0, BLOCK_M)                                         # [BM]
 
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_M):
+    for r0 in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + rm
         pair = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=S)
         valid = pair < S
-        tok = (pair // TOP_K).to(tl.int64)
-        if A_BY_TOKEN:
-            ra = tok
-        else:
-            ra = rows.to(tl.int64)
-        if B_BY_TOKEN:
-            rb = tok
-        else:
-            rb = rows.to(tl.int64)
-        a = tl.load(a_ptr + ra[None, :] * stride_ar + rn64[:, None] * stride_an,
+        tok = pair // TOP_K
+        ra = tok if A_BY_TOKEN else rows
+        rb = tok if B_BY_TOKEN else rows
+        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar,
                     mask=valid[None, :] & n_in[:, None], other=0.0)                   # [BN, BM]
-        w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)          # [BM]
-        a = (a.to(tl.float32) * w[None, :]).to(b_ptr.dtype.element_ty)
-        b = tl.load(b_ptr + rb[:, None] * stride_br + rc64[None, :] * stride_bc,
+        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br,
                     mask=valid[:, None] & c_in[None, :], other=0.0)                   # [BM, BC]
+        w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)          # [BM]
+        if BLOCK_N < BLOCK_C:
+            a = (a.to(tl.float32) * w[None, :]).to(b.dtype)
+        else:
+            a = a.to(b.dtype)
+            b = (b.to(tl.float32) * w[:, None]).to(b.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn64[:, None] * stride_cn + rc64[None, :] * stride_cc
+    c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn
+              + rc.to(tl.int64)[None, :] * stride_cc)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_in[:, None] & c_in[None, :])

@@ -1,4 +1,6 @@
 """Tile configurations as data: one frozen dataclass, JSON tables per device, a default heuristic.
+The weight-gradient kernel's tiles are apart (`WgradConfig`, `wgrad_config`): one default per dtype,
+or $MOEKIT_WGRAD_TILES.
 
 Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cased, spaces -> '_'):
 
@@ -117,6 +119,118 @@ class ExpertsConfig:
             return cls(**d)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class WgradConfig:
+    """Tiles of the weight-gradient kernel (`moekit.kernels.grouped_gemm_backward.moe_wgrad_kernel`),
+    its own, not the forward's: each program computes a (block_n, block_c) tile of one expert's
+    gradient, reducing over the expert's sorted rows block_m at a time.
+
+    Pipelining: the loop's operand loads hang off an index load (sorted_ids, one indirection), so
+    Triton's pipeliner splits the stages between the two: the operand tiles are fetched
+    lead = (stages - 1) // 2 steps ahead. At 3 or 4 stages the lead is 1 and every step waits for
+    all its copies before its MMA (nothing overlaps: compiled for sm_90, `async_wait num = 0`);
+    from 5 stages the next step's tiles are in flight during this step's MMA.
+    The default (H200, 16-bit): 128 x 128 output tiles (two warpgroups of 64 x 128 wgmma, 64 fp32
+    accumulator registers a thread), 32 rows a step, 7 stages (lead 3). Compiled for sm_90 it
+    takes 65 KiB of shared memory (4 buffers of the [BN, BM] tile, 3 of the [BM, BC] one and its
+    scaled copy) and 118-120 registers, no spills: two programs (16 warps) fit on an SM, one
+    computing while the other waits on its gathers (64 rows a step at 5 stages: 98 KiB and 128-129
+    registers, one program an SM). `fit` shrinks it for wider dtypes. Environment:
+    MOEKIT_WGRAD_TILES="block_n=128,block_c=64,..." (fields left out keep their defaults) replaces
+    the default, as given (not fitted).
+
+    Attributes:
+        block_n, block_c: the gradient tile, rows (N) by columns (C); powers of two >= 16.
+        block_m: sorted rows reduced per step; a power of two in [16, 128] (tl.dot needs 16).
+        warps: num_warps (1, 2, 4, 8 or 16).
+        stages: the loop's num_stages (>= 1; odd counts: an even one has the lead of the one below).
+    """
+
+    block_n: int = 128
+    block_c: int = 128
+    block_m: int = 32
+    warps: int = 8
+    stages: int = 7
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"WgradConfig.{f.name} must be a positive int, got {v!r}")
+        for name in ("block_n", "block_c", "block_m", "warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"WgradConfig.{name} must be a power of two, got {v}")
+        if self.block_n < 16 or self.block_c < 16:
+            raise ValueError(f"WgradConfig tiles must be >= 16, got {self.block_n} x {self.block_c}")
+        if not 16 <= self.block_m <= 128:
+            raise ValueError(f"WgradConfig.block_m must be in [16, 128], got {self.block_m}")
+        if self.warps > 16:
+            raise ValueError(f"WgradConfig.warps must be at most 16, got {self.warps}")
+
+    def pipeline_bytes(self, itemsize: int) -> int:
+        """Shared memory of the loop's tiles, an upper bound: lead + 1 buffers of each operand tile
+        ([BN, BM] and [BM, BC]; the pipeliner gives the scaled one a buffer less) and the scaled
+        copy of the smaller one."""
+        lead = max(1, (self.stages - 1) // 2)
+        operands = (lead + 1) * (self.block_n + self.block_c) * self.block_m
+        return (operands + self.block_m * min(self.block_n, self.block_c)) * itemsize
+
+    def fit(self, itemsize: int, budget: int) -> WgradConfig:
+        """Stages first (down to 2), then block_m (down to 16), until the tiles fit `budget`."""
+        cfg = self
+        while cfg.pipeline_bytes(itemsize) > budget:
+            if cfg.stages > 2:
+                cfg = replace(cfg, stages=cfg.stages - 1)
+            elif cfg.block_m > 16:
+                cfg = replace(cfg, block_m=cfg.block_m // 2)
+            else:
+                break
+        return cfg
+
+    @classmethod
+    def parse(cls, text: str, source: str = "tiles") -> WgradConfig:
+        """'block_n=128,block_m=32' -> WgradConfig (the other fields at their defaults);
+        ValueError naming `source` and the problem."""
+        known = {f.name for f in fields(cls)}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in known:
+                raise ValueError(f"{source}: expected name=int with a name of {sorted(known)}, got {item!r}")
+            if key in values:
+                raise ValueError(f"{source}: {key} given twice")
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{source}: {key} must be an int, got {value.strip()!r}") from None
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    def label(self) -> str:
+        return f"n{self.block_n} c{self.block_c} m{self.block_m} w{self.warps} s{self.stages}"
+
+
+WGRAD_ENV = "MOEKIT_WGRAD_TILES"
+
+
+def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None) -> WgradConfig:
+    """The weight-gradient tiles: $MOEKIT_WGRAD_TILES when set (as given), else the default fitted
+    to the device's shared-memory budget for the dtype."""
+    text = os.environ.get(WGRAD_ENV, "").strip()
+    if text:
+        return _parse_wgrad_env(text)
+    return WgradConfig().fit(itemsize, shared_memory_budget(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_wgrad_env(text: str) -> WgradConfig:
+    return WgradConfig.parse(text, f"${WGRAD_ENV}")
 
 
 SWITCH_FIELDS = ("tma_weights", "persistent")    # bool fields of ExpertsConfig, off by default

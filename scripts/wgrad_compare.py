@@ -1,0 +1,171 @@
+"""Tile sweep of the weight-gradient kernel (`moe_wgrad_kernel`): the old tiles against candidates.
+
+For each T, on the preset's shape in bf16 with the routing of a softmax top-k (the last expert never
+picked), the two launches of a training step (d gate_up_proj (E, 2I, H), d down_proj (E, H, I);
+`moekit.bench.wgrad`) run with
+
+    old        the tiles the kernel took from the forward's config until it had its own (the H200
+               table's config at T: block_n x block_k capped at 64, 4 warps, 3 stages)
+    default    `moekit.tuning.WgradConfig()` fitted to the device (what training runs now)
+    n.. c..    `moekit.bench.wgrad.CANDIDATES` (output tile n x c, m rows a step, w warps, s stages)
+
+Each variant is first checked (both launches, before any timing): error against the fp32 twin at
+most 2x plain PyTorch's in the same dtype, exact zeros for the expert with no pairs, the same bits
+on a second run. A variant that fails to compile or breaks the rule is reported and not timed.
+Then each launch is timed alone from a CUDA graph, L2 flushed before every call, median of --rep
+calls (`moekit.bench.timing.time_fn`; the graph holds the launcher's few small row_starts ops).
+TFLOP/s counts placed pairs only; % is of the matmul ceiling measured in this run. A last table
+lists every T's variants side by side, best first.
+
+Budget: about 2-3 minutes on an H200 (compiles dominate: two kernels a variant, 24 variants).
+`--device cpu` is a smoke run under the interpreter (tiny shape, float16, two small candidates).
+
+Usage: python scripts/wgrad_compare.py [--tokens 1024,4096,16384] [--rep N] [--only 0,3,...]
+       [--out rows.jsonl] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+
+import argparse
+import json
+import time
+
+import torch
+
+import moekit
+from moekit._workspace import poisoning
+from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.timing import time_fn
+from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, WgradCase, legacy_tiles, make_case
+from moekit.tuning import WgradConfig, get_config, shared_memory_limit, wgrad_config
+
+
+def variants(case_cfg: moekit.ExpertsConfig, candidates: tuple[WgradConfig, ...], itemsize: int,
+             device: torch.device) -> dict[str, dict[str, WgradConfig]]:
+    """name -> tiles per launch: old, default, then the candidates (duplicates of an earlier one left out)."""
+    default = wgrad_config(itemsize, device)
+    out = {"old": legacy_tiles(case_cfg), "default": dict.fromkeys(LAUNCHES, default)}
+    seen = {tuple(v.values()) for v in out.values()}
+    for tiles in candidates:
+        if tiles.pipeline_bytes(itemsize) > shared_memory_limit(device):
+            continue                                      # over the device's limit: cannot launch
+        key = (tiles, tiles)
+        if key not in seen:
+            seen.add(key)
+            out[tiles.label()] = dict.fromkeys(LAUNCHES, tiles)
+    return out
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], dev: torch.device, rep: int,
+                matmul_tflops: float | None) -> dict:
+    row = {"tokens": case.tokens, "variant": name,
+           **{f"tiles_{k}": t.label() for k, t in tiles.items()},
+           **{f"base_err_{k}": case.base_err[k] for k in LAUNCHES}}
+    for k in LAUNCHES:                                    # checked before anything is timed
+        try:
+            with poisoning():                             # a tile left unwritten reads NaN
+                got = case.run(k, tiles[k])
+                again = case.run(k, tiles[k])
+        except Exception as exc:                          # e.g. out of shared memory
+            row["error"] = f"{k}: {first_line(exc)}"
+            return row
+        err, problem = case.problem(k, got)
+        row[f"err_{k}"] = err
+        if problem is None and not torch.equal(got, again):
+            problem = "not bitwise reproducible"
+        if problem:
+            row["error"] = f"{k}: {problem}"
+            return row
+    for k in LAUNCHES:
+        on_gpu = dev.type == "cuda"                       # interpreted: nothing to compile or warm
+        ms = time_fn(lambda k=k: case.run(k, tiles[k]), graph=on_gpu, device=dev, rep=rep,
+                     warmup=None if on_gpu else 0, min_rep=1).median_ms
+        row[f"ms_{k}"] = ms
+        row[f"tflops_{k}"] = case.flops[k] / ms / 1e9
+    row["ms"] = sum(row[f"ms_{k}"] for k in LAUNCHES)
+    row["tflops"] = sum(case.flops.values()) / row["ms"] / 1e9
+    row["pct_ceiling"] = 100 * row["tflops"] / matmul_tflops if matmul_tflops else None
+    return row
+
+
+def describe(row: dict) -> str:
+    head = f"{row['tokens']:>6} {row['variant']:>20}"
+    if "error" in row:
+        return f"{head} NOT TIMED: {row['error']}"
+    return (f"{head} {row['ms_gate_up']:8.3f} {row['ms_down']:8.3f} {row['ms']:8.3f} {row['tflops']:7.1f} "
+            f"{row['pct_ceiling'] or float('nan'):5.1f}% {row['err_gate_up']:9.2e} {row['err_down']:9.2e}"
+            + ("" if row["tiles_gate_up"] == row["tiles_down"] else
+               f"  ({row['tiles_gate_up']} / {row['tiles_down']})"))
+
+
+def summary(rows: list[dict]) -> None:
+    print(f"\n{'T':>6} best first: variant ms (x old)")
+    for t in dict.fromkeys(r["tokens"] for r in rows):
+        timed = sorted((r for r in rows if r["tokens"] == t and "ms" in r), key=lambda r: r["ms"])
+        old = next((r["ms"] for r in timed if r["variant"] == "old"), None)
+        cells = [f"{r['variant']} {r['ms']:.3f}" + (f" ({old / r['ms']:.2f}x)" if old else "") for r in timed]
+        print(f"{t:>6} " + "; ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b on a GPU, tiny on the CPU")
+    p.add_argument("--tokens", default=None, help="comma-separated (default: 1024,4096,16384; 16 on the CPU)")
+    p.add_argument("--rep", type=int, default=None, help="timed calls per launch (default: 20; 1 on the CPU)")
+    p.add_argument("--only", default=None, help="comma-separated indices into the candidates (default: all)")
+    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter")
+    a = p.parse_args(argv)
+    started = time.perf_counter()
+    dev = torch.device(a.device)
+    on_gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float16    # the interpreter computes bf16 dots wrongly
+    shape = moekit.get_shape(a.preset or ("qwen3-30b-a3b" if on_gpu else "tiny"))
+    tokens = [int(v) for v in (a.tokens or ("1024,4096,16384" if on_gpu else "16")).split(",")]
+    if any(t < 1 for t in tokens):
+        p.error("--tokens: positive ints")
+    candidates = CANDIDATES if on_gpu else CPU_CANDIDATES
+    if a.only is not None:
+        candidates = tuple(candidates[int(i)] for i in a.only.split(","))
+    rep = a.rep or (20 if on_gpu else 1)
+    matmul = measure_ceilings(dev, dtype).matmul_tflops if on_gpu else None   # no ceiling interpreted
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu (interpreter)"
+    print(f"{name}: matmul {matmul or float('nan'):.0f} TFLOP/s ({str(dtype).removeprefix('torch.')}); "
+          f"torch {torch.__version__}; E={shape.num_experts} H={shape.hidden_size} "
+          f"I={shape.intermediate_size} K={shape.top_k}", flush=True)
+    print(f"{'T':>6} {'variant':>20} {'gate_up':>8} {'down':>8} {'ms':>8} {'TFLOP/s':>7} {'%ceil':>6} "
+          f"{'err gu':>9} {'err dn':>9}")
+    rows: list[dict] = []
+    for t in tokens:
+        cfg = get_config(shape, t, dtype, dev)
+        case = make_case(shape, t, dtype, cfg.block_m, dev)
+        for vname, tiles in variants(cfg, candidates, dtype.itemsize, dev).items():
+            try:
+                row = run_variant(case, vname, tiles, dev, rep, matmul)
+            except Exception as exc:                       # timing failed: say why, go on
+                row = {"tokens": t, "variant": vname, "error": "timing: " + first_line(exc)}
+            row["matmul_tflops"] = matmul
+            rows.append(row)
+            print(describe(row), flush=True)
+        del case
+    summary(rows)
+    print(f"done in {time.perf_counter() - started:.0f} s")
+    if a.out:
+        with open(a.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

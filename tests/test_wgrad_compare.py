@@ -1,0 +1,55 @@
+"""scripts/wgrad_compare.py on the CPU (the interpreter, a tiny shape): every variant is checked
+against the error rule and accounted for in the rows; timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import load_script
+from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, legacy_tiles
+from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_limit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
+def test_wgrad_compare_smoke_on_cpu(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    assert load_script("wgrad_compare").main(["--device", "cpu", "--tokens", "9", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["old", "default"] + [t.label() for t in CPU_CANDIDATES]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["tokens"] == 9 and r["ms"] > 0 and r["pct_ceiling"] is None
+        for k in LAUNCHES:
+            assert r[f"err_{k}"] <= 2 * r[f"base_err_{k}"]
+    text = capsys.readouterr().out
+    assert "best first" in text and "NOT TIMED" not in text
+
+
+def test_candidates_are_distinct_and_launchable_on_hopper():
+    assert len(set(CANDIDATES)) == len(CANDIDATES) and WgradConfig() in CANDIDATES
+    assert all(t.pipeline_bytes(2) <= shared_memory_limit(None) for t in CANDIDATES)
+    old = legacy_tiles(ExpertsConfig(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64))
+    assert old == dict.fromkeys(LAUNCHES, WgradConfig(64, 64, 64, 4, 3))
+
+
+def test_wgrad_kernel_compiles_for_sm90_without_spills():
+    """The old and the default tiles, both launches, through ptxas for sm_90 (skipped where this
+    Triton has no CUDA backend or ptxas)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "aot_compile_check.py"), "--wgrad",
+                           "old,default", "--regs"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    if done.returncode == 2:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2/2 wgrad variants compile" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if line.startswith("wgrad ")]
+    assert len(lines) == 2 and all("r/" in line and " local " not in line for line in lines), lines
