@@ -99,6 +99,8 @@ BAD_ARGUMENTS = [
     ("ep-bench", "--backend", "warp"),
     ("ep-bench", "--rep", "0"),
     ("ep-bench", "--iters", "0"),
+    ("ep-bench", "--overlap-chunks", "0"),
+    ("ep-bench", "--overlap-chunks", "1,x"),
 ]
 
 

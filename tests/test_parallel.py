@@ -15,11 +15,14 @@ every child is killed if the world has not finished within WORLD_TIMEOUT_S.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
+import itertools
 import os
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -28,9 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moekit
+import moekit.cli
 from helpers import rel_err, same_dtype_bound, topk_softmax_fp32
 from moekit.bench import ep_bench
-from moekit.bench.ep_report import A2A_PEAK, CSV_NAME, PHASES, REPORT_NAME, STEP, STEPS, read_csv
+from moekit.bench.ep_report import A2A_PEAK, CSV_NAME, PHASES, PLAIN, REPORT_NAME, STEP, STEPS, read_csv
 from moekit.bench.scenarios import expert_loads, make_scenario
 from moekit.bench.simulate import shard_experts, simulate_ep
 from moekit.parallel import (
@@ -43,6 +47,8 @@ from moekit.parallel import (
     fused,
     run_local_experts,
 )
+from moekit.parallel.dispatch import plan_routes_torch, route_positions
+from moekit.parallel.overlap import chunk_bounds, chunk_counts, chunk_plan
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.reference import moe_experts_ref
 
@@ -51,6 +57,9 @@ disable_nvls()  # NVLink multicast off for every test here, and for every proces
 WORLD_TIMEOUT_S = 90
 SEED = 1234
 BACKEND = "grouped_mm"  # what "auto" picks on CPU for these shapes; the experts path is not under test
+OVERLAP_CHUNKS = (2, 3)  # these cases also run chunked (`moekit.parallel.overlap`): the same bits as 1
+OVERLAP_CASES = ("router-rank-without-tokens", "collapse", "zipf-1.5", "hot-replicated",
+                 "fewer-tokens-than-chunks")
 # E = 7 does not divide over 2 or 4 ranks, and with 4 ranks one of them holds a single expert (< K).
 UNEVEN = moekit.MoEShape(7, 64, 48, 2)
 
@@ -76,6 +85,25 @@ def exact_experts(num_experts: int, hidden: int = 8, inter: int = 4) -> tuple[to
     down = torch.zeros(num_experts, hidden, inter)
     down[:, :, 0] = 1.0
     return gate_up, down
+
+
+def exact_arithmetic(layer: moekit.MoELayer, x: torch.Tensor) -> tuple[moekit.MoELayer, torch.Tensor]:
+    """The layer and tokens with values whose expert math is exact in fp32 in any summation order:
+    x in halves, gate_up in {-1/8, 0, 1/8} (every gate and up value exact), down with one nonzero
+    (+-2**k) per output row (each output one product of the activation). The CPU GEMMs are not
+    row-independent (MKL takes another kernel for 1 or 2 rows), so chunked and unchunked calls are
+    compared bit for bit on these: what differs then is the chunking, not the BLAS."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    num_experts, two_i, hidden = layer.gate_up_proj.shape
+    inter = two_i // 2
+    exact = copy.deepcopy(layer)
+    with torch.no_grad():
+        exact.gate_up_proj.copy_(torch.randint(-1, 2, (num_experts, two_i, hidden), generator=g) / 8)
+        scale = 2.0 ** torch.randint(-2, 3, (num_experts, hidden, 1), generator=g)
+        sign = torch.randint(0, 2, (num_experts, hidden, 1), generator=g) * 2 - 1
+        cols = torch.randint(0, inter, (num_experts, hidden, 1), generator=g)
+        exact.down_proj.copy_(torch.zeros(num_experts, hidden, inter).scatter_(2, cols, scale * sign))
+    return exact, (x * 2).round() / 2
 
 
 def ordered_case():
@@ -123,9 +151,9 @@ class Case:
 
 def _cases(world: int) -> list[Case]:
     if world == 2:
-        uneven_tokens, idle = (9, 4), (0, 6)
+        uneven_tokens, idle, few = (9, 4), (0, 6), (2, 1)
     else:
-        uneven_tokens, idle = (5, 0, 11, 3), (4, 0, 7, 0)
+        uneven_tokens, idle, few = (5, 0, 11, 3), (4, 0, 7, 0), (1, 2, 0, 1)
     return [
         Case("router", uneven_tokens),
         Case("router-rank-without-tokens", idle),
@@ -136,6 +164,7 @@ def _cases(world: int) -> list[Case]:
         Case("duplicate-ids", uneven_tokens, routing="zipf-1.0", duplicate_ids=True),
         Case("loop-backend", idle, routing="balanced", backend="loop"),
         Case("no-tokens-anywhere", (0,) * world),
+        Case("fewer-tokens-than-chunks", few, routing="balanced"),
     ]
 
 
@@ -144,6 +173,7 @@ def _gpu_cases(world: int) -> list[Case]:
     return [
         Case("router", tokens, backend="auto"),
         Case("collapse", tokens, routing="collapse", backend="auto"),
+        Case("zipf-1.5", tokens, routing="zipf-1.5", backend="auto"),
         Case("uneven-experts", tokens, shape="uneven", backend="auto"),
         Case("no-tokens-anywhere", (0,) * world, backend="auto"),
     ]
@@ -198,6 +228,16 @@ def _run_case(case: Case, rank: int, world: int, device: torch.device) -> dict[s
         else:
             weights, ids = weights[mine], ids[mine]
             out = ep.experts(x[mine], weights, ids)
+        if case.name in OVERLAP_CASES:
+            # On exact-arithmetic experts (`exact_arithmetic`); on CUDA also on these weights, where
+            # the triton kernels' rows are independent of each other.
+            variants = {"exact": exact_arithmetic(layer, x)}
+            if device.type == "cuda":
+                variants["overlap"] = (layer, x)
+            for (name, (full, tokens_)), n in itertools.product(variants.items(), (1, *OVERLAP_CHUNKS)):
+                chunked = ExpertParallelMoE.from_layer(full, placement=placement, overlap_chunks=n)
+                result[f"{name}{n}"] = chunked(tokens_[mine]) if case.routing == "router" else \
+                    chunked.experts(tokens_[mine], weights, ids)
         # The same call through the three public phases, to see what this rank sent and received.
         tokens, handle = dispatch(x[mine], weights, ids, placement)
         partial = run_local_experts(tokens, ep.gate_up_proj, ep.down_proj, backend=case.backend)
@@ -221,10 +261,14 @@ def _run_world_checks(rank: int, world: int) -> dict[str, object]:
         "wrong-world": dict(placement=contiguous_placement(shape.num_experts, world + 1)),
         "bad-ids": dict(placement=placement, ids=ids + shape.num_experts),
         "wrong-local-experts": dict(placement=placement, gate_up=gate_up[:0], down=down[:0]),
+        "overlap-zero": dict(placement=placement, opts=dict(overlap_chunks=0)),
+        "overlap-low-latency": dict(placement=placement, opts=dict(overlap_chunks=2, mode="low_latency",
+                                                                   capacity=3)),
+        "overlap-stats": dict(placement=placement, opts=dict(overlap_chunks=2, stats={})),
     }.items():
         try:
             ep_moe_experts(x, kwargs.get("gate_up", gate_up), kwargs.get("down", down), w,
-                           kwargs.get("ids", ids), placement=kwargs["placement"])
+                           kwargs.get("ids", ids), placement=kwargs["placement"], **kwargs.get("opts", {}))
         except ValueError as exc:
             errors[name] = str(exc)
     # Ids out of range with ignore_invalid_ids: those pairs contribute exactly 0.
@@ -253,8 +297,9 @@ def _run_world_checks(rank: int, world: int) -> dict[str, object]:
         mine = _split_rows(ORDER_TOKENS)[rank]
         placement = contiguous_placement(ORDER_WORLD, ORDER_WORLD)
         gate_up_r, down_r = rank_weights(gate_up_all, down_all, placement, rank)
-        ordered = ep_moe_experts(x_all[mine], gate_up_r, down_r, w_all[mine], ids_all[mine],
-                                 placement=placement, backend=BACKEND)
+        ordered = [ep_moe_experts(x_all[mine], gate_up_r, down_r, w_all[mine], ids_all[mine],
+                                  placement=placement, backend=BACKEND, overlap_chunks=n)
+                   for n in (1, *OVERLAP_CHUNKS)]
     return {"errors": errors, "invalid_out": out, "seeded_matches": same, "ordered": ordered}
 
 
@@ -264,7 +309,8 @@ def _run_bench(out_dir: Path) -> int:
     ep_bench.add_arguments(parser)
     args = parser.parse_args(["--preset", "tiny", "--tokens", "16", "--scenarios", "balanced,collapse",
                               "--spare-slots", "1", "--warmup", "1", "--iters", "3", "--out", str(out_dir),
-                              "--modes", "normal,low_latency", "--ll-tokens", "3", "--a2a-mib", "1"])
+                              "--modes", "normal,low_latency", "--ll-tokens", "3", "--a2a-mib", "1",
+                              "--overlap-chunks", "1,2"])
     return ep_bench.run(args)
 
 
@@ -366,6 +412,49 @@ def test_gloo_matches_reference(gloo_world, case_name):
         assert torch.equal(torch.cat([results[r][case.name]["ids"] for r in range(world)]), expected_ids)
 
 
+@pytest.mark.parametrize("case_name", OVERLAP_CASES)
+def test_gloo_overlap_chunks_bitwise(gloo_world, case_name):
+    """overlap_chunks = 2 and 3 return the bits of 1 on every rank (experts with exact math, so
+    that only the chunking can differ): balanced, skewed (zipf, collapse), replicated experts, ranks
+    with no tokens or fewer tokens than chunks. Chunk 0's pairs and rows are not all of them."""
+    world, results, _ = gloo_world
+    for r in range(world):
+        got = results[r][case_name]
+        assert got["exact1"].abs().sum() > 0 or got["exact1"].numel() == 0
+        for n in OVERLAP_CHUNKS:
+            assert torch.equal(got[f"exact{n}"], got["exact1"]), (r, n)
+
+
+def test_overlap_chunks_must_be_a_positive_int():
+    """Checked in the constructor, before the process group is looked at."""
+    for bad in (0, -1, 1.5, "2", True, None):
+        with pytest.raises(ValueError, match="overlap_chunks must be an int >= 1"):
+            ExpertParallelMoE("tiny", overlap_chunks=bad)
+    with pytest.raises(ValueError, match="overlap_chunks applies to mode='normal'"):
+        ExpertParallelMoE("tiny", mode="low_latency", capacity=4, overlap_chunks=2)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 13])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_chunk_counts_and_plans_cut_the_plan_by_token_ranges(num_tokens, chunks):
+    """Chunk c's counts are its tokens' rows per rank (the rows sum to the plan's), and its plan is
+    the plan of its tokens alone, positions counted from the chunk's first token."""
+    placement = replicate_hot_experts(torch.arange(8.0), contiguous_placement(8, 3, spare_slots=1))
+    _, ids = make_scenario("zipf-1.0", num_tokens, 8, 2, seed=SEED)
+    plan = plan_routes_torch(ids, placement, 1)
+    bounds = chunk_bounds(num_tokens, chunks)
+    assert bounds[0] == 0 and bounds[-1] == num_tokens and sorted(bounds) == bounds
+    counts = chunk_counts(plan, bounds)
+    assert counts.shape == (chunks, 3) and torch.equal(counts.sum(0), plan.send_counts)
+    full = route_positions(plan.hit)
+    for c in range(chunks):
+        lo, hi = bounds[c], bounds[c + 1]
+        assert torch.equal(counts[c], plan.hit[lo:hi].sum(0))
+        with_pos = chunk_plan(replace(plan, pos=full), lo, hi, counts[c])
+        assert torch.equal(with_pos.pos, route_positions(plan.hit[lo:hi]))
+        assert torch.equal(with_pos.dest, plan.dest[lo:hi])
+
+
 def test_gloo_split_sizes(gloo_world):
     """Collapse: only rank 0's experts get pairs, so the other ranks receive no rows (zero-size
     splits) yet return their own tokens' outputs. Each token row travels once per destination."""
@@ -393,6 +482,9 @@ def test_gloo_argument_errors(gloo_world):
         assert "placement is for" in errors["wrong-world"]
         assert "topk_ids must lie in" in errors["bad-ids"]
         assert "experts in the placement" in errors["wrong-local-experts"]
+        assert "overlap_chunks must be an int >= 1" in errors["overlap-zero"]
+        assert "overlap_chunks applies to mode='normal'" in errors["overlap-low-latency"]
+        assert "stats" in errors["overlap-stats"] and "overlap_chunks=1" in errors["overlap-stats"]
         assert "forward-only" in errors["grad"]
         assert results[r]["_checks"]["seeded_matches"]
         # Rows with no valid pair output exactly 0; slot 1 (-1) adds nothing to the others.
@@ -461,8 +553,9 @@ def test_gloo_combine_sums_in_rank_order(gloo_world):
         pytest.skip("three partials per token need a world of 4")
     _, weights, ids, _, _ = ordered_case()
     expected = rank_order_sum(weights, ids, contiguous_placement(ORDER_WORLD, ORDER_WORLD))
-    out = torch.cat([results[r]["_checks"]["ordered"] for r in range(world)])
-    assert torch.equal(out, expected[:, None].expand_as(out))
+    for i, n in enumerate((1, *OVERLAP_CHUNKS)):   # chunked too: 1, 2 or 0 tokens per rank, 2 or 3 chunks
+        out = torch.cat([results[r]["_checks"]["ordered"][i] for r in range(world)])
+        assert torch.equal(out, expected[:, None].expand_as(out)), n
 
 
 def test_simulated_group_nan_stays_in_its_row():
@@ -510,16 +603,19 @@ def test_gloo_ep_bench(gloo_world):
     # the peak: 2 ranks + the step; each sends half of 1 MiB (bf16, an even split) to the other rank
     assert len(peak) == world + 1 and {r.bytes_sent for r in peak} == {2**20 // 2}
     ep_phases = (*PHASES, *STEPS)
-    for mode, tokens in (("normal", 16), ("low_latency", 3)):
+    for mode, tokens, chunks in (("normal", 16, (1, 2)), ("low_latency", 3, (1,))):
         sel = [r for r in rows if r.ep_mode == mode and r.scenario != A2A_PEAK]
-        # 2 scenarios x 2 placements x (2 ranks x (4 phases + 6 steps) + the step); no CUDA graph on CPU
-        assert len(sel) == 2 * 2 * (world * len(ep_phases) + 1), mode
+        # 2 scenarios x 2 placements x the overlap chunks x (2 ranks x (4 phases + 6 steps) + the step
+        # and the plain step); no CUDA graph on CPU
+        assert len(sel) == 2 * 2 * len(chunks) * (world * len(ep_phases) + 2), mode
         assert {r.tokens_per_rank for r in sel} == {tokens}
         assert {r.capacity for r in sel} == ({None} if mode == "normal" else {3})
+        assert {r.overlap_chunks for r in sel} == set(chunks)
         assert all(r.status == "ok" and r.n_rep == 3 and r.median_ms >= 0 for r in sel)
-        for (scenario, placement) in {(r.scenario, r.placement) for r in sel}:
-            group = [r for r in sel if r.scenario == scenario and r.placement == placement]
-            step = next(r for r in group if r.rank == STEP)
+        for (scenario, placement, n) in {(r.scenario, r.placement, r.overlap_chunks) for r in sel}:
+            group = [r for r in sel if r.scenario == scenario and r.placement == placement
+                     and r.overlap_chunks == n]
+            step = next(r for r in group if r.rank == STEP and r.phase == "step")
             # step_i >= every rank's experts_i in every iteration, so the medians keep that order
             assert all(step.median_ms >= r.median_ms for r in group if r.phase == "experts")
             for k in range(world):
@@ -533,11 +629,41 @@ def test_gloo_ep_bench(gloo_world):
             pairs = [next(r for r in group if r.rank == k and r.phase == "experts").pairs_recv
                      for k in range(2)]
             assert sum(pairs) == 2 * tokens * 2  # N * T * K: every pair runs exactly once
+            plain = next(r for r in group if r.rank == STEP and r.phase == PLAIN)
+            assert plain.median_ms > 0 and plain.n_rep == 3     # the whole call, timed without syncs
             if (scenario, placement) == ("collapse", "contiguous"):
                 assert pairs[1] == 0 and step.rank_busiest_over_mean == 2.0
             if (scenario, placement) == ("collapse", "replicated"):
                 assert step.replicas > 0 and step.rank_busiest_over_mean < 2.0
     assert {r.dist_backend for r in rows} == {"gloo"} and {r.world_size for r in rows} == {2}
+
+
+def test_gloo_ep_bench_overlap_chunks(gloo_world, tmp_path):
+    """--overlap-chunks 1,2: each value its own normal-mode case (the same traffic), a step_plain row
+    beside every case's step, both in the CSV and the report, which `moekit report` redraws."""
+    world, results, out_dir = gloo_world
+    if world != 2:
+        pytest.skip("the bench smoke run uses the world of 2")
+    bench = out_dir / "bench"
+    assert "overlap_chunks" in (bench / CSV_NAME).read_text().splitlines()[0].split(",")
+    rows = [r for r in read_csv(bench / CSV_NAME) if r.ep_mode == "normal" and r.scenario != A2A_PEAK]
+    loads: dict[tuple, set] = {}
+    for r in (r for r in rows if r.phase == "experts"):
+        key = (r.scenario, r.placement, r.rank)
+        loads.setdefault(key, set()).add((r.rows_sent, r.rows_recv, r.pairs_recv))
+    assert loads and all(len(v) == 1 for v in loads.values())     # chunking changes no row that travels
+    plain = {(r.scenario, r.placement, r.overlap_chunks) for r in rows if r.rank == STEP and r.phase == PLAIN}
+    assert plain == {(s, p, n) for s in ("balanced", "collapse") for p in ("contiguous", "replicated")
+                     for n in (1, 2)}
+    report = (bench / REPORT_NAME).read_text()
+    assert "| placement | scenario | chunks |" in report and "| plain step ms |" in report
+    assert "| contiguous | balanced | 1 |" in report and "| replicated | collapse | 2 |" in report
+    assert "| eager plain µs |" in report
+    copy_dir = tmp_path / "bench"
+    shutil.copytree(bench, copy_dir)
+    (copy_dir / REPORT_NAME).unlink()
+    assert moekit.cli.main(["report", str(copy_dir)]) == 0
+    assert (copy_dir / REPORT_NAME).read_text() == report
 
 
 def test_ep_bench_simulated_and_redraw(tmp_path, capsys):
@@ -553,6 +679,10 @@ def test_ep_bench_simulated_and_redraw(tmp_path, capsys):
     redraw = parser.parse_args(["--redraw", str(tmp_path / CSV_NAME)])
     assert ep_bench.run(redraw) == 0
     assert "| contiguous | hot |" in (tmp_path / REPORT_NAME).read_text()
+    # --overlap-chunks times communication: a simulated run (none timed) refuses values but 1
+    assert ep_bench.run(parser.parse_args(["--simulate", "2", "--preset", "tiny", "--overlap-chunks", "1,2",
+                                           "--out", str(tmp_path / "chunks")])) == 2
+    assert "--overlap-chunks needs a process group" in capsys.readouterr().out
     bad = tmp_path / "bad.csv"
     bad.write_text("run_id,date\n1,2\n")
     assert ep_bench.run(parser.parse_args(["--redraw", str(bad)])) == 2
@@ -578,6 +708,9 @@ def test_nccl_world_of_one(tmp_path):
         assert torch.equal(results[0][case.name]["out"], results[0][case.name]["again"])
         if expected_ids is not None:
             assert torch.equal(results[0][case.name]["ids"], expected_ids)
+        if case.name in OVERLAP_CASES:   # chunked on the comm stream: the same bits
+            for name, n in itertools.product(("exact", "overlap"), OVERLAP_CHUNKS):
+                assert torch.equal(results[0][case.name][f"{name}{n}"], results[0][case.name][f"{name}1"])
 
 
 @pytest.mark.gpu

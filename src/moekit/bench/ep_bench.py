@@ -15,7 +15,11 @@ timings), then times --rep iterations (after --warmup untimed ones) of:
             -> wait (barrier: idle until the slowest rank's experts are done)
             -> combine (reverse all-to-all, per-token sum)
 
-Step time of an iteration = the slowest rank's dispatch + experts + wait + combine. A study on the
+Step time of an iteration = the slowest rank's dispatch + experts + wait + combine. Every case also
+times the whole call with no sync inside (`step_plain`: barrier, the call, device sync; the slowest
+rank's), the step as a model runs it. --overlap-chunks 1,2,4 runs the normal mode once per value
+(`moekit.parallel.overlap`): with n > 1 the synced phases are summed over the chunks (serialised by
+the syncs) and step_plain is the overlapped call. A study on the
 scaffold (`moekit.bench.study`): rank 0 writes the rows (`moekit.bench.ep_report.EPRow`, with
 `moekit bench`'s provenance) to results.csv, then the plot and report.md drawn from them (--append
 adds the rows to the folder's results.csv instead). NCCL_NVLS_ENABLE=0 and
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import os
 import time
@@ -48,6 +53,7 @@ from moekit.bench.ep_report import (
     GRAPH,
     MODES,
     PHASES,
+    PLAIN,
     SINGLE,
     STEP,
     STEPS,
@@ -72,12 +78,14 @@ from moekit.experts import BACKENDS, moe_experts, resolve_backend
 from moekit.graphs import NotCapturable, capture_graph
 from moekit.parallel import disable_nvls
 from moekit.parallel.dispatch import combine, dispatch, plan_routes, run_local_experts
+from moekit.parallel.ep import ep_moe_experts
 from moekit.parallel.low_latency import (
     low_latency_combine,
     low_latency_dispatch,
     low_latency_experts,
     low_latency_moe,
 )
+from moekit.parallel.overlap import overlapped_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.shapes import MoEShape
 
@@ -115,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="low_latency: tokens per rank, each its own case with capacity = tokens (default: "
                         f"{','.join(map(str, LL_GPU_TOKENS))} on GPUs, {','.join(map(str, LL_CPU_TOKENS))} "
                         "on the CPU)")
+    p.add_argument("--overlap-chunks", type=arg_types.int_list(1), default="1",
+                   help="normal mode: overlap_chunks values, comma-separated, each its own case (token "
+                        "chunks whose all-to-alls overlap the experts; default: 1, no overlap)")
     p.add_argument("--a2a-mib", type=arg_types.int_list(1), default=None,
                    help="all-to-all peak: MiB each rank sends in a plain equal-split all-to-all "
                         f"(default: {','.join(map(str, A2A_GPU_MIB))} on GPUs, "
@@ -151,6 +162,7 @@ class Config:
     modes: tuple[str, ...] = ("normal",)
     ll_tokens: tuple[int, ...] = LL_CPU_TOKENS
     a2a_mib: tuple[int, ...] = ()
+    overlap_chunks: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)
@@ -185,8 +197,9 @@ def _config(args: argparse.Namespace, device: torch.device, console: Console | N
         raise ValueError(f"--modes: unknown mode(s) {', '.join(bad)}; expected some of {', '.join(MODES)}")
     ll_tokens = tuple(arg_types.pick(getattr(args, "ll_tokens", None), device, LL_GPU_TOKENS, LL_CPU_TOKENS))
     a2a_mib = tuple(arg_types.pick(getattr(args, "a2a_mib", None), device, A2A_GPU_MIB, A2A_CPU_MIB))
+    overlap_chunks = tuple(dict.fromkeys(getattr(args, "overlap_chunks", None) or (1,)))
     return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
-                  iters, args.seed, device, modes, ll_tokens, a2a_mib)
+                  iters, args.seed, device, modes, ll_tokens, a2a_mib, overlap_chunks)
 
 
 def _routing(cfg: Config, name: str, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +233,9 @@ def _base(prov: Provenance, cfg: Config, grp: Group, mode: str, scenario: str, e
 
 
 class Clock:
-    """A `moekit.parallel.dispatch.Probe` that syncs the device and records each step's ms."""
+    """A `moekit.parallel.dispatch.Probe` that syncs the device and records each step's ms (summed
+    over the calls with one name: a chunked call marks each step once per chunk); after "experts" a
+    barrier, timed as "wait" (collective there)."""
 
     def __init__(self, device: torch.device):
         self.device, self.ms = device, {}
@@ -232,7 +247,10 @@ class Clock:
     def __call__(self, name: str) -> None:
         sync(self.device)
         now = time.perf_counter()
-        self.ms[name], self.last = (now - self.last) * 1e3, now
+        self.ms[name], self.last = self.ms.get(name, 0.0) + (now - self.last) * 1e3, now
+        if name == "experts":   # then "wait": idle until the slowest rank's experts are done
+            dist.barrier()
+            self("wait")
 
 
 def timed_sample(clock: Clock, steps: tuple[str, ...]) -> list[float]:
@@ -282,8 +300,8 @@ def _rows(base: dict, per_rank: list[dict], phases: tuple[str, ...],
                        rows_sent=per_rank[busiest]["rows_sent"], rows_recv=per_rank[busiest]["rows_recv"],
                        pairs_recv=pairs[busiest])
     rows.append(step_row(phase="step", **stats(steps)))
-    # Whole-call timings every rank took (CUDA graphs): the slowest rank's, per iteration.
-    for name in (GRAPH, SINGLE):
+    # Whole-call timings every rank took (plain, CUDA graphs): the slowest rank's, per iteration.
+    for name in (PLAIN, GRAPH, SINGLE):
         whole = [p.get(name, []) for p in per_rank]
         if all(whole):
             rows.append(step_row(phase=name, **stats([max(w[i] for w in whole)
@@ -300,14 +318,16 @@ def _cross_bytes(counts: list[int], rank: int, row_bytes: int) -> int:
 
 
 def _measure_rank(cfg: Config, grp: Group, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                  placement: Placement, full: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """This rank's check and timings for one scenario and placement (collective), normal mode."""
+                  placement: Placement, full: tuple[torch.Tensor, torch.Tensor], chunks: int = 1) -> dict:
+    """This rank's check and timings for one scenario, placement and overlap_chunks (collective),
+    normal mode: the steps synced and timed, and the whole call plain."""
     gate_up, down = rank_weights(*full, placement, grp.rank)
     tables = placement.copy_table(cfg.device)
+    layer = partial(ep_moe_experts, x, gate_up, down, w, ids, placement=placement, backend=cfg.backend,
+                    tables=tables, overlap_chunks=chunks)
     with torch.inference_mode():
-        tokens, handle = dispatch(x, w, ids, placement, tables=tables)
-        out = combine(run_local_experts(tokens, gate_up, down, backend=cfg.backend), handle)
-        check = expected_output(x, *full, w, ids).check(out)
+        check = expected_output(x, *full, w, ids).check(layer())
+        tokens, handle = dispatch(x, w, ids, placement, tables=tables)    # what travels (any chunks)
         row_bytes = x.shape[1] * x.element_size()
         meta_bytes = 2 * ids.shape[1] * 4
         info = {"check": check, "rows_sent": sum(handle.send_counts),
@@ -316,30 +336,57 @@ def _measure_rank(cfg: Config, grp: Group, x: torch.Tensor, w: torch.Tensor, ids
                           "back": _cross_bytes(handle.recv_counts, grp.rank, row_bytes)}}
         samples = []
         if _all_ok(check.ok, cfg.device):
-            samples = _time_steps(cfg, partial(dispatch, x, w, ids, placement, tables=tables),
-                                  partial(run_local_experts, gate_up_proj=gate_up, down_proj=down,
-                                          backend=cfg.backend), combine)
+            if chunks == 1:
+                steps = _phases(partial(dispatch, x, w, ids, placement, tables=tables),
+                                partial(run_local_experts, gate_up_proj=gate_up, down_proj=down,
+                                        backend=cfg.backend), combine)
+            else:
+                steps = partial(overlapped_moe, x, gate_up, down, w, ids, placement=placement, chunks=chunks,
+                                backend=cfg.backend, tables=tables)
+            samples = _time_steps(cfg, steps)
+            info[PLAIN] = _time_calls(cfg, layer)
     return {**info, "samples": samples}
 
 
-def _time_steps(cfg: Config, send, compute, back) -> list[list[float]]:
-    """Per iteration (after cfg.warmup untimed): barrier, send(probe) -> (tokens, handle),
-    compute(tokens) -> partial, barrier, back(partial, handle, probe); each step synced and timed
-    (`timed_sample` columns). Collective."""
+def _phases(send, compute, back):
+    """send(probe) -> (tokens, handle), compute(tokens) -> partial, back(partial, handle, probe) as
+    one call taking the probe, which also marks "experts"."""
+    def call(probe):
+        tokens, handle = send(probe=probe)
+        partial_ = compute(tokens)
+        probe("experts")
+        return back(partial_, handle, probe=probe)
+    return call
+
+
+def _time_steps(cfg: Config, call) -> list[list[float]]:
+    """Per iteration (after cfg.warmup untimed): barrier, call(probe=clock), each step synced and
+    timed, a barrier after the experts (`Clock`; `timed_sample` columns). Collective."""
     clock = Clock(cfg.device)
     samples = []
     for i in range(cfg.warmup + cfg.iters):
         dist.barrier()
         clock.start()
-        tokens, handle = send(probe=clock)
-        partial_ = compute(tokens)
-        clock("experts")
-        dist.barrier()
-        clock("wait")
-        back(partial_, handle, probe=clock)
+        call(probe=clock)
         if i >= cfg.warmup:
             samples.append(timed_sample(clock, STEPS))
     return samples
+
+
+def _time_calls(cfg: Config, fn, repeat: int = 1) -> list[float]:
+    """ms per call of fn(), no sync inside: each sample `repeat` calls back to back from a barrier
+    and a device sync to a device sync, after cfg.warmup untimed samples (collective)."""
+    out = []
+    for i in range(cfg.warmup + cfg.iters):
+        dist.barrier()
+        sync(cfg.device)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        sync(cfg.device)
+        if i >= cfg.warmup:
+            out.append((time.perf_counter() - t0) * 1e3 / repeat)
+    return out
 
 
 def _all_ok(ok: bool, device: torch.device) -> bool:
@@ -371,33 +418,22 @@ def _normal_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Cons
     for name in cfg.scenarios:
         w_all, ids_all = _routing(cfg, name, grp.world)
         skew = busiest_over_mean(expert_loads(ids_all, cfg.shape.num_experts).cpu())
-        for label, placement in _placements(cfg, ids_all, grp.world):
-            mine_info = _measure_rank(cfg, grp, x, w_all[mine], ids_all[mine], placement, full)
+        for (label, placement), chunks in itertools.product(_placements(cfg, ids_all, grp.world),
+                                                            cfg.overlap_chunks):
+            mine_info = _measure_rank(cfg, grp, x, w_all[mine], ids_all[mine], placement, full, chunks)
             gathered: list[dict | None] = [None] * grp.world
             dist.all_gather_object(gathered, mine_info)
             if grp.rank == 0:
                 base = _base(prov, cfg, grp, "distributed", name, skew, label, placement)
-                new = _rows(base, gathered, (*PHASES, *STEPS), len(PHASES))
+                new = [replace(r, overlap_chunks=chunks)
+                       for r in _rows(base, gathered, (*PHASES, *STEPS), len(PHASES))]
                 rows += new
-                step = next(r for r in new if r.rank == STEP)
-                console.print(f"  normal {name:<14} {label:<10} step {step.median_ms:8.3f} ms  "
-                              f"ranks busiest/mean {step.rank_busiest_over_mean:.2f}  {step.status}")
+                at = {r.phase: r for r in new if r.rank == STEP}
+                plain = at[PLAIN].median_ms if PLAIN in at else math.nan
+                console.print(f"  normal {name:<14} {label:<10} chunks {chunks:<2} step "
+                              f"{at['step'].median_ms:8.3f} ms  plain {plain:8.3f} ms  ranks busiest/mean "
+                              f"{at['step'].rank_busiest_over_mean:.2f}  {at['step'].status}")
     return rows
-
-
-def _time_replays(graph: torch.cuda.CUDAGraph, cfg: Config) -> list[float]:
-    """ms per replay: each sample GRAPH_REPLAYS back-to-back replays after a barrier (collective)."""
-    out = []
-    for i in range(cfg.warmup + cfg.iters):
-        dist.barrier()
-        sync(cfg.device)
-        t0 = time.perf_counter()
-        for _ in range(GRAPH_REPLAYS):
-            graph.replay()
-        sync(cfg.device)
-        if i >= cfg.warmup:
-            out.append((time.perf_counter() - t0) * 1e3 / GRAPH_REPLAYS)
-    return out
 
 
 def _graph_timings(cfg: Config, name: str, fn) -> dict:
@@ -412,7 +448,7 @@ def _graph_timings(cfg: Config, name: str, fn) -> dict:
         graph, error = None, str(exc).splitlines()[0][:200]
     if not _all_ok(not error, cfg.device):
         return {name + "_error": error or "another rank could not capture"}
-    return {name: _time_replays(graph, cfg)}
+    return {name: _time_calls(cfg, graph.replay, GRAPH_REPLAYS)}
 
 
 def _low_latency_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Console,
@@ -447,10 +483,10 @@ def _low_latency_rows(cfg: Config, grp: Group, prov: Provenance | None, console:
                                   "back": (grp.world - 1) * cap * row_bytes}}
                 samples = []
                 if _all_ok(check.ok, cfg.device):
-                    samples = _time_steps(cfg, partial(low_latency_dispatch, x, w, ids, placement, cap,
-                                                       tables=tables),
-                                          partial(low_latency_experts, gate_up_proj=gate_up, down_proj=down),
-                                          low_latency_combine)
+                    send = partial(low_latency_dispatch, x, w, ids, placement, cap, tables=tables)
+                    compute = partial(low_latency_experts, gate_up_proj=gate_up, down_proj=down)
+                    samples = _time_steps(cfg, _phases(send, compute, low_latency_combine))
+                    info[PLAIN] = _time_calls(cfg, layer)
                     info.update(_graph_timings(cfg, GRAPH, layer))
                     info.update(_graph_timings(cfg, SINGLE, partial(
                         moe_experts, x, *full, w, ids, backend=cfg.backend)))
@@ -477,15 +513,7 @@ def _a2a_peak_rows(cfg: Config, grp: Group, prov: Provenance | None, console: Co
         n = mib * 2**20 // (2 * grp.world) * grp.world  # bf16 elements, a multiple of the world
         send = torch.ones(n, dtype=torch.bfloat16, device=cfg.device)
         recv = torch.empty_like(send)
-        samples = []
-        for i in range(cfg.warmup + cfg.iters):
-            dist.barrier()
-            sync(cfg.device)
-            t0 = time.perf_counter()
-            dist.all_to_all_single(recv, send)
-            sync(cfg.device)
-            if i >= cfg.warmup:
-                samples.append([(time.perf_counter() - t0) * 1e3])
+        samples = [[ms] for ms in _time_calls(cfg, partial(dist.all_to_all_single, recv, send))]
         crossing = n * 2 * (grp.world - 1) // grp.world
         info = {"check": Check(True, 0.0, 0.0), "samples": samples, "rows_sent": 0, "rows_recv": 0,
                 "pairs_recv": 0, "bytes": {"a2a": crossing}}
@@ -648,6 +676,8 @@ def _run_simulated(args: argparse.Namespace, console: Console) -> int:
         cfg = _config(args, device, console)
         if n > cfg.shape.num_experts:
             raise ValueError(f"--simulate {n}: more ranks than the preset's {cfg.shape.num_experts} experts")
+        if cfg.overlap_chunks != (1,):
+            raise ValueError("--overlap-chunks needs a process group (--simulate times no communication)")
     except ValueError as exc:
         return _fail(console, exc)
     grp = Group(0, n, "", device)

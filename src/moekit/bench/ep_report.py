@@ -34,6 +34,9 @@ STEP = -1  # the rank value of step rows
 # Rank -1 rows of the low-latency mode besides "step" (eager): the whole layer replayed from a CUDA
 # graph, and the same tokens through all experts on one GPU (also a graph), each the slowest rank's.
 GRAPH, SINGLE = "graph", "single"
+# Rank -1 rows of every layer case besides "step": the whole call with no sync inside (between a
+# barrier and a device sync), the slowest rank's; "step" is the sum of the synced phases.
+PLAIN = "step_plain"
 A2A_PEAK = "a2a-peak"  # the scenario of the all-to-all peak rows (phase "a2a", rank -1)
 MODES = ("normal", "low_latency")
 STATUSES = ("ok", "failed")
@@ -50,8 +53,11 @@ class EPRow(Provenance):
     scenario's pairs per expert; rank_busiest_over_mean of pairs per rank under the placement;
     rows_sent / rows_recv / pairs_recv of this rank (on step rows: the busiest rank's).
     ep_mode "normal" (count exchange, exact sizes) or "low_latency" (fixed blocks of `capacity` rows,
-    no host sync); phases also the steps inside dispatch and combine (`STEPS`), and on rank -1 of
-    the low-latency mode `GRAPH` and `SINGLE`; scenario `A2A_PEAK` rows time a plain all-to-all.
+    no host sync); phases also the steps inside dispatch and combine (`STEPS`), on rank -1 `PLAIN`
+    (the call timed whole, no inner sync) and in the low-latency mode `GRAPH` and `SINGLE`; scenario
+    `A2A_PEAK` rows time a plain all-to-all. overlap_chunks: the normal mode's
+    (`moekit.parallel.overlap`; older files: 1); with n > 1 each phase is the sum over the chunks
+    (synced, so nothing overlaps there; `PLAIN` is the overlapped call).
     """
 
     mode: str
@@ -86,6 +92,7 @@ class EPRow(Provenance):
     ep_mode: str = "normal"      # "normal" or "low_latency" (older files: normal)
     capacity: int | None = None  # low-latency rows per destination rank (C)
     bytes_sent: int | None = None  # bytes this rank sent to other ranks in this phase (rows, back, a2a)
+    overlap_chunks: int = 1      # normal mode: token chunks whose all-to-alls overlap experts (older: 1)
 
 
 def check_row(row: EPRow) -> str:
@@ -105,7 +112,8 @@ def _groups(rows: Sequence[EPRow]) -> list[tuple[str, str]]:
 
 
 def _step(rows: Sequence[EPRow], placement: str, scenario: str) -> EPRow:
-    return next(r for r in rows if r.placement == placement and r.scenario == scenario and r.rank == STEP)
+    return next(r for r in rows if r.placement == placement and r.scenario == scenario and r.rank == STEP
+                and r.phase == "step")
 
 
 def _phase(rows: Sequence[EPRow], placement: str, scenario: str, rank: int, phase: str) -> EPRow | None:
@@ -121,9 +129,20 @@ def _low_latency(rows: Sequence[EPRow]) -> list[EPRow]:
     return [r for r in rows if r.ep_mode == "low_latency"]
 
 
-def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
+def _chunk_values(rows: Sequence[EPRow]) -> list[int]:
+    return sorted({r.overlap_chunks for r in rows})
+
+
+def _with_chunks(rows: Sequence[EPRow], chunks: int) -> list[EPRow]:
+    return [r for r in rows if r.overlap_chunks == chunks]
+
+
+def plot(all_rows: Sequence[EPRow]) -> tuple[str, bytes]:
     """Per scenario, one stacked bar per rank (dispatch, experts, wait, combine medians), and the
-    step time (slowest rank) as a black tick; one panel per placement."""
+    step time (slowest rank) as a black tick; one panel per placement. Bars and step of the fewest
+    overlap chunks measured (1 normally); the plain step of every chunk count as a dashed tick."""
+    chunk_values = _chunk_values(all_rows)
+    rows = _with_chunks(all_rows, chunk_values[0])
     r0 = rows[0]
     placements = list(dict.fromkeys(r.placement for r in rows))
     n = r0.world_size
@@ -147,9 +166,15 @@ def plot(rows: Sequence[EPRow]) -> tuple[str, bytes]:
             if not math.isnan(step.median_ms):
                 ax.hlines(step.median_ms, i - 0.45, i + 0.45, colors="black",
                           label="step (slowest rank)" if i == 0 else None)
+            for j, chunks in enumerate(chunk_values):
+                plain = _phase(_with_chunks(all_rows, chunks), placement, scenario, STEP, PLAIN)
+                if plain is not None and not math.isnan(plain.median_ms):
+                    ax.hlines(plain.median_ms, i - 0.45, i + 0.45, colors=f"C{(j + 4) % 10}",
+                              linestyles="dashed", label=f"plain step, {chunks} chunk(s)" if i == 0 else None)
         ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
         ax.set_ylabel("ms (median)")
-        ax.set_title(f"{placement} placement: bars = ranks 0..{n - 1}", fontsize=9)
+        ax.set_title(f"{placement} placement: bars = ranks 0..{n - 1}"
+                     + (f" ({chunk_values[0]} overlap chunk(s))" if chunk_values != [1] else ""), fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"ep-bench {r0.preset} ({r0.mode}, {r0.dist_backend or 'loopback'}, N={n}, "
@@ -226,7 +251,6 @@ def _a2a_lines(rows: Sequence[EPRow]) -> list[str]:
 
 
 def _normal_lines(rows: Sequence[EPRow]) -> list[str]:
-    n = rows[0].world_size
     lines = [f"## Normal mode: {rows[0].tokens_per_rank} tokens per rank", "",
              "Per iteration every rank starts together (barrier), then: dispatch (plan, the count "
              "exchange with its host sync, pack, the row all-to-all), experts, wait (a barrier: idle until "
@@ -235,43 +259,64 @@ def _normal_lines(rows: Sequence[EPRow]) -> list[str]:
              "iteration; medians over iterations. Comm = the slowest rank's dispatch + combine as a share "
              "of the step; step ÷ experts = the step over the slowest rank's experts phase (the same "
              "per-rank expert work alone on its GPU). Timings of a placement that failed the correctness "
-             "check are withheld.", ""]
-    balanced = {p: _step(rows, p, "balanced").median_ms for p, s in _groups(rows) if s == "balanced"}
-    lines += ["| placement | scenario | experts busiest/mean | ranks busiest/mean | step ms | × balanced "
-              "| experts ms per rank | max dispatch ms | max combine ms | comm % of step | step ÷ experts "
-              "| status |",
-              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+             "check are withheld.", "",
+             "Chunks = overlap_chunks (`moekit.parallel.overlap`): n > 1 runs the layer in n token ranges, "
+             "one chunk's all-to-alls overlapping another's experts; its phases are summed over the chunks, "
+             "each synced (so nothing overlaps in them). Plain step = the whole call, no sync inside, timed "
+             "from a barrier to a device sync (the slowest rank's, median): the step as a model runs it. "
+             "Non-expert % of plain = (plain step − slowest experts) ÷ plain step: what communication and "
+             "waiting still add.", ""]
+    lines += ["| placement | scenario | chunks | experts busiest/mean | ranks busiest/mean | step ms "
+              "| plain step ms | × balanced | experts ms per rank | max dispatch ms | max combine ms "
+              "| comm % of step | step ÷ experts | plain ÷ experts | non-expert % of plain | status |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     steps_table = []
     for placement, scenario in _groups(rows):
-        step = _step(rows, placement, scenario)
-        if step.status != "ok":
-            lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
-                         f"{step.rank_busiest_over_mean:.2f} | – | – | – | – | – | – | – | failed: "
-                         f"{step.reason} |")
-            continue
-        per_rank = [_phase(rows, placement, scenario, r, "experts") for r in range(n)]
-        experts = ", ".join(_ms(r.median_ms) if r else "–" for r in per_rank)
-        disp, comb = (_worst_ms(rows, placement, scenario, p) for p in ("dispatch", "combine"))
-        worst_experts = _worst_ms(rows, placement, scenario, "experts")
-        base = balanced.get(placement, math.nan)
-        ratio = "–" if math.isnan(base) or base <= 0 else f"{step.median_ms / base:.2f}"
-        comm = (disp + comb) / step.median_ms * 100 if step.median_ms > 0 else math.nan
-        over = step.median_ms / worst_experts if worst_experts > 0 else math.nan
-        noisy = " noisy" if is_noisy(step.p20_ms, step.p80_ms) else ""
-        lines.append(f"| {placement} | {scenario} | {step.expert_busiest_over_mean:.2f} | "
-                     f"{step.rank_busiest_over_mean:.2f} | {_ms(step.median_ms)} "
-                     f"({_ms(step.p20_ms)}–{_ms(step.p80_ms)}){noisy} | {ratio} | {experts} | "
-                     f"{_ms(disp)} | {_ms(comb)} | {_ms(comm)} | {_ms(over)} | ok |")
-        if _worst(rows, placement, scenario, "plan") is not None:
-            cells = [_ms(_worst_ms(rows, placement, scenario, k)) for k in STEPS]
-            rate = [_gbps(_worst(rows, placement, scenario, k)) for k in COMM_STEPS]
-            steps_table.append(f"| {placement} | {scenario} | {' | '.join(cells)} | {' | '.join(rate)} |")
+        for chunks in _chunk_values(rows):
+            sub = _with_chunks(rows, chunks)
+            if not any(r.placement == placement and r.scenario == scenario for r in sub):
+                continue
+            cells = _normal_cells(sub, placement, scenario)
+            lines.append(f"| {placement} | {scenario} | {chunks} | {cells}")
+            ok = _step(sub, placement, scenario).status == "ok"
+            if ok and _worst(sub, placement, scenario, "plan") is not None:
+                times = [_ms(_worst_ms(sub, placement, scenario, k)) for k in STEPS]
+                rate = [_gbps(_worst(sub, placement, scenario, k)) for k in COMM_STEPS]
+                steps_table.append(f"| {placement} | {scenario} | {chunks} | {' | '.join(times)} | "
+                                   f"{' | '.join(rate)} |")
     if steps_table:
         lines += ["", "Inside dispatch and combine: each step's slowest rank (ms), and the all-to-alls' "
                   "rate (GB/s leaving that rank, to compare with the peak above).", "",
-                  f"| placement | scenario | {' | '.join(STEPS)} | rows GB/s | back GB/s |",
-                  "|---|---|" + "---:|" * (len(STEPS) + 2), *steps_table]
+                  f"| placement | scenario | chunks | {' | '.join(STEPS)} | rows GB/s | back GB/s |",
+                  "|---|---|---:|" + "---:|" * (len(STEPS) + 2), *steps_table]
     return [*lines, ""]
+
+
+def _normal_cells(rows: Sequence[EPRow], placement: str, scenario: str) -> str:
+    """The normal table's cells after the chunks column, for one chunk count's rows."""
+    n = rows[0].world_size
+    step = _step(rows, placement, scenario)
+    if step.status != "ok":
+        return (f"{step.expert_busiest_over_mean:.2f} | {step.rank_busiest_over_mean:.2f} | "
+                + "– | " * 10 + f"failed: {step.reason} |")
+    balanced = _phase(rows, placement, "balanced", STEP, "step")
+    base = balanced.median_ms if balanced is not None else math.nan
+    per_rank = [_phase(rows, placement, scenario, r, "experts") for r in range(n)]
+    experts = ", ".join(_ms(r.median_ms) if r else "–" for r in per_rank)
+    disp, comb = (_worst_ms(rows, placement, scenario, p) for p in ("dispatch", "combine"))
+    worst_experts = _worst_ms(rows, placement, scenario, "experts")
+    plain_row = _phase(rows, placement, scenario, STEP, PLAIN)
+    plain = plain_row.median_ms if plain_row is not None else math.nan
+    ratio = "–" if math.isnan(base) or base <= 0 else f"{step.median_ms / base:.2f}"
+    comm = (disp + comb) / step.median_ms * 100 if step.median_ms > 0 else math.nan
+    over = step.median_ms / worst_experts if worst_experts > 0 else math.nan
+    plain_over = plain / worst_experts if worst_experts > 0 else math.nan
+    exposed = (plain - worst_experts) / plain * 100 if plain > 0 else math.nan
+    noisy = " noisy" if is_noisy(step.p20_ms, step.p80_ms) else ""
+    return (f"{step.expert_busiest_over_mean:.2f} | {step.rank_busiest_over_mean:.2f} | "
+            f"{_ms(step.median_ms)} ({_ms(step.p20_ms)}–{_ms(step.p80_ms)}){noisy} | {_ms(plain)} | "
+            f"{ratio} | {experts} | {_ms(disp)} | {_ms(comb)} | {_ms(comm)} | {_ms(over)} | "
+            f"{_ms(plain_over)} | {_ms(exposed)} | ok |")
 
 
 def _low_latency_lines(rows: Sequence[EPRow]) -> list[str]:
@@ -281,10 +326,10 @@ def _low_latency_lines(rows: Sequence[EPRow]) -> list[str]:
              "replayed from a CUDA graph, 20 replays back to back per sample; one GPU = the same tokens "
              "through all experts on one GPU (`moe_experts`, a CUDA graph too); target: graph ≤ 2× one "
              "GPU. Eager = the same call with each step synced and timed (steps: slowest rank). Times in "
-             "µs; the slowest rank's.", "",
+             "µs; the slowest rank's. Eager plain = the same call with no sync inside, timed whole.", "",
              "| T/rank | placement | scenario | graph µs | one GPU µs | graph ÷ one GPU | eager step µs "
-             "| dispatch | experts | wait | combine | rows GB/s | status |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| eager plain µs | dispatch | experts | wait | combine | rows GB/s | status |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for tokens in sorted({r.tokens_per_rank for r in rows}):
         sub = [r for r in rows if r.tokens_per_rank == tokens]
         for placement, scenario in _groups(sub):
@@ -292,10 +337,10 @@ def _low_latency_lines(rows: Sequence[EPRow]) -> list[str]:
                   and r.scenario == scenario}
             step = at["step"]
             if step.status != "ok":
-                lines.append(f"| {tokens} | {placement} | {scenario} | – | – | – | – | – | – | – | – | – | "
-                             f"failed: {step.reason} |")
+                lines.append(f"| {tokens} | {placement} | {scenario} | " + "– | " * 10
+                             + f"failed: {step.reason} |")
                 continue
-            graph, single = at.get(GRAPH), at.get(SINGLE)
+            graph, single, plain = at.get(GRAPH), at.get(SINGLE), at.get(PLAIN)
             g = graph.median_ms if graph is not None else math.nan
             one = single.median_ms if single is not None else math.nan
             ratio = g / one if one > 0 else math.nan
@@ -303,7 +348,8 @@ def _low_latency_lines(rows: Sequence[EPRow]) -> list[str]:
             phases = " | ".join(_us(_worst_ms(sub, placement, scenario, p)) for p in PHASES)
             rate = _gbps(_worst(sub, placement, scenario, "rows"))
             lines.append(f"| {tokens} | {placement} | {scenario} | {_us(g)} | {_us(one)} | {_ms(ratio)} | "
-                         f"{_us(step.median_ms)} | {phases} | {rate} | {notes or 'ok'} |")
+                         f"{_us(step.median_ms)} | {_us(plain.median_ms if plain else math.nan)} | "
+                         f"{phases} | {rate} | {notes or 'ok'} |")
     return [*lines, ""]
 
 

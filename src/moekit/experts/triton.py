@@ -115,6 +115,18 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
+def auto_config(num_tokens: int, gate_up_proj: torch.Tensor, top_k: int, dtype: torch.dtype,
+                device: torch.device) -> ExpertsConfig:
+    """The config a call on num_tokens rows picks when given none (the tuned one, else the default).
+    The chunked expert-parallel path passes the whole call's to every chunk: the tiles, and so each
+    row's summation order, stay those of one call on all the rows."""
+    # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
+    # slots carry ids outside [0, E)): at most E of a token's pairs land here.
+    num_experts, two_i, hidden = gate_up_proj.shape
+    shape = MoEShape(num_experts, hidden, two_i // 2, min(top_k, num_experts))
+    return get_config(shape, num_tokens, dtype, device)
+
+
 def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: ExpertsConfig | None, *,
              interleaved: bool = False):
@@ -123,11 +135,8 @@ def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
     (`resolve_tma`)."""
     check_triton_device("hidden_states", hidden_states)
     if config is None:
-        # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
-        # slots carry ids outside [0, E)): at most E of a token's pairs land here.
-        num_experts, two_i, hidden = gate_up_proj.shape
-        shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
-        config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+        config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1], hidden_states.dtype,
+                             hidden_states.device)
     config = resolve_tma(config, gate_up_proj, down_proj, interleaved=interleaved)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()

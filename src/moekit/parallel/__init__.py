@@ -2,6 +2,8 @@
 
     dispatch.py     normal mode: plan / pack / all-to-all of counts and rows, combine and the
                     per-token reduce (one host sync per call: the counts)
+    overlap.py      normal mode in token chunks (overlap_chunks > 1): one count exchange, then each
+                    chunk's all-to-alls on a side CUDA stream overlapping another chunk's experts
     low_latency.py  low-latency mode: fixed blocks of `capacity` rows per rank pair, the masked
                     (E_r, C_e, H) experts, overflow dropped and counted (or refused); no host sync
     ep.py           ExpertParallelMoE (nn.Module, mode="normal" | "low_latency", capture for CUDA

@@ -236,7 +236,9 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
 
 def exchange_counts(send_counts: torch.Tensor,
                     group: dist.ProcessGroup | None) -> tuple[list[int], list[int]]:
-    """The one host sync of a layer call: all-to-all the counts, copy both to the host together."""
+    """The one host sync of a layer call: all-to-all the counts, copy both to the host together.
+    send_counts: (N,), or (N, n) with n counts per rank (`moekit.parallel.overlap`'s chunks); row d
+    goes to rank d, row s of the received ones came from rank s."""
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts, group=group)
     send_list, recv_list = torch.stack([send_counts, recv]).tolist()
@@ -304,24 +306,26 @@ def run_local_experts(tokens: DispatchedTokens, gate_up_proj: torch.Tensor, down
     return acc.to(x.dtype)
 
 
-def reduce_partials(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def reduce_partials(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """(S + 1, H) partial rows (last row zero) -> (T, H): each token's rows summed in rank order, fp32.
-    One launch on the fused path, else `reduce_partials_torch` (the same bits)."""
+    One launch on the fused path, else `reduce_partials_torch` (the same bits). `out`: a (T, H)
+    buffer of dtype to write instead (a row slice of a larger output: the chunked path)."""
     if fused.path_for(back) == "triton":
-        return fused.reduce(back, combine_index, dtype)
-    return reduce_partials_torch(back, combine_index, dtype)
+        return fused.reduce(back, combine_index, dtype, out=out)
+    return reduce_partials_torch(back, combine_index, dtype, out)
 
 
 def reduce_partials_torch(back: torch.Tensor, combine_index: torch.Tensor,
-                          dtype: torch.dtype) -> torch.Tensor:
+                          dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """`reduce_partials` in torch ops (the fused reduce's twin)."""
     num_tokens, d = combine_index.shape
     if num_tokens == 0:
-        return back.new_empty(0, back.shape[1], dtype=dtype)
+        return back.new_empty(0, back.shape[1], dtype=dtype) if out is None else out
     acc = back[combine_index[:, 0]].float()
     for j in range(1, d):
         acc += back[combine_index[:, j]]
-    return acc.to(dtype)
+    return acc.to(dtype) if out is None else out.copy_(acc)
 
 
 def combine(partial: torch.Tensor, handle: DispatchHandle, *,

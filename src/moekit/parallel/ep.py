@@ -2,7 +2,9 @@
 exchanges token rows with the other ranks, in one of two modes:
 
     normal       route (local) -> dispatch (counts, then rows; one host sync) -> moe_experts on the
-                 local experts -> combine -> (T, H)                        (`moekit.parallel.dispatch`)
+                 local experts -> combine -> (T, H)                        (`moekit.parallel.dispatch`);
+                 with overlap_chunks=n > 1 in n token ranges, one chunk's all-to-alls on a side
+                 stream while another's experts run, bitwise the same   (`moekit.parallel.overlap`)
     low_latency  route -> fixed blocks of `capacity` rows to every rank (no host sync) -> masked
                  (E_r, C_e, H) experts -> combine -> (T, H); `ExpertParallelMoE.capture` records the
                  whole layer in CUDA graphs                           (`moekit.parallel.low_latency`)
@@ -31,6 +33,7 @@ from moekit.graphs import capture_graph
 from moekit.layer import MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
 from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
+from moekit.parallel.overlap import check_overlap_chunks, overlapped_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights
 from moekit.routing import route
 from moekit.shapes import MoEShape, get_shape
@@ -74,7 +77,7 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
                    ignore_invalid_ids: bool = False,
                    tables: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "normal",
                    capacity: int | None = None, expert_capacity: int | None = None,
-                   overflow: str = "drop", **experts_opts) -> torch.Tensor:
+                   overflow: str = "drop", overlap_chunks: int = 1, **experts_opts) -> torch.Tensor:
     """`moekit.moe_experts` over an expert-parallel group (collective: every rank calls it).
 
     Args:
@@ -94,6 +97,9 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
         expert_capacity: low_latency: C_e, rows per local expert (default N * C).
         overflow: low_latency: "drop" (pairs past a capacity contribute 0, counted in stats) or
             "raise" (every rank raises `CapacityOverflow` if any pair was dropped; one sync).
+        overlap_chunks: normal: n > 1 runs the layer in n token ranges, each chunk's all-to-alls
+            overlapping another chunk's experts on CUDA (`moekit.parallel.overlap`); bitwise the
+            result of 1 (the default: one dispatch, experts, combine).
         experts_opts: normal: passed on to `moe_experts` (e.g. config for triton); low_latency:
             config (the masked kernels' tiles) and stats (a dict filled with the drop counters).
 
@@ -118,11 +124,16 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     check_shape("down_proj", down_proj, (num_local, hidden, two_i // 2), "(E_r, H, I)")
     _check_no_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
     check_mode(mode, capacity, expert_capacity, overflow, backend)
+    check_overlap_chunks(overlap_chunks, mode)
     if mode == "low_latency":
         return low_latency_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                placement=placement, capacity=capacity, expert_capacity=expert_capacity,
                                overflow=overflow, group=group, ignore_invalid_ids=ignore_invalid_ids,
                                tables=tables, **experts_opts)
+    if overlap_chunks > 1:
+        return overlapped_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                              placement=placement, chunks=overlap_chunks, group=group, backend=backend,
+                              ignore_invalid_ids=ignore_invalid_ids, tables=tables, **experts_opts)
     tokens, handle = dispatch(hidden_states, topk_weights, topk_ids, placement, group=group,
                               ignore_invalid_ids=ignore_invalid_ids, tables=tables)
     partial = run_local_experts(tokens, gate_up_proj, down_proj, backend=backend, **experts_opts)
@@ -141,6 +152,8 @@ class ExpertParallelMoE(nn.Module):
         dtype, device: of the parameters.
         mode: "normal" or "low_latency" (see the module docstring); capacity, expert_capacity,
             overflow: the low-latency mode's (`ep_moe_experts`).
+        overlap_chunks: the normal mode's: n > 1 overlaps the all-to-alls of one of n token ranges
+            with the experts of another (`moekit.parallel.overlap`; the same bits as 1, the default).
 
     Parameters:
         router_weight (E, H), the same on every rank; gate_up_proj (E_r, 2I, H) and down_proj
@@ -151,10 +164,12 @@ class ExpertParallelMoE(nn.Module):
                  group: dist.ProcessGroup | None = None, backend: str = "auto",
                  router_backend: str = "auto", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, mode: str = "normal",
-                 capacity: int | None = None, expert_capacity: int | None = None, overflow: str = "drop"):
+                 capacity: int | None = None, expert_capacity: int | None = None, overflow: str = "drop",
+                 overlap_chunks: int = 1):
         super().__init__()
         check_mode(mode, capacity, expert_capacity, overflow, backend)
-        self.mode, self.capacity = mode, capacity
+        check_overlap_chunks(overlap_chunks, mode)
+        self.mode, self.capacity, self.overlap_chunks = mode, capacity, overlap_chunks
         self.expert_capacity, self.overflow = expert_capacity, overflow
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE needs torch.distributed initialised "
@@ -202,7 +217,7 @@ class ExpertParallelMoE(nn.Module):
                    group: dist.ProcessGroup | None = None, backend: str | None = None,
                    **mode_opts) -> ExpertParallelMoE:
         """This rank's share of a full `MoELayer` (its router and its experts' weights, copied).
-        mode_opts: mode, capacity, expert_capacity, overflow (the constructor's)."""
+        mode_opts: mode, capacity, expert_capacity, overflow, overlap_chunks (the constructor's)."""
         p = layer.gate_up_proj
         if backend is None:
             backend = "auto" if mode_opts.get("mode") == "low_latency" else layer.backend
@@ -219,7 +234,8 @@ class ExpertParallelMoE(nn.Module):
         return (f"experts={s.num_experts}, local={list(self.local_experts)}, rank={self.rank}, "
                 f"hidden={s.hidden_size}, intermediate={s.intermediate_size}, top_k={s.top_k}, "
                 f"backend={self.backend!r}, mode={self.mode!r}"
-                + (f", capacity={self.capacity}" if self.mode == "low_latency" else ""))
+                + (f", capacity={self.capacity}" if self.mode == "low_latency" else "")
+                + (f", overlap_chunks={self.overlap_chunks}" if self.overlap_chunks > 1 else ""))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
@@ -231,7 +247,8 @@ class ExpertParallelMoE(nn.Module):
         return ep_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                               placement=self.placement, group=self.group, backend=self.backend,
                               tables=self.tables(), mode=self.mode, capacity=self.capacity,
-                              expert_capacity=self.expert_capacity, overflow=self.overflow, **experts_opts)
+                              expert_capacity=self.expert_capacity, overflow=self.overflow,
+                              overlap_chunks=self.overlap_chunks, **experts_opts)
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`placement.copy_table` on the parameters' device, built once."""

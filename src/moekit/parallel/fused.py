@@ -155,11 +155,14 @@ def pack_fixed(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan, cap
 
 
 def reduce(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype, *,
-           block_t: int | None = None, block_h: int | None = None) -> torch.Tensor:
-    """`dispatch.reduce_partials` in one launch: out[t] = sum_j back[combine_index[t, j]] in fp32."""
+           block_t: int | None = None, block_h: int | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`dispatch.reduce_partials` in one launch: out[t] = sum_j back[combine_index[t, j]] in fp32
+    (into `out`, (T, H) of dtype with unit inner stride, when given)."""
     num_tokens, d = combine_index.shape
     hidden = back.shape[1]
-    out = _workspace.empty(num_tokens, hidden, dtype=dtype, device=back.device)
+    if out is None:
+        out = _workspace.empty(num_tokens, hidden, dtype=dtype, device=back.device)
     block_h = block_h or min(_pow2(hidden), 1024)
     block_t = block_t or min(64, max(1, PACK_TILE // block_h))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
