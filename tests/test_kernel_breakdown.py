@@ -3,21 +3,14 @@ and a backend without a backward on the device is reported as not run, not silen
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def _script():
-    path = ROOT / "scripts" / "kernel_breakdown.py"
-    spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("kernel_breakdown")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")

@@ -28,6 +28,8 @@ with a torch backward first: no bias gradient is ever dropped).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -115,6 +117,12 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_of(num_experts: int, hidden: int, inter: int, top_k: int) -> MoEShape:
+    """MoEShape(...), memoised: its checks run once per weight shape, not once per call."""
+    return MoEShape(num_experts, hidden, inter, top_k)
+
+
 def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: ExpertsConfig | None, *,
              interleaved: bool = False):
@@ -126,7 +134,7 @@ def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
         # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
         # slots carry ids outside [0, E)): at most E of a token's pairs land here.
         num_experts, two_i, hidden = gate_up_proj.shape
-        shape = MoEShape(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
+        shape = _shape_of(num_experts, hidden, two_i // 2, min(topk_ids.shape[1], num_experts))
         config = get_config(shape, hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
     config = resolve_tma(config, gate_up_proj, down_proj, interleaved=interleaved)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
