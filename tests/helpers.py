@@ -10,11 +10,21 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from moekit.reference import moe_experts_ref
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py imported as a module (the scripts are no package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:
@@ -198,12 +208,3 @@ def error_line(capsys, prog: str) -> str:
     lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
     assert len(lines) == 1, err
     return lines[0]
-
-
-def load_script(name: str):
-    """scripts/<name>.py as a module (the scripts are no package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -179,6 +179,8 @@ def check_experts_args(
 def check_expert_biases(gate_up_bias: object, down_bias: object, gate_up_proj: torch.Tensor) -> None:
     """Optional per-expert biases: gate_up_bias (E, 2I) and down_bias (E, H), each None or a tensor
     of the weights' dtype and device. Reads no tensor data."""
+    if gate_up_bias is None and down_bias is None:
+        return
     num_experts, two_i, hidden = gate_up_proj.shape
     for name, bias, shape in (("gate_up_bias", gate_up_bias, (num_experts, two_i)),
                               ("down_bias", down_bias, (num_experts, hidden))):

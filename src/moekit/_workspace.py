@@ -29,6 +29,21 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return empty(*t.shape, dtype=t.dtype, device=t.device)
 
 
+ALIGN_BYTES = 16       # Triton specialises a pointer on its address being a multiple of 16
+
+
+def empty_parts(sizes: tuple[int, ...], *, dtype: torch.dtype,
+                device: torch.device | str) -> list[torch.Tensor]:
+    """1-D buffers of these lengths carved out of one allocation (one torch.empty and one split in
+    place of an allocation each: on a GPU each is host work). They never overlap, and each starts on
+    an ALIGN_BYTES boundary, as a buffer of its own does (so the kernels specialise alike)."""
+    unit = max(1, ALIGN_BYTES // dtype.itemsize)
+    pieces = []
+    for n in sizes:
+        pieces += (n, -n % unit)
+    return list(empty(sum(pieces), dtype=dtype, device=device).split(pieces)[::2])
+
+
 @contextlib.contextmanager
 def poisoning(enabled: bool = True) -> Iterator[None]:
     """Turn workspace poisoning on (or off) inside the block."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
 from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel
 
@@ -136,7 +136,7 @@ def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: in
     buf = torch.full((length + 1,), num_pairs, device=dev, dtype=torch.int32)
     buf.scatter_(0, dest, order.to(torch.int32))
     num_padded = pad_end[-1]
-    rows = torch.arange(triton.cdiv(length, block_m), device=dev) * block_m
+    rows = torch.arange(cdiv(length, block_m), device=dev) * block_m
     owner = torch.searchsorted(pad_end, rows, right=True)
     live = rows < num_padded
     expert_ids = torch.where(live, owner, -1).to(torch.int32)
@@ -155,27 +155,24 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
             f"backend='triton' supports num_experts <= {MAX_TRITON_EXPERTS}, got {num_experts}; "
             "use backend='torch'"
         )
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    # The kernels index the pairs flat: a contiguous (T, K) tensor is already that.
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.reshape(-1).contiguous()
     num_pairs = ids.numel()
     dev = ids.device
     length = padded_length(num_pairs, num_experts, block_m)
-    max_blocks = triton.cdiv(length, block_m)
-    sorted_ids = _workspace.empty(length, device=dev, dtype=torch.int32)
-    expert_ids = _workspace.empty(max_blocks, device=dev, dtype=torch.int32)
-    block_codes = _workspace.empty(max_blocks, device=dev, dtype=torch.int32)
-    num_padded = _workspace.empty(device=dev, dtype=torch.int32)
-    tokens_per_expert = _workspace.empty(num_experts, device=dev, dtype=torch.int32)
+    max_blocks = cdiv(length, block_m)
+    sorted_ids, expert_ids, block_codes, tokens_per_expert, num_padded = _workspace.empty_parts(
+        (length, max_blocks, max_blocks, num_experts, 1), device=dev, dtype=torch.int32)
+    num_padded = num_padded.view(())
     out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs, block_codes)
     if num_pairs == 0:
         num_padded.zero_()
         tokens_per_expert.zero_()
         return out
 
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     chunk = _chunk_size(num_pairs)
-    num_chunks = triton.cdiv(num_pairs, chunk)
+    num_chunks = cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // e_pad))
     num_warps = 4 if chunk * max(1, e_pad // 128) <= 1024 else 8
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps)
@@ -189,19 +186,19 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     base = _workspace.empty_like(counts)
     pad_end = _workspace.empty(e_pad, device=dev, dtype=torch.int32)
     align_hist_kernel[(num_chunks,)](
-        ids, counts, sorted_ids, num_pairs, num_experts, length, triton.cdiv(length, num_chunks),
+        ids, counts, sorted_ids, num_pairs, num_experts, length, cdiv(length, num_chunks),
         CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps,
     )
     # The scan walks the (chunks, E_PAD) counts in slabs of at most SCAN_ELEMENTS, so its
     # registers and shared memory stay bounded at any T (long-context prefill).
-    c_block = max(1, min(triton.next_power_of_2(num_chunks), SCAN_ELEMENTS // e_pad))
+    c_block = max(1, min(next_power_of_2(num_chunks), SCAN_ELEMENTS // e_pad))
     align_scan_kernel[(1,)](
         counts, base, pad_end, num_padded, tokens_per_expert, num_chunks, num_experts,
         BLOCK_M=block_m, C_BLOCK=c_block, E_PAD=e_pad, num_warps=8 if c_block * e_pad > 8192 else 4,
     )
     align_scatter_kernel[(num_chunks,)](
         ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
-        num_pairs, num_experts, length, max_blocks, triton.cdiv(max_blocks, num_chunks),
+        num_pairs, num_experts, length, max_blocks, cdiv(max_blocks, num_chunks),
         FUSED=False, **scatter,
     )
     return out
@@ -210,8 +207,8 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
 def _chunk_size(num_pairs: int) -> int:
     """Pairs per program: one program up to FUSED_MAX_PAIRS, else at most ~128 chunks."""
     if num_pairs <= FUSED_MAX_PAIRS:
-        return max(16, triton.next_power_of_2(num_pairs))
-    return min(4096, max(256, triton.next_power_of_2(triton.cdiv(num_pairs, 128))))
+        return max(16, next_power_of_2(num_pairs))
+    return min(4096, max(256, next_power_of_2(cdiv(num_pairs, 128))))
 
 
 def align_block_size(

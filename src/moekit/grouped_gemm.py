@@ -39,10 +39,10 @@ import warnings
 from dataclasses import replace
 
 import torch
-import triton
 import triton.language as tl
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
@@ -178,7 +178,7 @@ def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: t
     (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles)."""
     kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
     if cfg.persistent:
-        units = triton.cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
+        units = cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
     else:
         grid = max_blocks * n_tiles
@@ -205,7 +205,7 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
     inter = two_i // 2
     h = _workspace.empty(align.sorted_ids.numel(), inter * (1 if swiglu else 2), dtype=x.dtype,
                          device=x.device)
-    n_tiles = triton.cdiv(inter, cfg.block_n1)
+    n_tiles = cdiv(inter, cfg.block_n1)
     w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
     args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
             align.num_pairs, inter, hidden, n_tiles,
@@ -227,7 +227,7 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
     (topk_weights None: the rows unweighted). bias: down_bias (E, H), added before the weight."""
     num_experts, hidden, inter = down_proj.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
-    n_tiles = triton.cdiv(hidden, cfg.block_n2)
+    n_tiles = cdiv(hidden, cfg.block_n2)
     w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2)
     args = (h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
             align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
@@ -248,9 +248,9 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torc
     """out[t] = fp32 sum of y[t*K + j] over the slots with an id in [0, E)."""
     num_tokens, hidden = out.shape
     top_k = topk_ids.shape[1]
-    block_h = min(1024, triton.next_power_of_2(hidden))
+    block_h = min(1024, next_power_of_2(hidden))
     block_t = max(1, min(16, 4096 // block_h))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
                          TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
     return out

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit.align import Alignment
 from moekit.grouped_gemm import (
     _dot_precision,
@@ -106,7 +106,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     rows = align.sorted_ids.numel()
     dev, dtype = x.device, x.dtype
     tiles = BackwardTiles.fit(cfg, x.element_size(), dev)
-    n_tiles = triton.cdiv(inter, tiles.block_n)
+    n_tiles = cdiv(inter, tiles.block_n)
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
@@ -126,7 +126,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     dw = None
     if want_topk_weights:
         dw = torch.zeros(align.num_pairs, dtype=torch.float32, device=dev)   # pairs never placed: 0
-        block_t = min(64, max(16, triton.next_power_of_2(n_tiles)))
+        block_t = min(64, max(16, next_power_of_2(n_tiles)))
         moe_tile_sum_kernel[(align.max_blocks,)](
             part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
             BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4,
@@ -151,7 +151,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: A
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
     num_experts, n, c = shape
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
-    n_tiles, c_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(c, tiles.block_c)
+    n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
         a, b, topk_weights, grad, align.sorted_ids, align.row_starts(),
         align.num_pairs, n, c, n_tiles, c_tiles,

@@ -76,11 +76,11 @@ class MoELayer(nn.Module):
         if x.dtype != dtype:
             raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "
                             f"cast x (x.to({dtype})) or the layer (layer.to(dtype))")
-        flat = x.reshape(-1, self.shape.hidden_size)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.shape.hidden_size)   # (T, H) as it comes
         weights, ids = self.route(flat)
         out = moe_experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
                           backend=self.backend, **experts_opts)
-        return out.view(x.shape)
+        return out if flat is x else out.view(x.shape)
 
     def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedMoE:
         """Record the whole layer (router included) in CUDA graphs for any T <= max_tokens."""

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit._paths import PathSwitch
 from moekit._validation import (
     FLOAT_DTYPES,
@@ -123,8 +123,8 @@ def masked_layout_triton(topk_ids: torch.Tensor, num_experts: int, capacity: int
     dest = _workspace.empty(num_pairs, dtype=torch.int64, device=dev)
     counts = _workspace.empty(num_experts, dtype=torch.int32, device=dev)
     dropped = _workspace.empty(dtype=torch.int64, device=dev)
-    block_e = triton.next_power_of_2(max(num_experts, 1))
-    block_p = max(1, min(LAYOUT_TILE // block_e, triton.next_power_of_2(max(num_pairs, 1))))
+    block_e = next_power_of_2(max(num_experts, 1))
+    block_p = max(1, min(LAYOUT_TILE // block_e, next_power_of_2(max(num_pairs, 1))))
     masked_layout_kernel[(1,)](ids, dest, counts, dropped, num_pairs, num_experts, capacity,
                                BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
     return MaskedLayout(dest, counts, dropped, capacity)
@@ -137,7 +137,7 @@ def masked_config(capacity: int, hidden: int, inter: int, itemsize: int,
 
 
 def _grid(num_experts: int, capacity: int, block_m: int, n: int, block_n: int) -> tuple[int, int, int]:
-    num_m, num_n = triton.cdiv(capacity, block_m), triton.cdiv(n, block_n)
+    num_m, num_n = cdiv(capacity, block_m), cdiv(n, block_n)
     programs = num_experts * num_m * num_n
     if programs > MAX_GRID:
         raise ValueError(f"masked GEMM grid of {programs} programs (E={num_experts} x {num_m} row blocks x "
@@ -186,7 +186,7 @@ def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
 
 
 def _row_blocks(hidden: int) -> tuple[int, int]:
-    block_h = min(1024, triton.next_power_of_2(hidden))
+    block_h = min(1024, next_power_of_2(hidden))
     return max(1, min(16, 4096 // block_h)), block_h
 
 
@@ -196,7 +196,7 @@ def masked_dispatch(x: torch.Tensor, layout: MaskedLayout, num_experts: int, top
     xm = _workspace.empty(num_experts, layout.capacity, hidden, dtype=x.dtype, device=x.device)
     block_p, block_h = _row_blocks(hidden)
     if num_pairs:
-        masked_dispatch_kernel[(triton.cdiv(num_pairs, block_p), triton.cdiv(hidden, block_h))](
+        masked_dispatch_kernel[(cdiv(num_pairs, block_p), cdiv(hidden, block_h))](
             x, layout.dest, xm, num_pairs, hidden, x.stride(0), x.stride(1),
             TOP_K=top_k, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4,
         )
@@ -211,7 +211,7 @@ def masked_combine(y: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Te
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     block_t, block_h = _row_blocks(hidden)
     if num_tokens:
-        masked_combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))](
+        masked_combine_kernel[(cdiv(num_tokens, block_t), cdiv(hidden, block_h))](
             y, layout.dest, weights, out, num_tokens, hidden, out.stride(0), out.stride(1),
             TOP_K=topk_weights.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
         )

@@ -39,7 +39,7 @@ from moekit._validation import (
     check_out,
     needs_grad,
 )
-from moekit.activation import GatedActivation, as_activation
+from moekit.activation import SWIGLU, GatedActivation, as_activation
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
@@ -199,10 +199,14 @@ def moe_experts(
     """
     num_experts = check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                      top_k_at_most_experts=not ignore_invalid_ids)
-    check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
-    act = as_activation(activation)
-    math = ExpertsOptions.math(gate_up_bias, down_bias, act, check_interleaved(interleaved))
-    options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats, **math)
+    if (config is None and capacity_factor is None and stats is None and gate_up_bias is None
+            and down_bias is None and activation is None and interleaved is False):
+        act, options = SWIGLU, _NO_OPTIONS          # the common call: nothing more to check or build
+    else:
+        check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
+        act = as_activation(activation)
+        math = ExpertsOptions.math(gate_up_bias, down_bias, act, check_interleaved(interleaved))
+        options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats, **math)
     dev = hidden_states.device
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
@@ -239,6 +243,7 @@ def moe_experts(
     return impl.run(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, options, out)
 
 
+_NO_OPTIONS = ExpertsOptions()
 CONFIG_FIELDS = tuple(ExpertsConfig.__dataclass_fields__)
 # Backends the custom op differentiates. A custom op's body runs below autograd, so another backend
 # cannot be recomputed under autograd there: under torch.compile those are traced instead.

@@ -61,7 +61,10 @@ class ExpertsOptions:
                 "activation": self.activation or SWIGLU, "interleaved": bool(self.interleaved)}
 
     def given(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        return [name for name in _OPTION_NAMES if getattr(self, name) is not None]
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(ExpertsOptions))
 
 
 RunFn = Callable[..., torch.Tensor]

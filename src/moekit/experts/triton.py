@@ -28,6 +28,8 @@ with a torch backward first: no bias gradient is ever dropped).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -115,6 +117,12 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_of(num_experts: int, hidden: int, inter: int, top_k: int) -> MoEShape:
+    """MoEShape(...), memoised: its checks run once per weight shape, not once per call."""
+    return MoEShape(num_experts, hidden, inter, top_k)
+
+
 def auto_config(num_tokens: int, gate_up_proj: torch.Tensor, top_k: int, dtype: torch.dtype,
                 device: torch.device) -> ExpertsConfig:
     """The config a call on num_tokens rows picks when given none (the tuned one, else the default).
@@ -123,7 +131,7 @@ def auto_config(num_tokens: int, gate_up_proj: torch.Tensor, top_k: int, dtype: 
     # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
     # slots carry ids outside [0, E)): at most E of a token's pairs land here.
     num_experts, two_i, hidden = gate_up_proj.shape
-    shape = MoEShape(num_experts, hidden, two_i // 2, min(top_k, num_experts))
+    shape = _shape_of(num_experts, hidden, two_i // 2, min(top_k, num_experts))
     return get_config(shape, num_tokens, dtype, device)
 
 

@@ -26,9 +26,9 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit._paths import PATHS, PathSwitch  # noqa: F401  (PATHS: the accepted names)
 from moekit.kernels.ep import ep_pack_kernel, ep_reduce_kernel, ep_route_kernel
 
@@ -53,7 +53,7 @@ def use_path(path: str) -> contextlib.AbstractContextManager[None]:
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
+    return next_power_of_2(max(1, n))
 
 
 def route(topk_ids: torch.Tensor, placement: Placement, rank: int,
@@ -104,8 +104,8 @@ def _launch_pack(x: torch.Tensor, topk_weights: torch.Tensor, plan: RoutePlan, s
     num_tokens, top_k = plan.dest.shape
     n, hidden = plan.hit.shape[1], x.shape[1]
     block_t, block_h = _pack_blocks(hidden, block_t, block_h)
-    token_blocks = triton.cdiv(num_tokens, block_t)
-    grid = (token_blocks + triton.cdiv(fill_rows, block_t), max(1, triton.cdiv(hidden, block_h)))
+    token_blocks = cdiv(num_tokens, block_t)
+    grid = (token_blocks + cdiv(fill_rows, block_t), max(1, cdiv(hidden, block_h)))
     if grid[0] == 0:
         return
     fixed = fill_rows > 0
@@ -165,7 +165,7 @@ def reduce(back: torch.Tensor, combine_index: torch.Tensor, dtype: torch.dtype, 
         out = _workspace.empty(num_tokens, hidden, dtype=dtype, device=back.device)
     block_h = block_h or min(_pow2(hidden), 1024)
     block_t = block_t or min(64, max(1, PACK_TILE // block_h))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     if not combine_index.is_contiguous():
         combine_index = combine_index.contiguous()       # the torch pack's is a column slice
     bf16 = dtype == torch.bfloat16

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from moekit import _workspace
+from moekit._host import cdiv, next_power_of_2
 from moekit._validation import (
     FLOAT_DTYPES,
     MAX_TRITON_EXPERTS,
@@ -72,6 +72,13 @@ def topk_softmax(
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     check_top_k(top_k, logits.shape[1])
+    return _topk_softmax_checked(logits, top_k, renormalize, backend, num_valid_tokens)
+
+
+def _topk_softmax_checked(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
+                          num_valid_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_softmax` past its checks of logits and top_k (`route` made them on its own inputs,
+    which imply them: F.linear of checked inputs is a (T, E) float tensor)."""
     backend = resolve_router_backend(backend, logits)
     if num_valid_tokens is not None:
         if backend != "triton":
@@ -93,13 +100,13 @@ def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
     ids = _workspace.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
-    e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 4096 // e_pad, triton.next_power_of_2(num_tokens)))
-    grid = (triton.cdiv(num_tokens, block_t),)
+    e_pad = next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // e_pad, next_power_of_2(num_tokens)))
+    grid = (cdiv(num_tokens, block_t),)
     topk_softmax_kernel[grid](
         logits, weights, ids, num_valid_tokens if num_valid_tokens is not None else ids,
         num_tokens, num_experts, logits.stride(0), logits.stride(1),
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         RENORMALIZE=renormalize, HAS_NUM_VALID=num_valid_tokens is not None,
         num_warps=4 if e_pad <= 256 else 8,
     )
@@ -158,5 +165,4 @@ def route(
         )
     check_top_k(top_k, router_weight.shape[0])
     logits = F.linear(hidden_states, router_weight)
-    return topk_softmax(logits, top_k, renormalize=renormalize, backend=backend,
-                        num_valid_tokens=num_valid_tokens)
+    return _topk_softmax_checked(logits, top_k, renormalize, backend, num_valid_tokens)
