@@ -164,7 +164,7 @@ def first_line(exc: BaseException) -> str:
 
 def describe(cfg: moekit.ExpertsConfig | DecodeConfig, ran: moekit.ExpertsConfig) -> str:
     if isinstance(cfg, DecodeConfig):
-        return f"direct decode {cfg.label()} (n k warps stages: GEMV1/GEMV2)"
+        return f"direct decode {cfg.label()} (n k warps stages unroll: GEMV1/GEMV2)"
     note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
     return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
             f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "

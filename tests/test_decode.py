@@ -19,6 +19,8 @@ from moekit import moe_experts
 from moekit._workspace import poisoning
 from moekit.decode import (
     DECODE_MAX_PAIRS,
+    DECODE_TILES,
+    DEFAULT_DECODE,
     ENV_VAR,
     DecodeConfig,
     decode_gemm1_swiglu,
@@ -87,6 +89,13 @@ def test_the_default_tiles_on_a_qwen_like_row():
     x, gate_up, down, w, ids = make(1, 16, 512, 96, 8)
     out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device))
     assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
+def test_unrolled_loops_compute_the_same():
+    x, gate_up, down, w, ids = make(*CASES[1], invalid=True)
+    unrolled = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, unroll=2)
+    out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device), unrolled)
+    assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), SMALL))
 
 
 @pytest.fixture
@@ -164,3 +173,33 @@ def test_decode_kernels_compile_for_sm90_without_spills():
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1/1 decode variants compile" in done.stdout and "local" not in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 8])
+@pytest.mark.parametrize("tiles", [DEFAULT_DECODE, *DECODE_TILES], ids=lambda c: c.label())
+def test_gpu_graph_replay_equals_eager_and_the_2x_rule(qwen_layer, num_tokens, tiles, monkeypatch):
+    """Compiled, bf16, Qwen3-30B-A3B: within 2x PyTorch's same-dtype error; a captured graph replays
+    on new inputs and routing bit for bit as an eager call computes them."""
+    from moekit.graphs import capture_graph
+
+    shape = qwen_layer.shape
+    gate_up, down = qwen_layer.gate_up_proj, qwen_layer.down_proj
+    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    w, ids = w.contiguous(), ids.contiguous()
+    out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, "cuda"), tiles)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    assert rel_err(out, ref) <= same_dtype_bound(x, gate_up, down, w, ids, ref)
+    graph, _ = capture_graph(lambda: experts_decode(x, gate_up, down, w, ids, out, tiles),
+                             torch.device("cuda"))
+    x.copy_(torch.randn_like(x))
+    rerouted = torch.rand(num_tokens, shape.num_experts, device="cuda").argsort(1)[:, :ids.shape[1]]
+    ids.copy_(rerouted.to(ids.dtype))
+    w.copy_(torch.rand_like(w))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), tiles))
+    if tiles == DEFAULT_DECODE:                  # the backend, switched on, runs these launches
+        monkeypatch.setenv(ENV_VAR, "1")
+        assert torch.equal(out, moe_experts(x, gate_up, down, w, ids, backend="triton"))

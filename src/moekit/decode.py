@@ -34,7 +34,8 @@ ENV_VAR = "MOEKIT_DECODE_DIRECT"
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of the two decode kernels: block_n output columns and block_k reduction columns per
-    step of a program (its [block_n, block_k] fp32 accumulator), warps and pipeline stages."""
+    step of a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the
+    reduction loop's unroll factor."""
 
     block_n1: int = 16
     block_k1: int = 256
@@ -44,6 +45,8 @@ class DecodeConfig:
     block_k2: int = 256
     warps2: int = 4
     stages2: int = 3
+    unroll1: int = 1
+    unroll2: int = 1
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
@@ -53,23 +56,25 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be a power of two, got {v}")
 
     @classmethod
-    def both(cls, block_n: int, block_k: int, warps: int, stages: int) -> DecodeConfig:
+    def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1) -> DecodeConfig:
         """The same tiles for both kernels."""
-        return cls(block_n, block_k, warps, stages, block_n, block_k, warps, stages)
+        return cls(block_n, block_k, warps, stages, block_n, block_k, warps, stages, unroll, unroll)
 
     def label(self) -> str:
-        return (f"n{self.block_n1}k{self.block_k1}w{self.warps1}s{self.stages1}/"
-                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}")
+        return (f"n{self.block_n1}k{self.block_k1}w{self.warps1}s{self.stages1}u{self.unroll1}/"
+                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}u{self.unroll2}")
 
 
 DEFAULT_DECODE = DecodeConfig()
 # Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
-# (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps, fewer stages.
+# (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
+# reduction step, the loops unrolled twice.
 DECODE_TILES = (
     DecodeConfig.both(block_n=8, block_k=256, warps=4, stages=3),
     DecodeConfig.both(block_n=32, block_k=128, warps=4, stages=3),
     DecodeConfig(block_n1=16, block_k1=512, warps1=8, stages1=2,
                  block_n2=16, block_k2=256, warps2=8, stages2=2),
+    DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
 )
 
 
@@ -96,7 +101,8 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
-            EVEN_K=hidden % cfg.block_k1 == 0, num_warps=cfg.warps1, num_stages=cfg.stages1)
+            EVEN_K=hidden % cfg.block_k1 == 0, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
+            num_stages=cfg.stages1)
     return h
 
 
@@ -113,7 +119,8 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-            EVEN_K=inter % cfg.block_k2 == 0, num_warps=cfg.warps2, num_stages=cfg.stages2)
+            EVEN_K=inter % cfg.block_k2 == 0, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
+            num_stages=cfg.stages2)
     return out
 
 

@@ -13,6 +13,8 @@ At decode sizes every expert gets about one pair, so sorting pairs by expert buy
 one row per program is a matrix-vector product: each step loads a [BN, BK] weight tile and the
 matching [BK] chunk of the row, multiplies in fp32 into a [BN, BK] accumulator, and the K dimension
 is reduced once after the loop (tl.sum), which compiles to plain FMAs and one final shuffle tree.
+UNROLL unrolls that loop (`tl.range(loop_unroll_factor=...)`): more weight bytes in flight per program
+(the loads are not software-pipelined through shared memory; only registers carry them).
 Ids are compared in their own integer type (int64 ids are never truncated before the range check).
 """
 
@@ -40,6 +42,7 @@ def decode_gemm1_swiglu_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, E, N, K,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):
     # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
     pair = tl.program_id(0)
@@ -55,7 +58,7 @@ def decode_gemm1_swiglu_kernel(
         u_ptrs = g_ptrs + N * stride_wn
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
             acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
         gate = tl.sum(acc_g, axis=1)
@@ -70,6 +73,7 @@ def decode_gemm2_sum_kernel(
     h_ptr, w_ptr, topk_weights_ptr, ids_ptr, out_ptr, E, N, K,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
     tok = tl.program_id(0).to(tl.int64)
@@ -85,7 +89,7 @@ def decode_gemm2_sum_kernel(
             h_row = h_ptr + pair * stride_hm
             d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
                 acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K)
             out += tl.sum(acc, axis=1) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
