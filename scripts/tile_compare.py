@@ -105,7 +105,7 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
     elif which == "decode":
         candidates = {"table": base, "direct": DEFAULT_DECODE,
                       **{f"direct {i}": t for i, t in enumerate(DECODE_TILES)}}
-        return dict(list(candidates.items())[:MAX_VARIANTS])
+        return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
     elif which == "flatten":
         flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
         candidates = {"table": base, "persistent": persistent, "persistent flat": flat,
@@ -164,7 +164,7 @@ def first_line(exc: BaseException) -> str:
 
 def describe(cfg: moekit.ExpertsConfig | DecodeConfig, ran: moekit.ExpertsConfig) -> str:
     if isinstance(cfg, DecodeConfig):
-        return f"direct decode {cfg.label()} (n k warps stages unroll: GEMV1/GEMV2)"
+        return f"direct decode {cfg.label()} (n k warps stages unroll: GEMV1/GEMV2[xslots])"
     note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
     return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
             f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "

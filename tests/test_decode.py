@@ -93,6 +93,17 @@ def test_the_default_tiles_on_a_qwen_like_row():
     assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
 
 
+@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_slot_groups_match_the_twin(case, slots):
+    """GEMV2 over groups of slots (slots2 > 1; groups that run past K, invalid ids inside a group)."""
+    x, gate_up, down, w, ids = make(*case, invalid=True)
+    cfg = DecodeConfig(block_n1=16, block_k1=16, block_n2=16, block_k2=16, slots2=slots)
+    h = decode_gemm1_swiglu_torch(x, gate_up, ids).to(x.dtype)
+    out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), cfg)
+    assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
+
+
 def test_unrolled_loops_compute_the_same():
     x, gate_up, down, w, ids = make(*CASES[1], invalid=True)
     unrolled = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, unroll=2)

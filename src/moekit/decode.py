@@ -35,7 +35,8 @@ ENV_VAR = "MOEKIT_DECODE_DIRECT"
 class DecodeConfig:
     """Tiles of the two decode kernels: block_n output columns and block_k reduction columns per
     step of a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the
-    reduction loop's unroll factor."""
+    reduction loop's unroll factor; slots2: GEMV2 computes that many of a token's slots together
+    (a power of two; 1: one slot after the other)."""
 
     block_n1: int = 16
     block_k1: int = 256
@@ -47,12 +48,13 @@ class DecodeConfig:
     stages2: int = 3
     unroll1: int = 1
     unroll2: int = 1
+    slots2: int = 1
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"DecodeConfig.{name} must be a positive int, got {v!r}")
-            if name.startswith("block_") and v & (v - 1):
+            if name.startswith(("block_", "slots")) and v & (v - 1):
                 raise ValueError(f"DecodeConfig.{name} must be a power of two, got {v}")
 
     @classmethod
@@ -62,19 +64,22 @@ class DecodeConfig:
 
     def label(self) -> str:
         return (f"n{self.block_n1}k{self.block_k1}w{self.warps1}s{self.stages1}u{self.unroll1}/"
-                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}u{self.unroll2}")
+                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}u{self.unroll2}"
+                + (f"x{self.slots2}" if self.slots2 > 1 else ""))
 
 
 DEFAULT_DECODE = DecodeConfig()
 # Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
 # (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
-# reduction step, the loops unrolled twice.
+# reduction step, the loops unrolled twice, GEMV2 over 8 slots at once.
 DECODE_TILES = (
     DecodeConfig.both(block_n=8, block_k=256, warps=4, stages=3),
     DecodeConfig.both(block_n=32, block_k=128, warps=4, stages=3),
     DecodeConfig(block_n1=16, block_k1=512, warps1=8, stages1=2,
                  block_n2=16, block_k2=256, warps2=8, stages2=2),
     DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
+    DecodeConfig(block_n2=8, block_k2=128, slots2=8),
+    DecodeConfig(block_n2=16, block_k2=128, warps2=8, slots2=8),
 )
 
 
@@ -119,7 +124,7 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-            EVEN_K=inter % cfg.block_k2 == 0, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
+            EVEN_K=inter % cfg.block_k2 == 0, UNROLL=cfg.unroll2, SLOTS=cfg.slots2, num_warps=cfg.warps2,
             num_stages=cfg.stages2)
     return out
 

@@ -13,8 +13,10 @@ At decode sizes every expert gets about one pair, so sorting pairs by expert buy
 one row per program is a matrix-vector product: each step loads a [BN, BK] weight tile and the
 matching [BK] chunk of the row, multiplies in fp32 into a [BN, BK] accumulator, and the K dimension
 is reduced once after the loop (tl.sum), which compiles to plain FMAs and one final shuffle tree.
-UNROLL unrolls that loop (`tl.range(loop_unroll_factor=...)`): more weight bytes in flight per program
-(the loads are not software-pipelined through shared memory; only registers carry them).
+GEMV2's SLOTS computes that many of a token's slots together ([SLOTS, BN, BK] steps, the slots
+still added in ascending order). UNROLL unrolls the reduction loop (`tl.range(loop_unroll_factor=...)`).
+Both put more weight bytes in flight per program: the loads are not software-pipelined through
+shared memory (only registers carry them), and at T = 1 GEMV2 has only H / BN programs.
 Ids are compared in their own integer type (int64 ids are never truncated before the range check).
 """
 
@@ -69,28 +71,70 @@ def decode_gemm1_swiglu_kernel(
 
 
 @triton.jit
+def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
+                stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
+                TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, UNROLL: tl.constexpr):
+    """out [BN] += the weighted rows of slots s0 .. s0 + SLOTS - 1, computed together (one
+    [SLOTS, BN, BK] step loads every slot's weight tile: more bytes in flight), added in ascending
+    slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0."""
+    rs = tl.arange(0, SLOTS)
+    slot = s0 + rs
+    pair = tok * TOP_K + slot
+    e = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1)
+    valid = (slot < TOP_K) & (e >= 0) & (e < E)
+    wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    e = tl.where(valid, e, 0).to(tl.int64)
+    h_rows = h_ptr + pair[:, None] * stride_hm                                             # [S, 1]
+    d_rows = w_ptr + e[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wn  # [S, BN, 1]
+    row_in = valid[:, None, None] & n_in[None, :, None]
+    acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None], other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in, other=0.0)
+        else:
+            k_in = rk < K
+            v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None] & k_in[None, :], other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in & k_in[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * v.to(tl.float32)[:, None, :]
+    part = tl.sum(acc, axis=2) * wt[:, None]                                               # [S, BN]
+    for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
+        out += tl.sum(tl.where(rs[:, None] == j, part, 0.0), axis=0)
+    return out
+
+
+@triton.jit
 def decode_gemm2_sum_kernel(
     h_ptr, w_ptr, topk_weights_ptr, ids_ptr, out_ptr, E, N, K,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
+    # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = rn < N
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
-        pair = tok * TOP_K + slot
-        e = tl.load(ids_ptr + pair)
-        if (e >= 0) & (e < E):
-            wt = tl.load(topk_weights_ptr + pair).to(tl.float32)
-            h_row = h_ptr + pair * stride_hm
-            d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-                acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K)
-            out += tl.sum(acc, axis=1) * wt
+    if SLOTS > 1:
+        for s0 in range(0, TOP_K, SLOTS):
+            out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
+                              stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
+                              BLOCK_K, EVEN_K, UNROLL)
+    else:
+        for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
+            pair = tok * TOP_K + slot
+            e = tl.load(ids_ptr + pair)
+            if (e >= 0) & (e < E):
+                wt = tl.load(topk_weights_ptr + pair).to(tl.float32)
+                h_row = h_ptr + pair * stride_hm
+                d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+                    acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K)
+                out += tl.sum(acc, axis=1) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)
