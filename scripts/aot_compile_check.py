@@ -42,9 +42,14 @@ token and B by sorted row) with its tiles (`moekit.tuning.WgradConfig`): the old
 L tiles capped at 64), the default and `moekit.bench.wgrad.CANDIDATES` (by index); with --regs its
 lines give shared memory, registers and spills per launch.
 
+`--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.kernels.decode`:
+GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
+(`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
+
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
        python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
+       python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -321,6 +326,43 @@ def compare(ours: Path, theirs: Path) -> int:
     return differ
 
 
+def decode_variants(spec: str) -> dict[str, object]:
+    """name -> `moekit.decode.DecodeConfig` for --decode SPEC."""
+    from moekit.decode import DECODE_TILES, DEFAULT_DECODE
+
+    named = {"default": DEFAULT_DECODE, **{str(i): t for i, t in enumerate(DECODE_TILES)}}
+    keys = list(named) if spec == "all" else spec.split(",")
+    unknown = [k for k in keys if k not in named]
+    if unknown:
+        raise SystemExit(f"--decode: unknown {unknown}; names are default, 0..{len(DECODE_TILES) - 1}")
+    return {k: named[k] for k in keys}
+
+
+def check_decode(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
+    """One line per decode tile choice: both kernels at T = 1 (shared memory, registers, spills)."""
+    from moekit.decode import experts_decode
+    from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+
+    x, ids, w = inp.x[:1], inp.ids[:1], inp.w[:1]
+    failed = 0
+    for name, tiles in variants.items():
+        started = time.perf_counter()
+        try:
+            launches = capture_launches(lambda t=tiles: experts_decode(x, inp.gate_up, inp.down, w, ids,
+                                                                       torch.empty_like(x), t),
+                                        (decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel))
+            status = "OK  shared " + compile_launches(launches, target, dump, [f"decode.{name}"] * 2, regs)
+        except Exception as exc:
+            failed += 1
+            text = str(exc).strip().splitlines()
+            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+        print(f"decode {name:<8} {status}  [{tiles.label()}]  ({time.perf_counter() - started:.1f} s)",
+              flush=True)
+    print(f"{len(variants) - failed}/{len(variants)} decode variants compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
     failed = 0
     for name, tiles in variants.items():
@@ -349,6 +391,8 @@ def main() -> int:
                    help="also registers per thread and local memory (cuobjdump)")
     p.add_argument("--wgrad", nargs="?", const="all", default=None,
                    help="the weight-gradient kernel's tiles instead: all, or old,default,<index>,...")
+    p.add_argument("--decode", nargs="?", const="all", default=None,
+                   help="the direct decode kernels' tiles instead: all, or default,<index>,...")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -366,6 +410,8 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}, {args.preset} bf16, T={NUM_TOKENS}", flush=True)
     if args.wgrad is not None:
         return check_wgrad(inp, wgrad_variants(args.wgrad), target, args.dump, args.regs)
+    if args.decode is not None:
+        return check_decode(inp, decode_variants(args.decode), target, args.dump, args.regs)
     pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
     for tiles in dict.fromkeys(t for t, _ in pairs):
         print(f"  tiles {tiles}: " + " ".join(f"{k}={v}" for k, v in TILES[tiles].to_dict().items()))

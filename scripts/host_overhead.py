@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-KERNEL_MODULES = ("moekit.kernels.align", "moekit.kernels.grouped_gemm", "moekit.kernels.router")
+KERNEL_MODULES = ("moekit.kernels.align", "moekit.kernels.grouped_gemm", "moekit.kernels.router",
+                  "moekit.kernels.decode")     # decode: MOEKIT_DECODE_DIRECT=1 calls
 PHASES = ("router", "checks", "prepare", "align", "gemm1", "gemm2", "sum", "experts", "layer")
 
 

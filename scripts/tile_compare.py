@@ -30,6 +30,14 @@ kernels without paired tiles; a name ending in " flat" runs with it, its config 
     tma k<BK> s<S>   table + tma_weights with block_k BK and S stages in both GEMMs (--tma-tiles;
                      shrunk to fit shared memory, the label shows what ran)
 
+`--set decode` (the direct decode path, `moekit.decode`; tokens 1,2,4,8,16 unless --tokens):
+
+    table            the tuned config (the four-kernel path)
+    direct           the two decode kernels with `moekit.decode.DEFAULT_DECODE`
+    direct <i>       ... with `moekit.decode.DECODE_TILES[i]` (block_n / block_k / warps / stages)
+    Calls `experts_decode` directly (no MOEKIT_DECODE_DIRECT needed); T * K past
+    `DECODE_MAX_PAIRS` still runs (it is a measurement, not the backend's decision).
+
 A variant that fails to compile or run is reported on its line and the run goes on; one whose
 error exceeds 2x the table config's (plus 1e-3) is reported and not timed. "tma" variants on a
 device or Triton without TMA descriptors run the pointer path: the line says so.
@@ -38,7 +46,7 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--set persistent|flatten|tma] [--tokens 1024,2048,...]
+Usage: python scripts/tile_compare.py [--set persistent|flatten|tma|decode] [--tokens 1024,2048,...]
        [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
@@ -57,6 +65,7 @@ from moekit.align import align_block_size
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.roofline import floor_ms
 from moekit.bench.timing import time_fn
+from moekit.decode import DECODE_TILES, DEFAULT_DECODE, DecodeConfig, experts_decode
 from moekit.experts.triton import experts_triton
 from moekit.grouped_gemm import resolve_tma
 from moekit.reference import moe_experts_ref
@@ -93,6 +102,10 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
     if which == "persistent":
         candidates = {"table": base, "persistent": persistent,
                       "persistent+tma": dataclasses.replace(persistent, tma_weights=True), **BLOCK_SHAPES}
+    elif which == "decode":
+        candidates = {"table": base, "direct": DEFAULT_DECODE,
+                      **{f"direct {i}": t for i, t in enumerate(DECODE_TILES)}}
+        return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
     elif which == "flatten":
         flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
         candidates = {"table": base, "persistent": persistent, "persistent flat": flat,
@@ -149,7 +162,9 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-def describe(cfg: moekit.ExpertsConfig, ran: moekit.ExpertsConfig) -> str:
+def describe(cfg: moekit.ExpertsConfig | DecodeConfig, ran: moekit.ExpertsConfig) -> str:
+    if isinstance(cfg, DecodeConfig):
+        return f"direct decode {cfg.label()} (n k warps stages unroll: GEMV1/GEMV2[xslots])"
     note = " (TMA unsupported here: pointer path)" if cfg.tma_weights and not ran.tma_weights else ""
     return (f"bm={cfg.block_m}x{cfg.pair_blocks} n={cfg.block_n1}/{cfg.block_n2} "
             f"k={cfg.block_k1}/{cfg.block_k2} w={cfg.warps1}/{cfg.warps2} "
@@ -168,13 +183,19 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
     rows = []
     for name, cfg in variants(get_config(shape, t, dtype, dev), parse_tiles(args.tma_tiles), dtype.itemsize,
                               budget, args.set).items():
-        ran = resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
+        direct = isinstance(cfg, DecodeConfig)
+        ran = cfg if direct else resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
         tiles = describe(cfg, ran)
-        row = dict(tokens=t, config=name, tma_ran=ran.tma_weights,
-                   **{f"cfg_{k}": v for k, v in cfg.to_dict().items()})
+        fields = dataclasses.asdict(cfg) if direct else cfg.to_dict()
+        row = dict(tokens=t, config=name, tma_ran=not direct and ran.tma_weights,
+                   **{f"cfg_{k}": v for k, v in fields.items()})
         rows.append(row)
-        fn = functools.partial(run_flattened, flattened(name), functools.partial(
-            experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg))
+        if direct:
+            fn = functools.partial(experts_decode, x, layer.gate_up_proj, layer.down_proj, w.contiguous(),
+                                   ids.contiguous(), torch.empty_like(x), cfg)
+        else:
+            fn = functools.partial(run_flattened, flattened(name), functools.partial(
+                experts_triton, x, layer.gate_up_proj, layer.down_proj, w, ids, config=cfg))
         try:
             out = fn()
             if dev.type == "cuda":
@@ -197,7 +218,7 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
             print(f"{t:>6} {name:>18} FAILED {row['error']}  {tiles}", flush=True)
             continue
         row.update(graph_ms=ms, floor_ms=fl, pct_floor=100 * fl / ms,
-                   rows_per_pair=padding(ids, shape.num_experts, cfg))
+                   rows_per_pair=1.0 if direct else padding(ids, shape.num_experts, cfg))
         print(f"{t:>6} {name:>18} {ms:9.4f} {row['pct_floor']:6.1f}% {row['rows_per_pair']:9.3f} "
               f"{err:11.2e}  {tiles}", flush=True)
     return rows
@@ -216,16 +237,19 @@ def summary(rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
-    p.add_argument("--tokens", default="1024,2048,4096,8192,16384")
-    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma"),
-                   help="which variants: persistent kernels and block shapes, the fused loops, or the "
-                        "TMA study's")
+    p.add_argument("--tokens", default=None,
+                   help="default 1024,2048,4096,8192,16384 (--set decode: 1,2,4,8,16)")
+    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma", "decode"),
+                   help="which variants: persistent kernels and block shapes, the fused loops, the "
+                        "TMA study's, or the direct decode path's tiles")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
                    help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")
     args = p.parse_args()
+    if args.tokens is None:
+        args.tokens = "1,2,4,8,16" if args.set == "decode" else "1024,2048,4096,8192,16384"
     started = time.perf_counter()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

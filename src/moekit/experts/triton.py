@@ -24,6 +24,10 @@ Expert biases, the gpt_oss activation and interleaved gate/up rows (`moekit.acti
 forward kernels' epilogues; the backward kernels compute SwiGLU without biases only, so a call with
 any of them that needs gradients raises here (`moekit.moe_experts` routes such calls to a backend
 with a torch backward first: no bias gradient is ever dropped).
+
+Direct decode (opt-in, `moekit.decode`: MOEKIT_DECODE_DIRECT=1): an inference call with plain SwiGLU
+(no biases, not interleaved) and T * K <= `moekit.decode.DECODE_MAX_PAIRS` runs two kernels instead of
+the four (no align; `config` does not apply to it); every other call runs the path above.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import Alignment, align_block_size
+from moekit.decode import experts_decode, use_decode_direct
 from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
     down_proj_grad,
@@ -165,11 +170,18 @@ def experts_triton(
     activation: GatedActivation = SWIGLU,
     interleaved: bool = False,
 ) -> torch.Tensor:
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config,
-                                    interleaved=interleaved)
     extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
-    if needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases):
+    grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
+    if not grad and not extended and use_decode_direct(topk_ids.numel()):   # opt-in: moekit.decode
+        check_triton_device("hidden_states", hidden_states)
+        if out is None:
+            out = _workspace.empty_like(hidden_states)
+        return experts_decode(hidden_states, gate_up_proj, down_proj, topk_weights.contiguous(),
+                              topk_ids.contiguous(), out)
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config,
+                                    interleaved=interleaved)
+    if grad:
         if extended:
             raise RuntimeError("the triton backward computes SwiGLU without biases only; this call has "
                                "expert biases, another activation or interleaved gate/up rows and needs "

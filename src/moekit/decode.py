@@ -1,0 +1,169 @@
+"""Direct decode path of the triton backend (opt-in): two kernels for a few pairs, no align.
+
+    decode_gemm1_swiglu   h (S, I): silu(x_t @ gate_e^T) * (x_t @ up_e^T) per pair, unsorted
+    decode_gemm2_sum      out (T, H): sum over slots k ascending of w[t,k] * (h[t*K+k] @ down_e^T)
+
+(kernels: `moekit.kernels.decode`), each beside its pure-PyTorch twin (`*_torch`, fp32). At decode
+sizes (T * K pairs of the order of E) each expert gets about one pair: sorting pairs by expert buys
+no weight reuse, and the normal path's four dependent launches (align, GEMM1, GEMM2, moe_sum) each
+pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
+in the normal path (which never places them). Inference only: the triton backend uses it for calls
+that need no gradients, plain SwiGLU without biases or interleaved rows, T * K <= `DECODE_MAX_PAIRS`,
+when switched on: `MOEKIT_DECODE_DIRECT=1` (read at each call; off by default until measured on a GPU).
+
+Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
+and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
+No host sync; grids depend on shapes only (CUDA-graph safe); deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moekit import _workspace
+from moekit._host import cdiv
+from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+
+DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path when it is on
+ENV_VAR = "MOEKIT_DECODE_DIRECT"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two decode kernels: block_n output columns and block_k reduction columns per
+    step of a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the
+    reduction loop's unroll factor; slots2: GEMV2 computes that many of a token's slots together
+    (a power of two; 1: one slot after the other)."""
+
+    block_n1: int = 16
+    block_k1: int = 256
+    warps1: int = 4
+    stages1: int = 3
+    block_n2: int = 16
+    block_k2: int = 256
+    warps2: int = 4
+    stages2: int = 3
+    unroll1: int = 1
+    unroll2: int = 1
+    slots2: int = 1
+
+    def __post_init__(self) -> None:
+        for name, v in vars(self).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DecodeConfig.{name} must be a positive int, got {v!r}")
+            if name.startswith(("block_", "slots")) and v & (v - 1):
+                raise ValueError(f"DecodeConfig.{name} must be a power of two, got {v}")
+
+    @classmethod
+    def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1) -> DecodeConfig:
+        """The same tiles for both kernels."""
+        return cls(block_n, block_k, warps, stages, block_n, block_k, warps, stages, unroll, unroll)
+
+    def label(self) -> str:
+        return (f"n{self.block_n1}k{self.block_k1}w{self.warps1}s{self.stages1}u{self.unroll1}/"
+                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}u{self.unroll2}"
+                + (f"x{self.slots2}" if self.slots2 > 1 else ""))
+
+
+DEFAULT_DECODE = DecodeConfig()
+# Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
+# (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
+# reduction step, the loops unrolled twice, GEMV2 over 8 slots at once.
+DECODE_TILES = (
+    DecodeConfig.both(block_n=8, block_k=256, warps=4, stages=3),
+    DecodeConfig.both(block_n=32, block_k=128, warps=4, stages=3),
+    DecodeConfig(block_n1=16, block_k1=512, warps1=8, stages1=2,
+                 block_n2=16, block_k2=256, warps2=8, stages2=2),
+    DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
+    DecodeConfig(block_n2=8, block_k2=128, slots2=8),
+    DecodeConfig(block_n2=16, block_k2=128, warps2=8, slots2=8),
+)
+
+
+def decode_direct_enabled() -> bool:
+    """Whether $MOEKIT_DECODE_DIRECT switches the direct decode path on (read at each call)."""
+    return os.environ.get(ENV_VAR, "0") not in ("", "0")
+
+
+def use_decode_direct(num_pairs: int) -> bool:
+    """The triton backend's decision for a plain-SwiGLU inference call of num_pairs = T * K pairs."""
+    return 0 < num_pairs <= DECODE_MAX_PAIRS and decode_direct_enabled()
+
+
+def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
+                        cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+    """h (S, I) in x's dtype, row p = pair p (token p // K): silu(gate) * up; zeros for ids outside
+    [0, E). topk_ids (T, K) contiguous, int32 or int64."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    h = _workspace.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    if h.numel():
+        grid = (topk_ids.numel(), cdiv(inter, cfg.block_n1))
+        decode_gemm1_swiglu_kernel[grid](
+            x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
+            x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
+            TOP_K=topk_ids.shape[1], BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+            EVEN_K=hidden % cfg.block_k1 == 0, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
+            num_stages=cfg.stages1)
+    return h
+
+
+def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, out: torch.Tensor,
+                     cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+    """out (T, H) = fp32 sum over slots k ascending (ids in [0, E)) of w[t,k] * h[t*K+k] @ down_e^T,
+    stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous."""
+    num_experts, hidden, inter = down_proj.shape
+    num_tokens, top_k = topk_ids.shape
+    if out.numel():
+        grid = (num_tokens, cdiv(hidden, cfg.block_n2))
+        decode_gemm2_sum_kernel[grid](
+            h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
+            h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
+            TOP_K=top_k, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+            EVEN_K=inter % cfg.block_k2 == 0, UNROLL=cfg.unroll2, SLOTS=cfg.slots2, num_warps=cfg.warps2,
+            num_stages=cfg.stages2)
+    return out
+
+
+def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                   cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+    """The whole direct path into out (T, H): the two launches."""
+    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg)
+    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg)
+
+
+def _valid(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return (topk_ids >= 0) & (topk_ids < num_experts)
+
+
+def decode_gemm1_swiglu_torch(x: torch.Tensor, gate_up_proj: torch.Tensor,
+                              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Twin of `decode_gemm1_swiglu` in fp32: h (S, I), zeros for ids outside [0, E)."""
+    num_experts, two_i, _ = gate_up_proj.shape
+    ids = topk_ids.reshape(-1).long()
+    valid = _valid(ids, num_experts)
+    h = torch.zeros(ids.numel(), two_i // 2, dtype=torch.float32, device=x.device)
+    tok = torch.arange(ids.numel(), device=x.device) // topk_ids.shape[1]
+    for p in torch.nonzero(valid)[:, 0].tolist():
+        gate, up = (gate_up_proj[ids[p]].float() @ x[tok[p]].float()).chunk(2)
+        h[p] = torch.nn.functional.silu(gate) * up
+    return h
+
+
+def decode_gemm2_sum_torch(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> torch.Tensor:
+    """Twin of `decode_gemm2_sum` in fp32: out (T, H), slots with ids outside [0, E) left out."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, down_proj.shape[1], dtype=torch.float32, device=h.device)
+    ids = topk_ids.long()
+    for t in range(num_tokens):
+        for k in range(top_k):
+            e = int(ids[t, k])
+            if 0 <= e < down_proj.shape[0]:
+                out[t] += float(topk_weights[t, k]) * (down_proj[e].float() @ h[t * top_k + k].float())
+    return out

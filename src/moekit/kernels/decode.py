@@ -1,0 +1,140 @@
+"""Direct decode path: the expert computation in two kernels for a few (token, slot) pairs, no align.
+
+Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate, BN/BK tile sizes.
+
+    GEMV1  program (p, n-tile): e = ids[p], t = p // K;
+           h[p, n-tile] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), fp32 accumulators, h (S, I)
+           in the activation dtype. A pair with e outside [0, E) reads no weights and stores zeros.
+    GEMV2  program (t, n-tile): out[t, n-tile] = sum over k = 0..K-1 (ascending, fixed) of
+           w[t, k] * (h[t*K + k] @ down_e^T)[n-tile] in fp32, slots with e outside [0, E) skipped;
+           stored once in out's dtype. No atomics: deterministic, graph and eager bitwise equal.
+
+At decode sizes every expert gets about one pair, so sorting pairs by expert buys no weight reuse;
+one row per program is a matrix-vector product: each step loads a [BN, BK] weight tile and the
+matching [BK] chunk of the row, multiplies in fp32 into a [BN, BK] accumulator, and the K dimension
+is reduced once after the loop (tl.sum), which compiles to plain FMAs and one final shuffle tree.
+GEMV2's SLOTS computes that many of a token's slots together ([SLOTS, BN, BK] steps, the slots
+still added in ascending order). UNROLL unrolls the reduction loop (`tl.range(loop_unroll_factor=...)`).
+Both put more weight bytes in flight per program: the loads are not software-pipelined through
+shared memory (only registers carry them), and at T = 1 GEMV2 has only H / BN programs.
+Ids are compared in their own integer type (int64 ids are never truncated before the range check).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BN, BK] fp32 += W[:, k0:k0+BK] * v[k0:k0+BK] (broadcast over rows); past K reads 0."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        v = tl.load(v_ptrs + rk * stride_vk)
+        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None], other=0.0)
+    else:
+        k_in = rk < K
+        v = tl.load(v_ptrs + rk * stride_vk, mask=k_in, other=0.0)
+        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0)
+    return acc + w.to(tl.float32) * v.to(tl.float32)[None, :]
+
+
+@triton.jit
+def decode_gemm1_swiglu_kernel(
+    x_ptr, w_ptr, ids_ptr, h_ptr, E, N, K,
+    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
+):
+    # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + pair)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = rn < N
+    h = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if (e >= 0) & (e < E):
+        tok = (pair // TOP_K).to(tl.int64)
+        x_row = x_ptr + tok * stride_xt
+        g_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn   # [BN, 1]
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+            acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
+            acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
+        h = gate * tl.sigmoid(gate) * up                                    # silu(gate) * up, fp32
+    h_ptrs = h_ptr + pair.to(tl.int64) * stride_hm + rn * stride_hn
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in)
+
+
+@triton.jit
+def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
+                stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
+                TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, UNROLL: tl.constexpr):
+    """out [BN] += the weighted rows of slots s0 .. s0 + SLOTS - 1, computed together (one
+    [SLOTS, BN, BK] step loads every slot's weight tile: more bytes in flight), added in ascending
+    slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0."""
+    rs = tl.arange(0, SLOTS)
+    slot = s0 + rs
+    pair = tok * TOP_K + slot
+    e = tl.load(ids_ptr + pair, mask=slot < TOP_K, other=-1)
+    valid = (slot < TOP_K) & (e >= 0) & (e < E)
+    wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    e = tl.where(valid, e, 0).to(tl.int64)
+    h_rows = h_ptr + pair[:, None] * stride_hm                                             # [S, 1]
+    d_rows = w_ptr + e[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wn  # [S, BN, 1]
+    row_in = valid[:, None, None] & n_in[None, :, None]
+    acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None], other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in, other=0.0)
+        else:
+            k_in = rk < K
+            v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None] & k_in[None, :], other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in & k_in[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * v.to(tl.float32)[:, None, :]
+    part = tl.sum(acc, axis=2) * wt[:, None]                                               # [S, BN]
+    for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
+        out += tl.sum(tl.where(rs[:, None] == j, part, 0.0), axis=0)
+    return out
+
+
+@triton.jit
+def decode_gemm2_sum_kernel(
+    h_ptr, w_ptr, topk_weights_ptr, ids_ptr, out_ptr, E, N, K,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
+):
+    # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
+    # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
+    tok = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = rn < N
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if SLOTS > 1:
+        for s0 in range(0, TOP_K, SLOTS):
+            out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
+                              stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
+                              BLOCK_K, EVEN_K, UNROLL)
+    else:
+        for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
+            pair = tok * TOP_K + slot
+            e = tl.load(ids_ptr + pair)
+            if (e >= 0) & (e < E):
+                wt = tl.load(topk_weights_ptr + pair).to(tl.float32)
+                h_row = h_ptr + pair * stride_hm
+                d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+                    acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K)
+                out += tl.sum(acc, axis=1) * wt
+    o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)

@@ -1,0 +1,218 @@
+"""The direct decode path (`moekit.decode`, opt-in MOEKIT_DECODE_DIRECT=1): each kernel against its
+pure-PyTorch twin, the twins chained against the fp32 reference, the whole path by the 2x rule, and
+the triton backend's decision (which calls take it, and that they honour out=, poisoned workspaces,
+invalid ids, int32 / int64 ids, non-contiguous inputs). CPU: the Triton interpreter, fp32 and fp16.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
+from moekit import moe_experts
+from moekit._workspace import poisoning
+from moekit.decode import (
+    DECODE_MAX_PAIRS,
+    DECODE_TILES,
+    DEFAULT_DECODE,
+    ENV_VAR,
+    DecodeConfig,
+    decode_gemm1_swiglu,
+    decode_gemm1_swiglu_torch,
+    decode_gemm2_sum,
+    decode_gemm2_sum_torch,
+    experts_decode,
+    use_decode_direct,
+)
+from moekit.reference import moe_experts_ref
+
+SMALL = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1)
+CASES = [  # (T, E, H, I, K)
+    (1, 8, 64, 48, 2),
+    (3, 5, 37, 11, 3),       # prime sizes: masked K and N tails
+    (2, 4, 32, 16, 4),       # top_k = E
+    (4, 6, 24, 40, 1),       # top_k = 1
+]
+
+
+def make(num_tokens, num_experts, hidden, inter, top_k, dtype=torch.float32, ids_dtype=torch.int64,
+         invalid=False):
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter) / inter**0.5).to(dtype)
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k, dtype=ids_dtype)
+    if invalid:
+        ids[::2, 0] = -1                                  # expert-parallel sentinels
+        if ids_dtype == torch.int64:
+            ids[1::2, -1] = 2**32 + 1                     # truncated to int32 this would be expert 1
+        else:
+            ids[1::2, -1] = num_experts
+    return x, gate_up, down, torch.rand(num_tokens, top_k), ids
+
+
+@pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "invalid"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_kernels_match_their_twins(case, invalid):
+    x, gate_up, down, w, ids = make(*case, invalid=invalid)
+    with poisoning():
+        h = decode_gemm1_swiglu(x, gate_up, ids, SMALL)
+        out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), SMALL)
+    h_ref = decode_gemm1_swiglu_torch(x, gate_up, ids)
+    assert rel_err(h, h_ref) <= 1e-5                      # invalid pairs' rows: zeros, as the twin's
+    assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
+    chained = decode_gemm2_sum_torch(h_ref, down, w, ids)
+    assert rel_err(chained, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_fp16_within_twice_torch_error_and_deterministic(case, ids_dtype):
+    """fp16 only on CPU: the interpreter's fp32 -> bf16 stores round toward zero (about twice the
+    error of round-to-nearest), so bf16 is checked compiled, in the gpu test below."""
+    x, gate_up, down, w, ids = make(*case, dtype=torch.float16, ids_dtype=ids_dtype, invalid=True)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    with poisoning():
+        out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device), SMALL)
+        again = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device), SMALL)
+    assert torch.equal(out, again)
+    valid = (ids >= 0) & (ids < case[1])
+    ids_ok = torch.where(valid, ids, 0).long()            # the same-dtype baseline wants ids in range
+    assert rel_err(out, ref) <= same_dtype_bound(x, gate_up, down, torch.where(valid, w, 0.0), ids_ok, ref)
+
+
+def test_the_default_tiles_on_a_qwen_like_row():
+    """DEFAULT tiles (block_k 256) over H = 512, I = 96 (K tail in GEMV2): one token, eight experts."""
+    x, gate_up, down, w, ids = make(1, 16, 512, 96, 8)
+    out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device))
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_slot_groups_match_the_twin(case, slots):
+    """GEMV2 over groups of slots (slots2 > 1; groups that run past K, invalid ids inside a group)."""
+    x, gate_up, down, w, ids = make(*case, invalid=True)
+    cfg = DecodeConfig(block_n1=16, block_k1=16, block_n2=16, block_k2=16, slots2=slots)
+    h = decode_gemm1_swiglu_torch(x, gate_up, ids).to(x.dtype)
+    out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), cfg)
+    assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
+
+
+def test_unrolled_loops_compute_the_same():
+    x, gate_up, down, w, ids = make(*CASES[1], invalid=True)
+    unrolled = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, unroll=2)
+    out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device), unrolled)
+    assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), SMALL))
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """The opt-in switched on; records the calls that take the direct path."""
+    import moekit.experts.triton as backend
+
+    monkeypatch.setenv(ENV_VAR, "1")
+    calls = []
+    real = backend.experts_decode
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "experts_decode", spy)
+    return calls
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert not use_decode_direct(8)
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert not use_decode_direct(8)
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
+    assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_backend_takes_the_direct_path_with_out_and_poisoned_workspaces(direct, ids_dtype):
+    x, gate_up, down, w, ids = make(3, 6, 40, 24, 4, ids_dtype=ids_dtype, invalid=True)
+    x_nc = torch.randn(40, 3).T                          # non-contiguous hidden states and weights
+    x_nc.copy_(x)
+    w_nc = torch.rand(4, 3).T
+    w_nc.copy_(w)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    out = poisoned(x.shape, x.dtype, x.device)
+    with poisoning():
+        got = moe_experts(x_nc, gate_up, down, w_nc, ids, backend="triton", ignore_invalid_ids=True, out=out)
+        fresh = moe_experts(x, gate_up, down, w, ids, backend="triton", ignore_invalid_ids=True)
+    assert got is out and len(direct) == 2
+    assert rel_err(out, ref) <= 1e-5 and torch.equal(out, fresh)
+
+
+def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direct):
+    x, gate_up, down, w, ids = make(2, 4, 32, 16, 2)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    # Too many pairs, expert math, and a call that needs gradients: the four-kernel path.
+    big = make(DECODE_MAX_PAIRS // 2 + 1, 4, 32, 16, 2)
+    moe_experts(*big, backend="triton")
+    bias = torch.randn(4, 32) * 0.1
+    biased = moe_experts(x, gate_up, down, w, ids, backend="triton", down_bias=bias)
+    assert rel_err(biased, moe_experts_ref(x, gate_up, down, w, ids, down_bias=bias)) <= 1e-5
+    xg = x.clone().requires_grad_()
+    out = moe_experts(xg, gate_up, down, w, ids, backend="triton")
+    out.sum().backward()
+    assert xg.grad is not None and rel_err(out.detach(), ref) <= 1e-5
+    empty = moe_experts(x[:0], gate_up, down, w[:0], ids[:0], backend="triton")
+    assert empty.shape == (0, 32)
+    assert direct == []
+    assert rel_err(moe_experts(x, gate_up, down, w, ids, backend="triton"), ref) <= 1e-5
+    assert len(direct) == 1
+
+
+def test_decode_kernels_compile_for_sm90_without_spills():
+    """scripts/aot_compile_check.py --decode default: both kernels at the Qwen3-30B-A3B shape, bf16,
+    through ptxas for sm_90, no local memory."""
+    root = Path(__file__).resolve().parents[1]
+    script = root / "scripts" / "aot_compile_check.py"
+    done = subprocess.run([sys.executable, str(script), "--decode", "default", "--regs"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    if done.returncode == 2:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1/1 decode variants compile" in done.stdout and "local" not in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 8])
+@pytest.mark.parametrize("tiles", [DEFAULT_DECODE, *DECODE_TILES], ids=lambda c: c.label())
+def test_gpu_graph_replay_equals_eager_and_the_2x_rule(qwen_layer, num_tokens, tiles, monkeypatch):
+    """Compiled, bf16, Qwen3-30B-A3B: within 2x PyTorch's same-dtype error; a captured graph replays
+    on new inputs and routing bit for bit as an eager call computes them."""
+    from moekit.graphs import capture_graph
+
+    shape = qwen_layer.shape
+    gate_up, down = qwen_layer.gate_up_proj, qwen_layer.down_proj
+    x = torch.randn(num_tokens, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w, ids = qwen_layer.route(x)
+    w, ids = w.contiguous(), ids.contiguous()
+    out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, "cuda"), tiles)
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    assert rel_err(out, ref) <= same_dtype_bound(x, gate_up, down, w, ids, ref)
+    graph, _ = capture_graph(lambda: experts_decode(x, gate_up, down, w, ids, out, tiles),
+                             torch.device("cuda"))
+    x.copy_(torch.randn_like(x))
+    rerouted = torch.rand(num_tokens, shape.num_experts, device="cuda").argsort(1)[:, :ids.shape[1]]
+    ids.copy_(rerouted.to(ids.dtype))
+    w.copy_(torch.rand_like(w))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), tiles))
+    if tiles == DEFAULT_DECODE:                  # the backend, switched on, runs these launches
+        monkeypatch.setenv(ENV_VAR, "1")
+        assert torch.equal(out, moe_experts(x, gate_up, down, w, ids, backend="triton"))
