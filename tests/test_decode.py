@@ -23,6 +23,7 @@ from moekit.decode import (
     DEFAULT_DECODE,
     ENV_VAR,
     DecodeConfig,
+    GemvTiles,
     decode_gemm1_swiglu,
     decode_gemm1_swiglu_torch,
     decode_gemm2_sum,
@@ -98,7 +99,7 @@ def test_the_default_tiles_on_a_qwen_like_row():
 def test_slot_groups_match_the_twin(case, slots):
     """GEMV2 over groups of slots (slots2 > 1; groups that run past K, invalid ids inside a group)."""
     x, gate_up, down, w, ids = make(*case, invalid=True)
-    cfg = DecodeConfig(block_n1=16, block_k1=16, block_n2=16, block_k2=16, slots2=slots)
+    cfg = DecodeConfig(GemvTiles(block_n=16, block_k=16), GemvTiles(block_n=16, block_k=16), slots2=slots)
     h = decode_gemm1_swiglu_torch(x, gate_up, ids).to(x.dtype)
     out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), cfg)
     assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
@@ -216,3 +217,16 @@ def test_gpu_graph_replay_equals_eager_and_the_2x_rule(qwen_layer, num_tokens, t
     if tiles == DEFAULT_DECODE:                  # the backend, switched on, runs these launches
         monkeypatch.setenv(ENV_VAR, "1")
         assert torch.equal(out, moe_experts(x, gate_up, down, w, ids, backend="triton"))
+
+
+def test_decode_config_rejects_bad_tiles():
+    """Each bad field is named: block sizes must be powers of two, every knob a positive int."""
+    with pytest.raises(ValueError, match=r"GemvTiles\.block_k must be a power of two"):
+        GemvTiles(block_k=96)
+    with pytest.raises(ValueError, match=r"GemvTiles\.warps must be a positive int"):
+        GemvTiles(warps=0)
+    with pytest.raises(ValueError, match=r"DecodeConfig\.slots2 must be a power of two"):
+        DecodeConfig(slots2=3)
+    with pytest.raises(ValueError, match=r"DecodeConfig\.gemv1 must be a GemvTiles"):
+        DecodeConfig(gemv1=(16, 256))
+    assert DecodeConfig.both(8, 256, 4, 3).label() == "n8k256w4s3u1/n8k256w4s3u1"

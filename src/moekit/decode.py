@@ -31,41 +31,57 @@ DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct pat
 ENV_VAR = "MOEKIT_DECODE_DIRECT"
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tiles of the two decode kernels: block_n output columns and block_k reduction columns per
-    step of a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the
-    reduction loop's unroll factor; slots2: GEMV2 computes that many of a token's slots together
-    (a power of two; 1: one slot after the other)."""
+def _check_tile(owner: str, name: str, value: object, power_of_two: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
 
-    block_n1: int = 16
-    block_k1: int = 256
-    warps1: int = 4
-    stages1: int = 3
-    block_n2: int = 16
-    block_k2: int = 256
-    warps2: int = 4
-    stages2: int = 3
-    unroll1: int = 1
-    unroll2: int = 1
-    slots2: int = 1
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One decode kernel's tiles: block_n output columns and block_k reduction columns per step of
+    a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the reduction
+    loop's unroll factor."""
+
+    block_n: int = 16
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 3
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"DecodeConfig.{name} must be a positive int, got {v!r}")
-            if name.startswith(("block_", "slots")) and v & (v - 1):
-                raise ValueError(f"DecodeConfig.{name} must be a power of two, got {v}")
+            _check_tile("GemvTiles", name, v, name.startswith("block_"))
+
+    def label(self) -> str:
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two decode kernels: gemv1 (gate/up + SwiGLU), gemv2 (down + the slot sum);
+    slots2: GEMV2 computes that many of a token's slots together (a power of two; 1: one slot
+    after the other)."""
+
+    gemv1: GemvTiles = GemvTiles()
+    gemv2: GemvTiles = GemvTiles()
+    slots2: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("gemv1", "gemv2"):
+            if not isinstance(getattr(self, name), GemvTiles):
+                raise ValueError(f"DecodeConfig.{name} must be a GemvTiles, got {getattr(self, name)!r}")
+        _check_tile("DecodeConfig", "slots2", self.slots2, True)
 
     @classmethod
     def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1) -> DecodeConfig:
         """The same tiles for both kernels."""
-        return cls(block_n, block_k, warps, stages, block_n, block_k, warps, stages, unroll, unroll)
+        tiles = GemvTiles(block_n, block_k, warps, stages, unroll)
+        return cls(tiles, tiles)
 
     def label(self) -> str:
-        return (f"n{self.block_n1}k{self.block_k1}w{self.warps1}s{self.stages1}u{self.unroll1}/"
-                f"n{self.block_n2}k{self.block_k2}w{self.warps2}s{self.stages2}u{self.unroll2}"
-                + (f"x{self.slots2}" if self.slots2 > 1 else ""))
+        return f"{self.gemv1.label()}/{self.gemv2.label()}" + (f"x{self.slots2}" if self.slots2 > 1 else "")
 
 
 DEFAULT_DECODE = DecodeConfig()
@@ -75,11 +91,11 @@ DEFAULT_DECODE = DecodeConfig()
 DECODE_TILES = (
     DecodeConfig.both(block_n=8, block_k=256, warps=4, stages=3),
     DecodeConfig.both(block_n=32, block_k=128, warps=4, stages=3),
-    DecodeConfig(block_n1=16, block_k1=512, warps1=8, stages1=2,
-                 block_n2=16, block_k2=256, warps2=8, stages2=2),
+    DecodeConfig(GemvTiles(block_n=16, block_k=512, warps=8, stages=2),
+                 GemvTiles(block_n=16, block_k=256, warps=8, stages=2)),
     DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
-    DecodeConfig(block_n2=8, block_k2=128, slots2=8),
-    DecodeConfig(block_n2=16, block_k2=128, warps2=8, slots2=8),
+    DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8),
+    DecodeConfig(gemv2=GemvTiles(block_n=16, block_k=128, warps=8), slots2=8),
 )
 
 
@@ -101,13 +117,14 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
     inter = two_i // 2
     h = _workspace.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
     if h.numel():
-        grid = (topk_ids.numel(), cdiv(inter, cfg.block_n1))
+        tiles = cfg.gemv1
+        grid = (topk_ids.numel(), cdiv(inter, tiles.block_n))
         decode_gemm1_swiglu_kernel[grid](
             x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
-            TOP_K=topk_ids.shape[1], BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
-            EVEN_K=hidden % cfg.block_k1 == 0, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
-            num_stages=cfg.stages1)
+            TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll, num_warps=tiles.warps,
+            num_stages=tiles.stages)
     return h
 
 
@@ -119,13 +136,14 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
     num_experts, hidden, inter = down_proj.shape
     num_tokens, top_k = topk_ids.shape
     if out.numel():
-        grid = (num_tokens, cdiv(hidden, cfg.block_n2))
+        tiles = cfg.gemv2
+        grid = (num_tokens, cdiv(hidden, tiles.block_n))
         decode_gemm2_sum_kernel[grid](
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
-            TOP_K=top_k, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-            EVEN_K=inter % cfg.block_k2 == 0, UNROLL=cfg.unroll2, SLOTS=cfg.slots2, num_warps=cfg.warps2,
-            num_stages=cfg.stages2)
+            TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2, num_warps=tiles.warps,
+            num_stages=tiles.stages)
     return out
 
 
