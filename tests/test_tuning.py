@@ -208,35 +208,23 @@ def test_bad_table_file_is_a_value_error_naming_the_file(tmp_path, name, content
 # The tma_weights switch: a bool, left out of table entries while off, so old tables read the same.
 
 
-def test_tma_weights_switch_serialises_backwards_compatibly(table_dir):
+@pytest.mark.parametrize("switch,extra,bad", [("tma_weights", {}, 1),
+                                               ("persistent", {"tma_weights": True}, "yes")])
+def test_switches_serialise_backwards_compatibly(table_dir, switch, extra, bad):
+    """tma_weights and persistent: bools left out of table entries while off."""
     shape = PRESETS["tiny"]
-    off, on = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32, tma_weights=True)
-    assert off.tma_weights is False and "tma_weights" not in off.to_dict()
-    assert on.to_dict()["tma_weights"] is True
+    off, on = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32, **{switch: True}, **extra)
+    assert getattr(off, switch) is False and switch not in off.to_dict()
+    assert on.to_dict()[switch] is True
     assert ExpertsConfig.from_dict(on.to_dict()) == on and ExpertsConfig.from_dict(off.to_dict()) == off
     table_dir({shape_key(shape, torch.float32): {"1": off.to_dict(), "1024": on.to_dict()}})
     assert get_config(shape, 1, torch.float32, "cpu") == off
     assert get_config(shape, 1024, torch.float32, "cpu") == on
     # The packaged table has no such key: every entry reads as off.
     for entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").values():
-        assert not any(cfg.tma_weights for cfg in entry.values())
-    with pytest.raises(ValueError, match="tma_weights must be true or false"):
-        ExpertsConfig(tma_weights=1)
-
-
-def test_persistent_switch_serialises_backwards_compatibly(table_dir):
-    """persistent, like tma_weights: a bool left out of table entries while off."""
-    shape = PRESETS["tiny"]
-    off, on = ExpertsConfig(block_m=16), ExpertsConfig(block_m=32, persistent=True, tma_weights=True)
-    assert off.persistent is False and "persistent" not in off.to_dict()
-    assert on.to_dict()["persistent"] is True and ExpertsConfig.from_dict(on.to_dict()) == on
-    table_dir({shape_key(shape, torch.float32): {"1": off.to_dict(), "1024": on.to_dict()}})
-    assert get_config(shape, 1, torch.float32, "cpu") == off
-    assert get_config(shape, 1024, torch.float32, "cpu") == on
-    for entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").values():
-        assert not any(cfg.persistent for cfg in entry.values())
-    with pytest.raises(ValueError, match="persistent must be true or false"):
-        ExpertsConfig(persistent="yes")
+        assert not any(getattr(cfg, switch) for cfg in entry.values())
+    with pytest.raises(ValueError, match=f"{switch} must be true or false"):
+        ExpertsConfig(**{switch: bad})
 
 
 def test_write_table_keeps_a_tma_entry_and_leaves_the_others_without_the_key(tmp_path):
@@ -609,3 +597,19 @@ def test_get_config_warns_once_when_the_table_s_triton_differs(table_dir, fresh_
         text = str(mine[0].message)
         assert "0.0.1-fake" in text and triton.__version__ in text
         assert "cpu.json" in text and "Fake GPU" in text
+
+
+def test_tile_configs_share_one_field_check():
+    """ExpertsConfig, WgradConfig and the decode tiles refuse a bool or a non-positive tile and a
+    block size off the powers of two, naming the class and the field."""
+    from moekit.decode import GemvTiles
+    from moekit.tuning import WgradConfig
+
+    for cls, field, pow2_field in ((ExpertsConfig, "warps1", "block_n2"), (WgradConfig, "stages", "block_c"),
+                                   (GemvTiles, "unroll", "block_k")):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be a positive int, got True"):
+            cls(**{field: True})
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be a positive int, got 0"):
+            cls(**{field: 0})
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.{pow2_field} must be a power of two, got 48"):
+            cls(**{pow2_field: 48})

@@ -26,16 +26,10 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv
 from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+from moekit.tuning import check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path when it is on
 ENV_VAR = "MOEKIT_DECODE_DIRECT"
-
-
-def _check_tile(owner: str, name: str, value: object, power_of_two: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
-    if power_of_two and value & (value - 1):
-        raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class GemvTiles:
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
-            _check_tile("GemvTiles", name, v, name.startswith("block_"))
+            check_tile("GemvTiles", name, v, name.startswith("block_"))
 
     def label(self) -> str:
         return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}"
@@ -72,7 +66,7 @@ class DecodeConfig:
         for name in ("gemv1", "gemv2"):
             if not isinstance(getattr(self, name), GemvTiles):
                 raise ValueError(f"DecodeConfig.{name} must be a GemvTiles, got {getattr(self, name)!r}")
-        _check_tile("DecodeConfig", "slots2", self.slots2, True)
+        check_tile("DecodeConfig", "slots2", self.slots2, True)
 
     @classmethod
     def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1) -> DecodeConfig:

@@ -50,6 +50,15 @@ class TuningTable(dict):
         self.meta = dict(meta or {})
 
 
+def check_tile(owner: str, name: str, value: object, power_of_two: bool = False) -> None:
+    """ValueError naming `owner.name` unless value is a positive int (and a power of two when
+    asked): the tile dataclasses' field check (ExpertsConfig, WgradConfig, moekit.decode's)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
+
+
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Tiles of the Triton expert path. block_m is shared: it is the align block size.
@@ -90,17 +99,12 @@ class ExpertsConfig:
     persistent: bool = False
 
     def __post_init__(self) -> None:
+        powers_of_two = ("block_m", "block_n1", "block_k1", "block_n2", "block_k2")
         for name in TILE_FIELDS:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ExpertsConfig.{name} must be a positive int, got {v!r}")
+            check_tile("ExpertsConfig", name, getattr(self, name), name in powers_of_two)
         for name in SWITCH_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExpertsConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
-            v = getattr(self, name)
-            if v & (v - 1):
-                raise ValueError(f"ExpertsConfig.{name} must be a power of two, got {v}")
         if self.pair_blocks not in (1, 2):
             raise ValueError(f"ExpertsConfig.pair_blocks must be 1 or 2, got {self.pair_blocks}")
 
@@ -156,13 +160,7 @@ class WgradConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"WgradConfig.{f.name} must be a positive int, got {v!r}")
-        for name in ("block_n", "block_c", "block_m", "warps"):
-            v = getattr(self, name)
-            if v & (v - 1):
-                raise ValueError(f"WgradConfig.{name} must be a power of two, got {v}")
+            check_tile("WgradConfig", f.name, getattr(self, f.name), f.name != "stages")
         if self.block_n < 16 or self.block_c < 16:
             raise ValueError(f"WgradConfig tiles must be >= 16, got {self.block_n} x {self.block_c}")
         if not 16 <= self.block_m <= 128:
