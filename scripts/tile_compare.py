@@ -33,7 +33,8 @@ kernels without paired tiles; a name ending in " flat" runs with it, its config 
 `--set decode` (the direct decode path, `moekit.decode`; tokens 1,2,4,8,16 unless --tokens):
 
     table            the tuned config (the four-kernel path)
-    direct           the two decode kernels with `moekit.decode.DEFAULT_DECODE`
+    direct           the two decode kernels with `moekit.decode.DEFAULT_DECODE` (the backend's tiles
+                     above `SMALL_DECODE_PAIRS` pairs; below, `SMALL_DECODE`, one of DECODE_TILES)
     direct <i>       ... with `moekit.decode.DECODE_TILES[i]` (block_n / block_k / warps / stages)
     Calls `experts_decode` directly (no MOEKIT_DECODE_DIRECT needed); T * K past
     `DECODE_MAX_PAIRS` still runs (it is a measurement, not the backend's decision).

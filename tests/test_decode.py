@@ -1,4 +1,4 @@
-"""The direct decode path (`moekit.decode`, opt-in MOEKIT_DECODE_DIRECT=1): each kernel against its
+"""The direct decode path (`moekit.decode`, on unless MOEKIT_DECODE_DIRECT=0): each kernel against its
 pure-PyTorch twin, the twins chained against the fp32 reference, the whole path by the 2x rule, and
 the triton backend's decision (which calls take it, and that they honour out=, poisoned workspaces,
 invalid ids, int32 / int64 ids, non-contiguous inputs). CPU: the Triton interpreter, fp32 and fp16.
@@ -15,15 +15,18 @@ import pytest
 import torch
 
 from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
-from moekit import moe_experts
+from moekit import ExpertsConfig, moe_experts
 from moekit._workspace import poisoning
 from moekit.decode import (
     DECODE_MAX_PAIRS,
     DECODE_TILES,
     DEFAULT_DECODE,
     ENV_VAR,
+    SMALL_DECODE,
+    SMALL_DECODE_PAIRS,
     DecodeConfig,
     GemvTiles,
+    decode_config,
     decode_gemm1_swiglu,
     decode_gemm1_swiglu_torch,
     decode_gemm2_sum,
@@ -130,13 +133,20 @@ def direct(monkeypatch):
 
 
 def test_the_switch(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert not use_decode_direct(8)
     monkeypatch.setenv(ENV_VAR, "0")
     assert not use_decode_direct(8)
-    monkeypatch.setenv(ENV_VAR, "1")
-    assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
-    assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+    for on in (None, "1", ""):                        # unset, 1 or empty: on
+        if on is None:
+            monkeypatch.delenv(ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(ENV_VAR, on)
+        assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
+        assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+
+
+def test_tiles_by_pairs():
+    assert decode_config(1) == decode_config(SMALL_DECODE_PAIRS) == SMALL_DECODE
+    assert decode_config(SMALL_DECODE_PAIRS + 1) == decode_config(DECODE_MAX_PAIRS) == DEFAULT_DECODE
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
@@ -158,7 +168,7 @@ def test_backend_takes_the_direct_path_with_out_and_poisoned_workspaces(direct, 
 def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direct):
     x, gate_up, down, w, ids = make(2, 4, 32, 16, 2)
     ref = moe_experts_ref(x, gate_up, down, w, ids)
-    # Too many pairs, expert math, and a call that needs gradients: the four-kernel path.
+    # Too many pairs, expert math, a call that needs gradients, an explicit config: the four-kernel path.
     big = make(DECODE_MAX_PAIRS // 2 + 1, 4, 32, 16, 2)
     moe_experts(*big, backend="triton")
     bias = torch.randn(4, 32) * 0.1
@@ -170,6 +180,8 @@ def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direc
     assert xg.grad is not None and rel_err(out.detach(), ref) <= 1e-5
     empty = moe_experts(x[:0], gate_up, down, w[:0], ids[:0], backend="triton")
     assert empty.shape == (0, 32)
+    tiled = moe_experts(x, gate_up, down, w, ids, backend="triton", config=ExpertsConfig())   # tiles named
+    assert rel_err(tiled, ref) <= 1e-5
     assert direct == []
     assert rel_err(moe_experts(x, gate_up, down, w, ids, backend="triton"), ref) <= 1e-5
     assert len(direct) == 1
@@ -214,8 +226,8 @@ def test_gpu_graph_replay_equals_eager_and_the_2x_rule(qwen_layer, num_tokens, t
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), tiles))
-    if tiles == DEFAULT_DECODE:                  # the backend, switched on, runs these launches
-        monkeypatch.setenv(ENV_VAR, "1")
+    if tiles == decode_config(ids.numel()):      # the backend runs these launches
+        monkeypatch.delenv(ENV_VAR, raising=False)
         assert torch.equal(out, moe_experts(x, gate_up, down, w, ids, backend="triton"))
 
 

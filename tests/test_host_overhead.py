@@ -20,20 +20,26 @@ def _script():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
-def test_smoke_reports_every_phase_and_restores_the_kernels(capsys):
+@pytest.mark.parametrize("direct", ["0", "1"], ids=["normal-path", "direct-decode"])
+def test_smoke_reports_every_phase_and_restores_the_kernels(capsys, monkeypatch, direct):
+    """The phases of the normal path are timed either way; the experts call and the layer launch what
+    the backend runs: 4 experts kernels on the normal path, 2 on the direct decode one (the default)."""
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", direct)
     mod = _script()
     runs = [vars(k).get("run") for k in mod.kernels()]
     assert mod.main(["--smoke", "--json", "--binder"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])["this tree"]
     for phase in (*mod.PHASES, "linear"):
         assert isinstance(result[phase], float)
+    experts = 2 if direct == "1" else 4
     assert result["launches"] == {"router": 1, "prepare": 0, "align": 1, "gemm1": 1, "gemm2": 1, "sum": 1,
-                                  "experts": 4, "layer": 5}
+                                  "experts": experts, "layer": experts + 1}
     assert result["ops"]["layer"] and "empty" in result["ops"]["layer"]
     binder = result["binder"]
     if not binder.get("error"):     # a Triton without its CUDA backend says why instead
-        launched = {"topk_softmax_kernel", "align_scatter_kernel", "moe_gemm1_swiglu_kernel",
-                    "moe_gemm2_kernel", "moe_sum_kernel"}
+        launched = ({"topk_softmax_kernel", "decode_gemm1_swiglu_kernel", "decode_gemm2_sum_kernel"}
+                    if direct == "1" else {"topk_softmax_kernel", "align_scatter_kernel",
+                                           "moe_gemm1_swiglu_kernel", "moe_gemm2_kernel", "moe_sum_kernel"})
         assert set(binder["us_per_launch"]) == launched
     assert [vars(k).get("run") for k in mod.kernels()] == runs      # no stub left behind
 

@@ -1,4 +1,4 @@
-"""Direct decode path of the triton backend (opt-in): two kernels for a few pairs, no align.
+"""Direct decode path of the triton backend: two kernels for a few pairs, no align.
 
     decode_gemm1_swiglu   h (S, I): silu(x_t @ gate_e^T) * (x_t @ up_e^T) per pair, unsorted
     decode_gemm2_sum      out (T, H): sum over slots k ascending of w[t,k] * (h[t*K+k] @ down_e^T)
@@ -8,8 +8,16 @@ sizes (T * K pairs of the order of E) each expert gets about one pair: sorting p
 no weight reuse, and the normal path's four dependent launches (align, GEMM1, GEMM2, moe_sum) each
 pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
 in the normal path (which never places them). Inference only: the triton backend uses it for calls
-that need no gradients, plain SwiGLU without biases or interleaved rows, T * K <= `DECODE_MAX_PAIRS`,
-when switched on: `MOEKIT_DECODE_DIRECT=1` (read at each call; off by default until measured on a GPU).
+that need no gradients, plain SwiGLU without biases or interleaved rows, no explicit `config` (the
+normal path's tiles), T * K <= `DECODE_MAX_PAIRS`, unless switched off with `MOEKIT_DECODE_DIRECT=0`
+(read at each call).
+
+Why on by default (H200, Qwen3-30B-A3B, bf16, 2026-11-30; `benchmarks/results/h200/2026-11-30/session4/`):
+in a CUDA graph after an L2 flush it is level with the normal path's tuned table from 1 to 8 tokens
+(T = 1: 0.042 ms both; T = 4: 0.088 against 0.092 ms; T = 8: 0.140 ms both; at 16 tokens, 128
+pairs, the table wins: 0.209 against 0.241 ms, so 64 pairs is the limit), and an eager layer call
+costs half as much host time (0.132 against 0.269 ms at T = 1: 3 launches and 6 torch ops a layer
+call instead of 5 and 10).
 
 Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
 and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
@@ -79,6 +87,11 @@ class DecodeConfig:
 
 
 DEFAULT_DECODE = DecodeConfig()
+# Up to SMALL_DECODE_PAIRS pairs GEMV2 computes a token's 8 slots together over narrower column
+# tiles: more loads in flight when only one or two tokens' outputs are being produced (T = 1: 0.042
+# against 0.047 ms with DEFAULT_DECODE; T = 2: 0.060 against 0.061; T = 4: 0.088 against 0.085).
+SMALL_DECODE = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
+SMALL_DECODE_PAIRS = 16
 # Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
 # (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
 # reduction step, the loops unrolled twice, GEMV2 over 8 slots at once.
@@ -88,14 +101,19 @@ DECODE_TILES = (
     DecodeConfig(GemvTiles(block_n=16, block_k=512, warps=8, stages=2),
                  GemvTiles(block_n=16, block_k=256, warps=8, stages=2)),
     DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
-    DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8),
+    SMALL_DECODE,
     DecodeConfig(gemv2=GemvTiles(block_n=16, block_k=128, warps=8), slots2=8),
 )
 
 
 def decode_direct_enabled() -> bool:
-    """Whether $MOEKIT_DECODE_DIRECT switches the direct decode path on (read at each call)."""
-    return os.environ.get(ENV_VAR, "0") not in ("", "0")
+    """Whether the direct decode path is on: yes unless $MOEKIT_DECODE_DIRECT is 0 (read at each call)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def decode_config(num_pairs: int) -> DecodeConfig:
+    """The tiles the backend runs for num_pairs = T * K pairs."""
+    return SMALL_DECODE if num_pairs <= SMALL_DECODE_PAIRS else DEFAULT_DECODE
 
 
 def use_decode_direct(num_pairs: int) -> bool:
@@ -143,8 +161,9 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
 
 def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                   cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
-    """The whole direct path into out (T, H): the two launches."""
+                   cfg: DecodeConfig | None = None) -> torch.Tensor:
+    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles)."""
+    cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
     h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg)
     return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg)
 

@@ -25,9 +25,10 @@ forward kernels' epilogues; the backward kernels compute SwiGLU without biases o
 any of them that needs gradients raises here (`moekit.moe_experts` routes such calls to a backend
 with a torch backward first: no bias gradient is ever dropped).
 
-Direct decode (opt-in, `moekit.decode`: MOEKIT_DECODE_DIRECT=1): an inference call with plain SwiGLU
-(no biases, not interleaved) and T * K <= `moekit.decode.DECODE_MAX_PAIRS` runs two kernels instead of
-the four (no align; `config` does not apply to it); every other call runs the path above.
+Direct decode (`moekit.decode`, on unless MOEKIT_DECODE_DIRECT=0): an inference call with plain SwiGLU
+(no biases, not interleaved), no `config` given and T * K <= `moekit.decode.DECODE_MAX_PAIRS` runs two
+kernels instead of the four (no align); every other call runs the path above (a `config` names the
+normal path's tiles, so a caller who gives one, the tuner, ablate or a captured layer, gets that path).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def experts_triton(
     extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
-    if not grad and not extended and use_decode_direct(topk_ids.numel()):   # opt-in: moekit.decode
+    if config is None and not grad and not extended and use_decode_direct(topk_ids.numel()):
         check_triton_device("hidden_states", hidden_states)
         if out is None:
             out = _workspace.empty_like(hidden_states)

@@ -136,12 +136,14 @@ class WgradConfig:
     lead = (stages - 1) // 2 steps ahead. At 3 or 4 stages the lead is 1 and every step waits for
     all its copies before its MMA (nothing overlaps: compiled for sm_90, `async_wait num = 0`);
     from 5 stages the next step's tiles are in flight during this step's MMA.
-    The default (H200, 16-bit): 128 x 128 output tiles (two warpgroups of 64 x 128 wgmma, 64 fp32
-    accumulator registers a thread), 32 rows a step, 7 stages (lead 3). Compiled for sm_90 it
-    takes 65 KiB of shared memory (4 buffers of the [BN, BM] tile, 3 of the [BM, BC] one and its
-    scaled copy) and 118-120 registers, no spills: two programs (16 warps) fit on an SM, one
-    computing while the other waits on its gathers (64 rows a step at 5 stages: 98 KiB and 128-129
-    registers, one program an SM). `fit` shrinks it for wider dtypes. Environment:
+    The default (H200, 16-bit): 128 x 256 output tiles, 32 rows a step, 8 warps, 5 stages (lead 2),
+    80 KiB of the pipeline's shared memory: the fastest of `moekit.bench.wgrad.CANDIDATES` at 1,024,
+    4,096 and 16,384 tokens in `scripts/wgrad_compare.py` on an H200 (2026-11-30, both launches of a
+    training step, Qwen3-30B-A3B, bf16: 0.89 / 1.61 / 4.64 ms, 1.23 / 1.44 / 1.61x the tiles taken
+    from the forward's config; 128 x 128 at 7 stages, the earlier default, 1.09 / 1.27 / 1.42x;
+    `benchmarks/results/h200/2026-11-30/session4/wgrad_compare/`). The wider C tile halves how often each
+    gathered [BN, BM] block of the row operand is loaded. `fit` shrinks it for wider dtypes.
+    Environment:
     MOEKIT_WGRAD_TILES="block_n=128,block_c=64,..." (fields left out keep their defaults) replaces
     the default, as given (not fitted).
 
@@ -153,10 +155,10 @@ class WgradConfig:
     """
 
     block_n: int = 128
-    block_c: int = 128
+    block_c: int = 256
     block_m: int = 32
     warps: int = 8
-    stages: int = 7
+    stages: int = 5
 
     def __post_init__(self) -> None:
         for f in fields(self):
