@@ -1,4 +1,4 @@
-"""The direct decode path (`moekit.decode`, on unless MOEKIT_DECODE_DIRECT=0): each kernel against its
+"""The direct decode path (`moekit.decode`, opt-in MOEKIT_DECODE_DIRECT=1): each kernel against its
 pure-PyTorch twin, the twins chained against the fp32 reference, the whole path by the 2x rule, and
 the triton backend's decision (which calls take it, and that they honour out=, poisoned workspaces,
 invalid ids, int32 / int64 ids, non-contiguous inputs). CPU: the Triton interpreter, fp32 and fp16.
@@ -133,15 +133,15 @@ def direct(monkeypatch):
 
 
 def test_the_switch(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "0")
-    assert not use_decode_direct(8)
-    for on in (None, "1", ""):                        # unset, 1 or empty: on
-        if on is None:
+    for off in (None, "0", ""):                       # unset, 0 or empty: off
+        if off is None:
             monkeypatch.delenv(ENV_VAR, raising=False)
         else:
-            monkeypatch.setenv(ENV_VAR, on)
-        assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
-        assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+            monkeypatch.setenv(ENV_VAR, off)
+        assert not use_decode_direct(8)
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
+    assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
 
 
 def test_tiles_by_pairs():
@@ -226,8 +226,8 @@ def test_gpu_graph_replay_equals_eager_and_the_2x_rule(qwen_layer, num_tokens, t
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, experts_decode(x, gate_up, down, w, ids, torch.empty_like(x), tiles))
-    if tiles == decode_config(ids.numel()):      # the backend runs these launches
-        monkeypatch.delenv(ENV_VAR, raising=False)
+    if tiles == decode_config(ids.numel()):      # the backend, switched on, runs these launches
+        monkeypatch.setenv(ENV_VAR, "1")
         assert torch.equal(out, moe_experts(x, gate_up, down, w, ids, backend="triton"))
 
 

@@ -49,7 +49,11 @@ def test_long_context_prefill(num_tokens):
     assert torch.isfinite(out).all()
 
 
-def test_eager_graph_and_compile_are_bitwise_equal():
+@pytest.mark.parametrize("direct", ["0", "1"], ids=["normal-path", "direct-decode"])
+def test_eager_graph_and_compile_are_bitwise_equal(direct, monkeypatch):
+    """With the direct decode path off and on: a captured layer replays what an eager call of the
+    bucket's size runs (T = 1 takes the direct path when it is on), and so does torch.compile."""
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", direct)
     torch.manual_seed(1)
     layer = MoELayer(QWEN, dtype=torch.bfloat16, device="cuda").requires_grad_(False)
     captured = layer.capture(256, buckets=[1, 64, 256])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit._validation import check_dtype
+from moekit.decode import use_decode_direct
 from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
@@ -124,10 +125,13 @@ class CapturedMoE:
         self.num_valid.fill_(max_tokens)
         with torch.no_grad():
             for b in reversed(self.buckets):   # the largest first: the others reuse its pool memory
-                body = functools.partial(self._body, b, get_config(shape, b, p.dtype, dev))
+                # No config where the direct decode path applies, so a replay runs what an eager
+                # call of b tokens runs (the backend takes that path only when no tiles are named).
+                config = None if use_decode_direct(b * shape.top_k) else get_config(shape, b, p.dtype, dev)
+                body = functools.partial(self._body, b, config)
                 self.graphs[b], _ = capture_graph(body, dev, pool=pool)
 
-    def _body(self, bucket: int, config: ExpertsConfig) -> None:
+    def _body(self, bucket: int, config: ExpertsConfig | None) -> None:
         layer, shape = self.layer, self.layer.shape
         x = self.x[:bucket]
         logits = F.linear(x, layer.router_weight)
