@@ -1,7 +1,10 @@
 """Do two consecutive CPU runs of `moekit bench` agree? Their medians, row by row.
 
     python scripts/cpu_stability.py [--trials 5] [--backend loop] [--tokens 1,4,16] [--rep 61]
-                                    [--threads 1] [--tolerance 0.25] [--keep DIR]
+                                    [--threads 1] [--tolerance 0.25] [--keep DIR] [--readme]
+
+--readme runs the README's command as written, `moekit bench` with nothing else (every default
+backend and token count, default repeats), and compares all its rows.
 
 Each trial runs `python -m moekit bench --preset tiny --device cpu` twice, one run right after the
 other, each in a fresh process (as a user would), and compares every row's median: the larger over
@@ -29,17 +32,24 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def bench(out: Path, args: argparse.Namespace) -> dict[int, float]:
-    """One run of `moekit bench` in a fresh process; {tokens: median ms}."""
-    cmd = [sys.executable, "-m", "moekit", "bench", "--preset", "tiny", "--device", "cpu", "--backends",
-           args.backend, "--tokens", args.tokens, "--rep", str(args.rep), "--warmup", "3", "--threads",
-           str(args.threads), "--out", str(out)]
+def command(args: argparse.Namespace) -> list[str]:
+    """The `moekit bench` arguments of one run (without --out)."""
+    if args.readme:
+        return ["bench"]
+    return ["bench", "--preset", "tiny", "--device", "cpu", "--backends", args.backend, "--tokens",
+            args.tokens, "--rep", str(args.rep), "--warmup", "3", "--threads", str(args.threads)]
+
+
+def bench(out: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One run of `moekit bench` in a fresh process; {row: median ms}, row = "backend mode T=tokens"."""
+    cmd = [sys.executable, "-m", "moekit", *command(args), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(SRC)}   # this tree's moekit, installed or not
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if done.returncode != 0:
         sys.exit(f"cpu_stability: `{' '.join(cmd)}` failed:\n{done.stdout}{done.stderr}")
     with open(out / "results.csv", newline="") as f:
-        return {int(r["tokens"]): float(r["median_ms"]) for r in csv.DictReader(f) if r["status"] == "ok"}
+        return {f"{r['backend']} {r['mode']} T={r['tokens']}": float(r["median_ms"])
+                for r in csv.DictReader(f) if r["status"] == "ok"}
 
 
 def main() -> int:
@@ -51,10 +61,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="moekit bench --threads (default 1)")
     p.add_argument("--tolerance", type=float, default=0.25)
     p.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
+    p.add_argument("--readme", action="store_true", help="run `moekit bench` as the README gives it")
     args = p.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="moekit-stability-"))
-    print(f"moekit bench --preset tiny --device cpu --backends {args.backend} --tokens {args.tokens} "
-          f"--rep {args.rep} --threads {args.threads}; {os.cpu_count()} cores; two runs per trial")
+    print(f"moekit {' '.join(command(args))}; {os.cpu_count()} cores; two runs per trial")
     worst_all = []
     for trial in range(args.trials):
         a = bench(root / f"trial{trial}-a", args)
@@ -64,8 +74,9 @@ def main() -> int:
         worst = max(ratios.values()) if ratios and not missing else float("inf")
         worst_all.append(worst)
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"trial {trial}: " + ", ".join(f"T={t} {a[t]:.3g}/{b[t]:.3g} ms ({r:.2f}x)"
-                                              for t, r in ratios.items())
+        shown = sorted(ratios.items(), key=lambda kv: -kv[1])[:4] if args.readme else ratios.items()
+        print(f"trial {trial}: " + (f"{len(ratios)} rows, the worst: " if args.readme else "")
+              + ", ".join(f"{t} {a[t]:.3g}/{b[t]:.3g} ms ({r:.2f}x)" for t, r in shown)
               + (f"; untimed in one run: {missing}" if missing else "") + f"; load {load}", flush=True)
     bad = sum(w > 1 + args.tolerance for w in worst_all)
     print(f"{args.trials - bad} of {args.trials} trials within {1 + args.tolerance:.2f}x on every row "

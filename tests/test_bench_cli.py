@@ -41,9 +41,11 @@ def test_bench_quick_writes_csv_json_plots_and_report(tmp_path, capsys):
         assert r.n_rep == cli.QUICK.rep and r.p20_ms <= r.median_ms <= r.p80_ms
         assert r.pct_floor == pytest.approx(100 * r.floor_ms / r.median_ms)
         assert r.kernels and r.kernels > 0 and math.isnan(r.busy_ms)
+        assert r.cache == "warm"                                # no 64 MB flush before a CPU call
     assert len({(r.copy_gbps, r.matmul_tflops, r.run_id) for r in rows}) == 1   # measured once per run
     report = (out / "report.md").read_text()
     assert "crossover" in report and "time_tiny.png" in report
+    assert "Calls timed with warm caches" in report
 
 
 def test_graph_flag_on_cpu_records_not_capturable(tmp_path):

@@ -85,6 +85,19 @@ def test_default_repeats_follow_the_article(clock):
     assert mid.n == math.ceil(TARGET_MS / 4.0)
 
 
+def test_default_repeats_are_sized_by_a_warm_call(clock):
+    """One warm-up call that compiles (slow) must not size the repeats: a warm call does."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock.advance(0.1 if len(calls) == 1 else 0.004)    # 100 ms the first time, then 4 ms
+
+    s = time_fn(fn, warmup=1, flush_l2=False, device="cpu")
+    assert s.n == math.ceil(TARGET_MS / 4.0) and len(calls) == 2 + s.n
+    assert s.median_ms == pytest.approx(4.0)
+
+
 def test_flush_runs_before_each_call():
     a = torch.ones(4)
     s = time_fn(lambda: a.add_(1), warmup=1, rep=3, flush_l2=True, device="cpu")

@@ -202,7 +202,10 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
     if r0.device_type == "cpu":
         lines += ["> CPU run: Triton runs through its interpreter and the ceilings are the CPU's, so this "
                   "shows the flow, not GPU performance. Launch counts are aten compute ops plus Triton "
-                  "launches.", ""]
+                  "launches." + (" Calls timed with warm caches (no flush before each: writing 64 MB "
+                                 "over a CPU's cache before a sub-millisecond call mostly times the refill "
+                                 "of the interpreter's own working set, and made two runs' medians differ "
+                                 "by up to 1.4x)." if r0.cache == "warm" else ""), ""]
     for preset in plots.presets_of(fwd):
         lines += _preset_section(fwd, preset)
     for preset in plots.presets_of(train):

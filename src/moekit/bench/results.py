@@ -76,7 +76,9 @@ class ResultRow(LayerRow):
     `direction`, "fwd" (the forward) or "fwd+bwd" (`moekit bench --backward`: one forward + backward,
     its bytes, FLOPs and floor those of `roofline.training_traffic`, max_err and tol those of the
     gradient closest to its budget); `peak_mib`, device memory one call took above what was held
-    before (fwd+bwd rows on CUDA; NaN where not measured, e.g. on the CPU).
+    before (fwd+bwd rows on CUDA; NaN where not measured, e.g. on the CPU); `cache`, "flushed" (the
+    last-level cache written over before each timed call) or "warm" (no flush: `moekit bench`'s CPU
+    default), empty in rows written before it.
     """
 
     backend: str
@@ -105,6 +107,7 @@ class ResultRow(LayerRow):
     threads: int | None = None   # torch intra-op threads of a CPU run (empty on a GPU, or before --threads)
     direction: str = "fwd"
     peak_mib: float = math.nan
+    cache: str = ""
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class Plan:
 
 
 def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement,
-           direction: str = "fwd") -> ResultRow:
+           direction: str = "fwd", flushed: bool = True) -> ResultRow:
     s, t = work.shape, work.traffic
     timing, launches = m.timing, m.launches
     return ResultRow(
@@ -86,7 +86,7 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
         idle_pct=m.idle_pct,
         experts_hit=t.experts_hit, experts_hit_mean=work.experts_hit_mean,
         experts_expected=s.expected_distinct_experts(work.tokens),
-        direction=direction, peak_mib=m.peak_mib,
+        direction=direction, peak_mib=m.peak_mib, cache="flushed" if flushed else "warm",
     )
 
 
@@ -115,7 +115,7 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
                         on_case(what, None)
                     m = (run_training_case(work, backend, ceilings, options) if plan.direction == "fwd+bwd"
                          else run_case(work, backend, mode, ceilings, options))
-                    row = to_row(prov, work, backend, mode, m, plan.direction)
+                    row = to_row(prov, work, backend, mode, m, plan.direction, options.flush_l2)
                     rows.append(row)
                     if on_case:
                         on_case(what, row)

@@ -154,7 +154,14 @@ def time_fn(
         call_ms.append(_timed_call(call, dev, flush))
         wall_ms.append((time.perf_counter() - t0) * 1e3)
     if rep is None:
-        estimate = min(wall_ms[1:] or wall_ms or [1.0])
+        if len(wall_ms) < 2:
+            # The first call may compile or allocate: one more untimed call, so the repeat count
+            # is sized by a warm call (sized by the first alone, a sub-millisecond CPU call whose
+            # first run took 25 ms got 15 timed calls instead of about 60).
+            t0 = time.perf_counter()
+            _timed_call(call, dev, flush)
+            wall_ms.append((time.perf_counter() - t0) * 1e3)
+        estimate = min(wall_ms[1:])
         rep = int(min(MAX_REP, max(min_rep, math.ceil(TARGET_MS / max(estimate, 1e-3)))))
     samples = [_timed_call(call, dev, flush) for _ in range(rep)]
     return TimingStats.from_samples(samples)
