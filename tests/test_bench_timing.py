@@ -96,6 +96,8 @@ def test_default_repeats_are_sized_by_a_warm_call(clock):
     s = time_fn(fn, warmup=1, flush_l2=False, device="cpu")
     assert s.n == math.ceil(TARGET_MS / 4.0) and len(calls) == 2 + s.n
     assert s.median_ms == pytest.approx(4.0)
+    calls.clear()                                           # no warm-up asked: none is run
+    assert time_fn(fn, warmup=0, flush_l2=False, device="cpu").n == len(calls) == MAX_REP
 
 
 def test_flush_runs_before_each_call():

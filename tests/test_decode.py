@@ -149,6 +149,22 @@ def test_tiles_by_pairs():
     assert decode_config(SMALL_DECODE_PAIRS + 1) == decode_config(DECODE_MAX_PAIRS) == DEFAULT_DECODE
 
 
+def test_experts_decode_runs_the_tiles_of_its_pair_count(monkeypatch):
+    """cfg=None: both launches take `decode_config(T * K)`'s tiles (the backend passes none)."""
+    import moekit.decode as decode
+
+    seen = []
+    real1, real2 = decode.decode_gemm1_swiglu, decode.decode_gemm2_sum
+    monkeypatch.setattr(decode, "decode_gemm1_swiglu", lambda *a: seen.append(a[-1]) or real1(*a))
+    monkeypatch.setattr(decode, "decode_gemm2_sum", lambda *a: seen.append(a[-1]) or real2(*a))
+    for num_tokens, tiles in ((2, SMALL_DECODE), (5, DEFAULT_DECODE)):     # 8 and 20 pairs
+        x, gate_up, down, w, ids = make(num_tokens, 6, 32, 16, 4)
+        seen.clear()
+        out = experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device))
+        assert seen == [tiles, tiles]
+        assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5
+
+
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_backend_takes_the_direct_path_with_out_and_poisoned_workspaces(direct, ids_dtype):
     x, gate_up, down, w, ids = make(3, 6, 40, 24, 4, ids_dtype=ids_dtype, invalid=True)

@@ -17,13 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit._validation import check_dtype
-from moekit.decode import use_decode_direct
 from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
 from moekit.shapes import MoEShape, get_shape
-from moekit.tuning import ExpertsConfig, get_config
 
 
 class MoELayer(nn.Module):
@@ -125,20 +123,18 @@ class CapturedMoE:
         self.num_valid.fill_(max_tokens)
         with torch.no_grad():
             for b in reversed(self.buckets):   # the largest first: the others reuse its pool memory
-                # No config where the direct decode path applies, so a replay runs what an eager
-                # call of b tokens runs (the backend takes that path only when no tiles are named).
-                config = None if use_decode_direct(b * shape.top_k) else get_config(shape, b, p.dtype, dev)
-                body = functools.partial(self._body, b, config)
+                body = functools.partial(self._body, b)
                 self.graphs[b], _ = capture_graph(body, dev, pool=pool)
 
-    def _body(self, bucket: int, config: ExpertsConfig | None) -> None:
+    def _body(self, bucket: int) -> None:
+        """One bucket's layer, as an eager call of `bucket` tokens runs it: the backend picks the
+        tiles (the tuned config for `bucket` rows) or the direct decode path, so nothing is named here."""
         layer, shape = self.layer, self.layer.shape
         x = self.x[:bucket]
         logits = F.linear(x, layer.router_weight)
         weights, ids = topk_softmax(logits, shape.top_k, renormalize=shape.norm_topk_prob,
                                     backend="triton", num_valid_tokens=self.num_valid)
-        experts_triton(x, layer.gate_up_proj, layer.down_proj, weights, ids, config=config,
-                       out=self.out[:bucket])
+        experts_triton(x, layer.gate_up_proj, layer.down_proj, weights, ids, out=self.out[:bucket])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) with T <= max_tokens -> (T, H) view of the static output."""

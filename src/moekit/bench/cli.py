@@ -56,9 +56,7 @@ QUICK_BACKWARD_GPU_TOKENS = (1024, 4096)
 QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
-# Warm caches: a 64 MB flush before each sub-millisecond call doubled its time and spread two runs'
-# medians up to 1.37x apart; without it within 1.12x (benchmarks/results/cpu/2026-11-30/cpu_stability.txt).
-CPU_DEFAULT = Options(warmup=1, min_rep=5, flush_l2=False)   # --quick on the CPU too
+CPU_DEFAULT = Options(warmup=1, min_rep=5)
 RESULT_NAMES = (*STUDY.result_names, JSON_NAME)
 
 
@@ -143,9 +141,11 @@ def _default_tokens(on_gpu: bool, quick: bool, backward: bool) -> tuple[int, ...
 
 def _options(args: argparse.Namespace, device: torch.device) -> Options:
     base = QUICK if args.quick else (Options() if device.type == "cuda" else CPU_DEFAULT)
+    # The CPU times warm caches (--quick too): a 64 MB flush before each sub-millisecond call doubled
+    # its time and spread two runs' medians up to 1.37x apart; without it within 1.12x
+    # (benchmarks/results/cpu/2026-11-30/cpu_stability.txt).
     return replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
-                   rep=args.rep if args.rep is not None else base.rep,
-                   flush_l2=base.flush_l2 and device.type == "cuda")      # the CPU: warm caches
+                   rep=args.rep if args.rep is not None else base.rep, flush_l2=device.type == "cuda")
 
 
 def _summary_table(rows: Sequence[ResultRow], title: str,

@@ -142,26 +142,21 @@ def time_fn(
         g, _ = capture_graph(fn, dev)
         call = g.replay
 
-    # Warm-up doubles as the estimate of one iteration's wall time, flush and sync included (the
-    # first call may compile, so it is left out of the estimate when there are others).
+    # Warm-up doubles as the estimate of one iteration's wall time, flush and sync included. The
+    # first call may compile or allocate, so it is left out of the estimate, and when the repeats
+    # are to be sized a single warm-up call gets a second (sized by the first alone, a
+    # sub-millisecond CPU call whose first run took 25 ms got 15 timed calls instead of about 60).
     call_ms: list[float] = []
     wall_ms: list[float] = []
     n_warm = warmup if warmup is not None else MIN_WARMUP
-    while len(call_ms) < n_warm or (
+    while len(call_ms) < n_warm or (rep is None and len(call_ms) == 1) or (
         warmup is None and sum(call_ms[1:]) < WARMUP_MS and len(call_ms) < 10 * MIN_WARMUP
     ):
         t0 = time.perf_counter()
         call_ms.append(_timed_call(call, dev, flush))
         wall_ms.append((time.perf_counter() - t0) * 1e3)
     if rep is None:
-        if len(wall_ms) < 2:
-            # The first call may compile or allocate: one more untimed call, so the repeat count
-            # is sized by a warm call (sized by the first alone, a sub-millisecond CPU call whose
-            # first run took 25 ms got 15 timed calls instead of about 60).
-            t0 = time.perf_counter()
-            _timed_call(call, dev, flush)
-            wall_ms.append((time.perf_counter() - t0) * 1e3)
-        estimate = min(wall_ms[1:])
+        estimate = min(wall_ms[1:] or [1.0])
         rep = int(min(MAX_REP, max(min_rep, math.ceil(TARGET_MS / max(estimate, 1e-3)))))
     samples = [_timed_call(call, dev, flush) for _ in range(rep)]
     return TimingStats.from_samples(samples)
