@@ -18,6 +18,10 @@ between implementations, so every implementation runs the same weights and the s
               decoding forward (Transformers' auto-compile on CUDA; compiled once per implementation
               before timing, since switching implementations changes the graph)
 
+`--bound` adds the implementation "free-experts": an experts function that returns zeros (one
+torch op, no expert math), so its row is what the rest of the model costs: no experts
+implementation can be faster than it, which bounds the speed-up any of them can give end to end.
+
 Each timing is the median of `--reps` repetitions; the implementations run in turn inside each
 repetition (interleaved, so a drift of the machine affects all of them alike). Every implementation's
 greedy tokens are compared with grouped_mm's (`tokens_match`): in bfloat16 a rounding difference can
@@ -46,6 +50,7 @@ from gpu_transformers import provenance  # noqa: E402
 from moekit.integrations.transformers import register  # noqa: E402
 
 IMPLS = ("grouped_mm", "batched_mm", "moekit")
+BOUND = "free-experts"   # --bound: an experts function that computes nothing (one torch op)
 MODES = ("prefill", "eager", "compiled")
 DECODE_PROMPT = 32
 
@@ -156,7 +161,7 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
     for (impl, mode), ts in times.items():
         ref = tokens.get(("grouped_mm", mode))
         mine = tokens.get((impl, mode))
-        match = "" if ref is None or mine is None else str(bool(torch.equal(ref, mine)))
+        match = "" if ref is None or mine is None or impl == BOUND else str(bool(torch.equal(ref, mine)))
         rows.append(dict(impl=impl, mode=mode, status="ok", ms=f"{statistics.median(ts):.4f}",
                          ms_min=f"{min(ts):.4f}", ms_max=f"{max(ts):.4f}", reps=len(ts),
                          unit="ms per call" if mode == "prefill" else "ms per new token",
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--bound", action="store_true",
+                        help=f"also time {BOUND!r}: experts that cost one op (the bound of any speed-up)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny float32 model on the CPU: checks the script")
     args = parser.parse_args(argv)
@@ -224,8 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
     modes = [m for m in args.modes if not (args.smoke and m == "compiled")]
     register()
+    impls = list(args.impls)
+    if args.bound:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(BOUND, lambda self, hidden_states, *_: torch.zeros_like(hidden_states))
+        impls.append(BOUND)
     model = build(args.layers, device, torch.float32 if args.smoke else torch.bfloat16, args.smoke)
-    rows = run(model, device, args.impls, modes, args.prompt, args.new_tokens, args.reps)
+    rows = run(model, device, impls, modes, args.prompt, args.new_tokens, args.reps)
     prov = provenance()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     fields = ["impl", "mode", "status", "ms", "ms_min", "ms_max", "reps", "unit", "tokens_match", "note",
