@@ -10,17 +10,30 @@ and share of the call's device time; the call's wall time and device-busy share 
 CPU there is no device timeline: the aten ops' self CPU time is listed instead (a smoke run of the
 script, not a GPU figure). The numbers are one profiled call, for attribution; the timings to quote
 come from `moekit bench`.
+
+Per kernel, the useful FLOPs it did and its achieved rate (useful FLOPs / its device time): the
+triton path's GEMM kernels by `moekit.bench.kernel_work.triton_kernel_flops` (GEMM1 2·S·H·2I, GEMM2
+2·S·I·H; backward: the SwiGLU backward's 3 GEMMs of S·H·I with a and b recomputed, dx 2·S·2I·H, the
+weight gradients 2·S·2I·H and 2·S·H·I; a kernel launched twice, GEMM2 and dx, is told apart by
+launch order), "–" for a kernel without a count (align, sums, other backends' kernels, CPU aten ops).
+Each triton case also says the rows its tiles computed, num_padded of its alignment read back after
+the run over the S pairs ("1.24 rows computed per pair, 19% padding": the GEMMs did 1.24x the useful
+FLOPs), and every case its layer's useful FLOPs (the roofline's) over the device-busy time.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from moekit.bench.kernel_work import KernelFlops, label_launches, triton_kernel_flops, triton_rows
+from moekit.bench.roofline import traffic, training_traffic
 from moekit.bench.runner import make_weights
 from moekit.experts import moe_experts
 from moekit.routing import route
@@ -58,8 +71,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def breakdown(fn, device: torch.device) -> tuple[list[tuple[str, int, float]], float, float]:
-    """([(name, count, ms)] largest first, wall ms, device-busy ms (NaN on CPU)) of one call."""
+class KernelRow(NamedTuple):
+    """One line of a case's table: a kernel (and its role in the call, "" when it has none), its
+    launches, their device ms, and their useful FLOPs (None: not counted)."""
+
+    name: str
+    role: str
+    count: int
+    ms: float
+    flops: int | None = None
+
+    @property
+    def tflops(self) -> float:
+        """Useful FLOPs / device time, TFLOP/s (NaN when not counted)."""
+        return self.flops / (self.ms * 1e-3) / 1e12 if self.flops is not None and self.ms > 0 else math.nan
+
+
+def aggregate(launches: Sequence[tuple[str, float]], flops: Sequence[KernelFlops] = ()) -> list[KernelRow]:
+    """Device activities (name, ms) in launch order -> one row per kernel and role, largest ms first:
+    the n-th launch of a kernel takes the n-th entry of `flops` for it (`label_launches`)."""
+    rows: dict[tuple[str, str], list] = {}
+    for (name, ms), k in zip(launches, label_launches([n for n, _ in launches], flops)):
+        row = rows.setdefault((name, k.role if k else ""), [0, 0.0, None])
+        row[0] += 1
+        row[1] += ms
+        if k is not None:
+            row[2] = (row[2] or 0) + k.flops
+    out = [KernelRow(name, role, c, ms, f) for (name, role), (c, ms, f) in rows.items()]
+    return sorted(out, key=lambda r: -r.ms)
+
+
+def breakdown(fn, device: torch.device,
+              flops: Sequence[KernelFlops] = ()) -> tuple[list[KernelRow], float, float]:
+    """(rows largest first, wall ms, device-busy ms (NaN on CPU)) of one call; on CUDA the kernels named
+    in `flops` carry their useful FLOPs (`aggregate`)."""
     for _ in range(3):
         fn()
     _sync(device)
@@ -71,27 +116,60 @@ def breakdown(fn, device: torch.device) -> tuple[list[tuple[str, int, float]], f
         fn()
         _sync(device)
         wall = (time.perf_counter() - t0) * 1e3
-    rows: dict[str, list] = defaultdict(lambda: [0, 0.0])
     if device.type == "cuda":
-        intervals = []
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                rows[e.name][0] += 1
-                rows[e.name][1] += e.time_range.elapsed_us() / 1e3
-                intervals.append((e.time_range.start, e.time_range.end))
-        busy, end = 0.0, -1.0
-        for s, t in sorted(intervals):   # the union of the device intervals
-            if t > end:
-                busy += (t - max(s, end)) / 1e3
-                end = t
+        events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        rows = aggregate([(name, (end - start) / 1e3) for start, end, name in events], flops)
+        busy, last = 0.0, -1.0
+        for start, end, _ in events:   # the union of the device intervals
+            if end > last:
+                busy += (end - max(start, last)) / 1e3
+                last = end
     else:
-        for e in prof.key_averages():
-            if e.key.startswith("aten::") and e.self_cpu_time_total > 0:
-                rows[e.key][0] += e.count
-                rows[e.key][1] += e.self_cpu_time_total / 1e3
+        rows = sorted((KernelRow(e.key, "", e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+                       if e.key.startswith("aten::") and e.self_cpu_time_total > 0), key=lambda r: -r.ms)
         busy = float("nan")
-    out = sorted(((k, c, ms) for k, (c, ms) in rows.items()), key=lambda r: -r[2])
-    return out, wall, busy
+    return rows, wall, busy
+
+
+def _gflop(flops: int | None) -> str:
+    return "–" if flops is None else f"{flops / 1e9:,.3g}"
+
+
+def _rate(tflops: float) -> str:
+    if math.isnan(tflops):
+        return "–"
+    return f"{tflops:,.1f}" if tflops >= 10 else f"{tflops:.3g}"
+
+
+def table(rows: Sequence[KernelRow], top: int) -> list[str]:
+    """The case's Markdown table: the `top` rows by device time, then the others in one line."""
+    total = sum(r.ms for r in rows)
+    lines = ["| kernel | count | ms | share | useful GFLOP | TFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows[:top]:
+        role = f" {r.role}" if r.role else ""
+        lines.append(f"| `{_short(r.name)}`{role} | {r.count} | {r.ms:.3f} | {r.ms / total:.0%} | "
+                     f"{_gflop(r.flops)} | {_rate(r.tflops)} |")
+    rest = rows[top:]
+    if rest:
+        rest_ms = sum(r.ms for r in rest)
+        lines.append(f"| {len(rest)} others | {sum(r.count for r in rest)} | {rest_ms:.3f} | "
+                     f"{rest_ms / total:.0%} | | |")
+    return lines
+
+
+def summary(rows: Sequence[KernelRow], busy: float, layer_flops: int) -> list[str]:
+    """Lines under a case's heading: the layer's useful FLOPs over the busy time, and the counted
+    kernels' FLOPs over their own time (CUDA only: NaN busy time says nothing)."""
+    if math.isnan(busy):
+        return [f"Useful FLOPs per call: {_gflop(layer_flops)} GFLOP (no device timeline on the CPU)."]
+    lines = [f"Useful FLOPs per call: {_gflop(layer_flops)} GFLOP, {_rate(layer_flops / busy / 1e9)} TFLOP/s "
+             "over the device-busy time."]
+    counted = [r for r in rows if r.flops is not None]
+    if counted:
+        f, ms = sum(r.flops for r in counted), sum(r.ms for r in counted)
+        lines.append(f"GEMM kernels: {_gflop(f)} GFLOP useful in {ms:.3f} ms, {_rate(f / ms / 1e9)} TFLOP/s.")
+    return lines
 
 
 def _short(name: str, width: int = 60) -> str:
@@ -122,25 +200,26 @@ def main(argv: list[str] | None = None) -> int:
     what = "forward + backward" if a.backward else "forward"
     lines = [f"# Kernel breakdown: {preset}, {what}, {str(dtype).removeprefix('torch.')}, "
              f"{torch.cuda.get_device_name() if cuda else 'CPU (aten self time, not a GPU figure)'}", ""]
+    shape = PRESETS[preset]
     for t in tokens:
         inputs = _inputs(preset, t, dtype, device)
+        x, gate_up, _, _, ids, _ = inputs
+        pairs = int(((ids >= 0) & (ids < shape.num_experts)).sum())
+        layer = (training_traffic if a.backward else traffic)(shape, t, ids, dtype).flops
         for backend in a.backends.split(","):
+            flops = triton_kernel_flops(shape, pairs, a.backward) if backend == "triton" else ()
             try:
-                rows, wall, busy = breakdown(_call(backend, a.backward, *inputs), device)
+                rows, wall, busy = breakdown(_call(backend, a.backward, *inputs), device, flops)
             except (RuntimeError, ValueError) as exc:
                 lines += [f"## {backend}, T = {t}: not run ({str(exc).splitlines()[0]})", ""]
                 continue
-            total = sum(ms for _, _, ms in rows)
             lines += [f"## {backend}, T = {t}: wall {wall:.3f} ms, device busy {busy:.3f} ms, "
-                      f"{sum(c for _, c, _ in rows)} activities", "",
-                      "| kernel | count | ms | share |", "|---|---:|---:|---:|"]
-            lines += [f"| `{_short(n)}` | {c} | {ms:.3f} | {ms / total:.0%} |" for n, c, ms in rows[: a.top]]
-            rest = rows[a.top:]
-            if rest:
-                rest_ms = sum(ms for _, _, ms in rest)
-                lines.append(f"| {len(rest)} others | {sum(c for _, c, _ in rest)} | {rest_ms:.3f} | "
-                             f"{rest_ms / total:.0%} |")
-            lines.append("")
+                      f"{sum(r.count for r in rows)} activities", ""]
+            if backend == "triton":
+                rc = triton_rows(x, gate_up, ids, grad=a.backward)
+                tiles = f", block_m {rc.block_m}" if rc.block_m else ", direct decode: no alignment"
+                lines.append(f"Padding: {rc} ({rc.rows:,} rows computed for {rc.pairs:,} pairs{tiles}).")
+            lines += [*summary(rows, busy, layer), "", *table(rows, a.top), ""]
     text = "\n".join(lines)
     print(text)
     if a.out:

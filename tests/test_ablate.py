@@ -14,8 +14,9 @@ from moekit.align import Alignment, align_block_size
 from moekit.bench import ablate_variants, runner, study
 from moekit.bench.ablate_bytes import find_ncu, ncu_problem, parse_ncu_csv
 from moekit.bench.ablate_report import ABLATIONS, BYTES_VARIANT, STUDY, TILE_VARIANTS, VARIANTS, AblateRow
-from moekit.bench.ablate_variants import BUILDERS, MEASURED, Setup, build, padded_rows, padding_fraction
+from moekit.bench.ablate_variants import BUILDERS, MEASURED, Setup, build
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.kernel_work import padded_rows, padding_fraction
 from moekit.bench.results import write_csv
 from moekit.bench.runner import Options, make_weights, make_workload, run_case
 from moekit.bench.study import CSV_NAME, REPORT_NAME
@@ -174,11 +175,13 @@ def _gate_up_without_silu(pre, inter):
     return pre[:, :inter] * pre[:, inter:]
 
 
-# A bug planted in one piece of the separate passes or of the kernels' launches, and the variants
-# it must sink.
+# A bug planted in one piece of the separate passes or of the kernels' launches (a name in
+# ablate_variants, or a dotted path), and the variants it must sink.
 PLANTED = {
     "weight_pass drops the routing weight": ("weight_pass", _no_weight, ["weight_separate"]),
-    "swiglu_pass forgets silu": ("swiglu_pass", _gate_up_without_silu, ["swiglu_separate", "dense"]),
+    "swiglu_pass forgets silu": ("swiglu_pass", _gate_up_without_silu, ["swiglu_separate"]),
+    "the dense pair's swiglu_pass forgets silu": ("moekit.bench.dense.swiglu_pass", _gate_up_without_silu,
+                                                   ["dense"]),
     "unpermute_index_add drops the weight": (
         "unpermute_index_add",
         lambda y, p, t: torch.zeros(t, y.shape[1], dtype=y.dtype).index_add_(0, p.token, y), ["index_add"]),
@@ -201,7 +204,10 @@ PLANTED = {
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_a_planted_bug_is_refused_by_each_variant_it_reaches(bug, setup, monkeypatch, never_timed):
     target, replacement, victims = PLANTED[bug]
-    monkeypatch.setattr(ablate_variants, target, replacement)
+    if "." in target:
+        monkeypatch.setattr(target, replacement)
+    else:
+        monkeypatch.setattr(ablate_variants, target, replacement)
     for name in victims:
         m = _gate(setup, name)
         assert m.status == "failed" and m.timing is None, (bug, name, m.status, m.reason)

@@ -146,13 +146,13 @@ def test_a_csv_from_before_the_direction_column_still_reads(tmp_path):
     write_csv(sample_rows(), path)
     keep = COLUMNS.index("threads")                          # older still: before --threads too
     lines = list(csv.reader(path.read_text().splitlines()))
-    assert lines[0][keep:] == ["threads", "direction", "peak_mib", "cache"]
+    assert lines[0][keep:] == ["threads", "direction", "peak_mib", "cache", "rows_per_pair"]
     path.write_text("\n".join(",".join(f'"{c}"' if "," in c else c for c in line[:keep]) for line in lines)
                     + "\n")
     rows = STUDY.read(path)
     assert len(rows) == len(sample_rows())
     assert all(r.direction == "fwd" and math.isnan(r.peak_mib) and r.threads is None and r.cache == ""
-               for r in rows)
+               and math.isnan(r.rows_per_pair) for r in rows)
 
 
 def test_a_bad_direction_is_refused_naming_the_column(tmp_path):

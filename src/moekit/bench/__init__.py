@@ -13,6 +13,8 @@ Measuring
     correctness.py      the gate every backend passes before it is timed
     launches.py         kernels per call and device busy time (torch.profiler)
     peers.py            Transformers' experts implementations, sharing moekit's weights
+    dense.py            the dense pair: the layer's FLOPs as two dense matmuls through one expert
+    kernel_work.py      the triton kernels' useful FLOPs and the rows their tiles compute (padding)
     runner.py           the contract: (shape, tokens, backend, mode) -> Measurement
     scenarios.py        routing scenarios: balanced, random router, zipf, hot, collapse, traces
     simulate.py         expert parallelism on one device: simulate_ep, rank_problem, StepTime

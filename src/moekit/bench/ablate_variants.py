@@ -18,24 +18,25 @@ timed call, so a piece that is wrong is refused like a whole path that is.
 The unfused epilogues are the kernels' own constexpr switches (`gemm1_swiglu(swiglu=False)`,
 `gemm2_weighted(topk_weights=None)`), followed by the PyTorch pass they leave out; the separate
 passes (`permute`, `swiglu_pass`, `weight_pass`, the unpermutes) are module functions, so a test can
-plant a bug in one. Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate,
-L padded rows.
+plant a bug in one (the dense pair's are `moekit.bench.dense`'s, shared with `moekit bench`; the
+padding counts are `moekit.bench.kernel_work`'s). Legend: T tokens, K top_k, S = T * K pairs,
+E experts, H hidden, I intermediate, L padded rows.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 
 from moekit import _workspace
 from moekit.align import Alignment, align_block_size, sort_pairs
 from moekit.bench.ablate_report import TILE_HEIGHTS, VARIANTS
-from moekit.bench.correctness import Check, Expected, expected_output
+from moekit.bench.correctness import Expected, Finished
+from moekit.bench.dense import dense_expected, dense_pair, swiglu_pass
+from moekit.bench.kernel_work import padded_rows
 from moekit.bench.runner import Workload
 from moekit.experts import moe_experts
 from moekit.experts.triton import align_pairs
@@ -48,20 +49,6 @@ from moekit.grouped_gemm import (
     moe_sum_torch,
 )
 from moekit.tuning import ExpertsConfig, fit_shared_memory, get_config, shared_memory_budget
-
-
-@dataclass(frozen=True)
-class Finished(Expected):
-    """An `Expected` whose check first maps a variant's output to the layer's (T, H) output."""
-
-    finish: Callable[[object], torch.Tensor] | None = None
-
-    def check(self, out: object) -> Check:
-        try:
-            layer_out = self.finish(out) if self.finish is not None else out
-        except Exception as exc:   # a malformed output is a failed check, not a crash
-            return Check(False, math.inf, self.tol, f"output unusable ({type(exc).__name__}: {exc})")
-        return super().check(layer_out)
 
 
 @dataclass(frozen=True)
@@ -118,11 +105,6 @@ def permute(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
     return x.index_select(0, perm.token)
 
 
-def swiglu_pass(pre: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu(gate) * up of [gate | up] rows (·, 2I), as a separate PyTorch pass."""
-    return F.silu(pre[:, :inter]) * pre[:, inter:]
-
-
 def weight_pass(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y (S, H) *= the routing weight of each pair row, in place (rounded to y's dtype)."""
     return y.mul_(weights.reshape(-1, 1))
@@ -161,23 +143,6 @@ def experts_path(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.T
     align = align if align is not None else align_pairs(topk_ids, num_experts, cfg)
     y = grouped_gemms(x, gate_up_proj, down_proj, align, topk_ids.shape[1], cfg, topk_weights, **epilogues)
     return moe_sum(y, topk_ids, num_experts, _workspace.empty_like(x))
-
-
-def dense_matmuls(x_rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """y (rows, H) through one expert: two dense matmuls with SwiGLU between them."""
-    return F.linear(swiglu_pass(F.linear(x_rows, gate_up), down.shape[1]), down)
-
-
-def padded_rows(counts: Sequence[int], block_m: int) -> int:
-    """Rows the tiles compute: each expert's pairs rounded up to a multiple of block_m (paired tiles
-    compute the same rows: experts stay padded to block_m)."""
-    return sum(-(-int(n) // block_m) * block_m for n in counts)
-
-
-def padding_fraction(counts: Sequence[int], block_m: int) -> float:
-    """Fraction of the computed rows that are padding: 1 - pairs / padded rows."""
-    rows = padded_rows(counts, block_m)
-    return 1.0 - sum(int(n) for n in counts) / rows if rows else 0.0
 
 
 def tile_config(base: ExpertsConfig, block_m: int, pair_blocks: int, itemsize: int,
@@ -283,12 +248,11 @@ def _grouped(s: Setup) -> Case:
 
 
 def _dense(s: Setup) -> Case:
-    """Every pair through expert 0: checked as the layer whose router sends every pair there."""
+    """Every pair through expert 0 (`moekit.bench.dense`, as `moekit bench`'s dense rows): checked as
+    the layer whose router sends every pair there."""
     x, gate_up, down, w, ids = s.args
-    rows = x.repeat_interleave(ids.shape[1], dim=0)
-    expected = expected_output(x, gate_up, down, w, torch.zeros_like(ids))
-    return s.case(lambda: dense_matmuls(rows, gate_up[0], down[0]),
-                  lambda y: (y.float().view(*w.shape, -1) * w[..., None]).sum(1), expected=expected)
+    expected = dense_expected(x, gate_up, down, w, ids)
+    return s.case(dense_pair(x, gate_up, down, ids.shape[1]), expected=expected)
 
 
 def _align(backend: str) -> Builder:

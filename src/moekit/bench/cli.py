@@ -4,6 +4,11 @@ With no arguments it picks what fits the machine: Qwen3-30B-A3B in bfloat16 with
 GPU; the `tiny` preset in float32 on a CPU-only machine (Triton through its interpreter), which
 runs end to end in well under two minutes. --shape and --config measure any other layer.
 
+Beside the backends it times the dense pair (`moekit.bench.dense`, rows with backend "dense"): the
+layer's FLOPs as two dense matmuls through one expert's weights (cuBLAS on a GPU), checked and timed
+the same way; the report sets triton's time against it ("% of dense pair"). On by default with CUDA;
+--dense times it on the CPU too, --no-dense leaves it out.
+
 --backward times one forward + backward per call instead (`moekit.bench.backward`), eager, for each
 backend the registry says has a backward on the device: the rows' direction is "fwd+bwd", their
 floor that of `roofline.training_traffic`, and on CUDA they carry the call's peak memory.
@@ -30,6 +35,7 @@ from rich.table import Table
 from moekit.bench import args as arg_types
 from moekit.bench import peers
 from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
+from moekit.bench.dense import DENSE
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import Options
@@ -75,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_out(p, "<UTC timestamp>", RESULT_NAMES)
     p.add_argument("--peers", action="store_true",
                    help="also time Transformers' experts implementations (eager, batched_mm, grouped_mm)")
+    p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the dense pair: the layer's FLOPs as two dense matmuls, T*K rows through "
+                        "one expert's weights (cuBLAS on a GPU), rows with backend 'dense' and the report's "
+                        "'%% of dense pair' column (default: on with CUDA; on the CPU its ~20 µs calls are "
+                        "the run's noisiest rows; forward only: not with --backward)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
     arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
@@ -113,6 +124,8 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
                              "forward only; drop them")
         if args.graph:
             raise ValueError("--graph: --backward times eager calls only; drop --graph")
+        if args.dense:
+            raise ValueError("--dense: the dense pair is timed forward only; drop --dense or --backward")
     if with_peers:
         if peers.transformers_version() is None:
             console.print("[yellow]--peers: transformers is not installed; skipping its experts "
@@ -121,6 +134,8 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
             with_peers = False
         elif args.peers:
             backends += [p for p in peers.PEERS if p not in backends]
+    if not args.backward and arg_types.pick(args.dense, device, True, False) and DENSE not in backends:
+        backends.append(DENSE)
     tokens = args.tokens or list(_default_tokens(on_gpu, args.quick, args.backward))
     dtype = arg_types.resolve_dtype(args.dtype, device)
     graph = arg_types.pick(args.graph, device, not args.backward, False)

@@ -22,6 +22,7 @@ gate and up columns, a weight gradient over up to T rows of its expert).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,21 @@ class Expected:
 
     def check(self, out: object) -> Check:
         return _compare(out, self.ref, self.baseline_err, self.tol)
+
+
+@dataclass(frozen=True)
+class Finished(Expected):
+    """An `Expected` whose check first maps a call's output to the layer's (T, H) output (a piece of
+    the path, or the dense pair's (T * K, H) rows), outside the timed call."""
+
+    finish: Callable[[object], torch.Tensor] | None = None
+
+    def check(self, out: object) -> Check:
+        try:
+            layer_out = self.finish(out) if self.finish is not None else out
+        except Exception as exc:   # a malformed output is a failed check, not a crash
+            return Check(False, math.inf, self.tol, f"output unusable ({type(exc).__name__}: {exc})")
+        return super().check(layer_out)
 
 
 def _compare(out: object, ref: torch.Tensor, baseline_err: float, tol: float, name: str = "") -> Check:

@@ -3,6 +3,11 @@ from rows alone. Forward + backward rows (`moekit bench --backward`, direction "
 own table per layer: time, % of floor, peak memory and the speed-up over grouped_mm; the plots
 draw the forward rows.
 
+The dense pair's rows (backend "dense", `moekit.bench.dense`) are a column like a backend's, and the
+headline table sets triton's time against them: "% of dense pair" = dense time / triton time at the
+same T, in the graph mode where both were timed in one (eager otherwise). Triton rows that record
+`rows_per_pair` get a table of the rows their tiles compute per pair (the padding).
+
 `moekit bench` writes it after a sweep; `moekit report DIR` rebuilds it (and the plots) from the
 CSV, so a recorded run can be re-rendered without the device it was measured on. `STUDY` ties the
 rows (`results.ResultRow`) to this report for the scaffold (`moekit.bench.study`).
@@ -17,6 +22,7 @@ import torch
 
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.dense import DENSE
 from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
@@ -25,6 +31,7 @@ from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
 BACKWARD_BASELINE = "grouped_mm"   # the fwd+bwd table's speed-ups are over this backend
+VS_DENSE = "triton"                # the backend whose time the headline table sets against the dense pair
 
 
 def shape_of(r: ResultRow) -> MoEShape:
@@ -48,17 +55,19 @@ def _columns(rows: Sequence[ResultRow]) -> list[tuple[str, str]]:
 
 
 def _pivot(rows: Sequence[ResultRow], cell: Callable[[ResultRow], str], lead: dict[int, str] | None = None,
-           lead_name: str = "") -> list[str]:
+           lead_name: str = "", tail: dict[int, str] | None = None, tail_name: str = "") -> list[str]:
+    """T down, one column per (backend, mode) across; `lead` / `tail`: a column by T before / after them."""
     cols = _columns(rows)
     by_key = {(r.tokens, r.backend, r.mode): r for r in rows}
-    head = ["T"] + ([lead_name] if lead else []) + [f"{b} ({m})" for b, m in cols]
+    head = (["T"] + ([lead_name] if lead else []) + [f"{b} ({m})" for b, m in cols]
+            + ([tail_name] if tail else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for t in sorted({r.tokens for r in rows}):
         cells = [str(t)] + ([lead.get(t, "–")] if lead else [])
         for b, m in cols:
             r = by_key.get((t, b, m))
             cells.append("" if r is None else cell(r))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + ([tail.get(t, "–")] if tail else [])) + " |")
     return lines
 
 
@@ -71,6 +80,48 @@ def _time_cell(r: ResultRow) -> str:
         return r.status.replace("_", " ")
     noisy = " noisy" if is_noisy(r.p20_ms, r.p80_ms) else ""
     return f"{fmt_number(r.median_ms)} ({fmt_pct(r.pct_floor)}){noisy}"
+
+
+def share_of_dense(rows: Sequence[ResultRow]) -> tuple[str, dict[int, float]]:
+    """(mode, {T: 100 * dense time / triton time}) over the Ts where both were timed in that mode:
+    graph when any T has both in a graph, else eager ("", {} without such a pair)."""
+    ok = {(r.tokens, r.backend, r.mode): r for r in rows if r.status == "ok"}
+    for mode in ("graph", "eager"):
+        share = {t: 100.0 * d.median_ms / v.median_ms for (t, b, m), d in ok.items()
+                 if b == DENSE and m == mode and (v := ok.get((t, VS_DENSE, mode))) is not None}
+        if share:
+            return mode, dict(sorted(share.items()))
+    return "", {}
+
+
+def _dense_note(rs: Sequence[ResultRow], mode: str) -> list[str]:
+    if not any(r.backend == DENSE for r in rs):
+        return []
+    vs = (f" *{VS_DENSE} ({mode}): % of dense pair* = the dense pair's time / {VS_DENSE}'s, both {mode}."
+          if mode else "")
+    return [f"*{DENSE}* is the dense pair: the same FLOPs as two dense matmuls, T·K rows (each token "
+            "repeated K times) through one expert's weights (`torch.nn.functional.linear`: cuBLAS on a GPU), "
+            "silu(gate)·up as a separate pass between them; timed like the backends. Its % of floor is "
+            "against the layer's floor: below the crossover that floor is the weights of every expert hit, "
+            "which the pair does not read (it is no bar there); above it, the FLOPs, the same for both."
+            + vs, ""]
+
+
+def _padding_table(rs: Sequence[ResultRow]) -> list[str]:
+    """Rows computed per pair by triton's tiles, one line per T (the first triton row recording it)."""
+    seen: dict[int, float] = {}
+    for r in rs:
+        if r.backend == VS_DENSE and not math.isnan(r.rows_per_pair):
+            seen.setdefault(r.tokens, r.rows_per_pair)
+    if not seen:
+        return []
+    out = ["", f"### Rows computed per pair ({VS_DENSE}'s tiles)", "",
+           "Each expert's pairs rounded up to the align block's rows (num_padded / T·K): the GEMMs compute "
+           "this many times the useful FLOPs.", "",
+           "| T | rows per pair | padding |", "|---:|---:|---:|"]
+    for t, per_pair in sorted(seen.items()):
+        out.append(f"| {t} | {per_pair:.2f} | {fmt_pct(100 * (1 - 1 / per_pair))} |")
+    return out
 
 
 def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
@@ -93,8 +144,12 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
         "### Median time per call, ms (% of floor)",
         "",
     ]
+    mode, share = share_of_dense(rs)
+    out += _dense_note(rs, mode)
     floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
-    out += _pivot(rs, _time_cell, floor, "floor ms")
+    out += _pivot(rs, _time_cell, floor, "floor ms", {t: fmt_pct(v) for t, v in share.items()},
+                  f"{VS_DENSE} ({mode}): % of dense pair")
+    out += _padding_table(rs)
     out += ["", f"### Spread of the timed calls: p20–p80 ms (noisy: p80 / p20 > {NOISY_RATIO})", ""]
     out += _pivot(rs, lambda r: spread(r.p20_ms, r.p80_ms) if r.status == "ok" else "")
     out += ["", "### Kernel launches per call", ""]

@@ -78,7 +78,14 @@ class ResultRow(LayerRow):
     gradient closest to its budget); `peak_mib`, device memory one call took above what was held
     before (fwd+bwd rows on CUDA; NaN where not measured, e.g. on the CPU); `cache`, "flushed" (the
     last-level cache written over before each timed call) or "warm" (no flush: `moekit bench`'s CPU
-    default), empty in rows written before it.
+    default), empty in rows written before it; `rows_per_pair`, triton rows only (NaN elsewhere and
+    before the column): the rows its GEMM tiles compute per valid pair, num_padded of its alignment
+    over the pairs (1.24: 19% of the rows computed are padding; `moekit.bench.kernel_work`).
+
+    The dense pair's rows (backend "dense", `moekit.bench.dense`: the layer's FLOPs as two dense
+    matmuls through one expert) carry the layer's bytes, FLOPs and floor, so their pct_floor and
+    tflops set them against the same bar as the backends (their gbps is the layer's bytes over
+    their time, not what they moved).
     """
 
     backend: str
@@ -108,6 +115,7 @@ class ResultRow(LayerRow):
     direction: str = "fwd"
     peak_mib: float = math.nan
     cache: str = ""
+    rows_per_pair: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -362,9 +370,12 @@ def check_result_row(row: ResultRow) -> str:
         return problem
     if row.direction not in DIRECTIONS:
         return f"column 'direction' must be one of {DIRECTIONS}, got {row.direction!r}"
-    problem = positive_problem(row, "floor_ms", "experts_expected", "peak_mib", empty_ok=True)
+    problem = positive_problem(row, "floor_ms", "experts_expected", "peak_mib", "rows_per_pair",
+                               empty_ok=True)
     if not problem and row.status == "ok":
         problem = positive_problem(row, "median_ms", "p20_ms", "p80_ms")
+    if not problem and row.rows_per_pair < 1:       # NaN (not recorded) compares False
+        problem = f"column 'rows_per_pair' must be >= 1 (rows computed per pair), got {row.rows_per_pair!r}"
     if not problem and row.n_rep is not None and row.n_rep < 1:
         problem = f"column 'n_rep' must be >= 1, got {row.n_rep}"
     if not problem and row.kernels is not None and row.kernels < 0:

@@ -10,6 +10,10 @@ For one preset and T, `make_workload` draws the inputs once and shares them acro
     expected        fp32 reference output and the error budget (bench.correctness)
     traffic         bytes and FLOPs of this routing (bench.roofline)
 
+The dense pair (backend `dense.DENSE`: the layer's FLOPs as two dense matmuls through one expert,
+`moekit.bench.dense`) runs on the same inputs, checked against its own reference: `for_backend`
+gives the workload with it.
+
 `run_case` then, for one backend and mode ("eager" or "graph"):
     1. runs it once (graph: captures it, then replays into a NaN-filled output) and checks the result
        against the reference; a failure is reported and never timed;
@@ -24,11 +28,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.bench import peers
+from moekit.bench import dense, peers
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.correctness import Expected, ExpectedGrads, expected_output
 from moekit.bench.launches import LaunchProfile, profile_call
@@ -195,13 +199,32 @@ def _peer_factory(name: str) -> BackendFactory:
     return make
 
 
+def _dense_factory(work: Workload) -> Call:
+    wt = work.weights
+    return dense.dense_pair(work.x, wt.gate_up_proj, wt.down_proj, work.topk_ids.shape[1])
+
+
 def backend_factory(name: str) -> BackendFactory:
-    """The factory of a moekit backend or a Transformers peer (`bench.peers.PEERS`)."""
+    """The factory of a moekit backend, a Transformers peer (`bench.peers.PEERS`) or the dense pair
+    (`bench.dense.DENSE`)."""
     if name in BACKENDS:
         return _moekit_factory(name)
     if peers.is_peer(name):
         return _peer_factory(name)
-    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS + peers.PEERS}")
+    if name == dense.DENSE:
+        return _dense_factory
+    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS + peers.PEERS + (dense.DENSE,)}")
+
+
+def for_backend(work: Workload, backend: str) -> Workload:
+    """The workload `run_case` times `backend` on: for the dense pair, with the dense pair's reference
+    (`dense.dense_expected`; its traffic and floor stay the layer's), else `work` itself. Build it
+    once per workload, not per mode: the reference costs a pass of the fp32 layer."""
+    if backend != dense.DENSE:
+        return work
+    w = work.weights
+    return replace(work, expected=dense.dense_expected(work.x, w.gate_up_proj, w.down_proj, work.topk_weights,
+                                                       work.topk_ids))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,5 +1,9 @@
 """The sweep: every layer x tokens x backend x mode through `run_case`, as long-format rows.
 
+Backends may include the dense pair (`moekit.bench.dense.DENSE`, checked against its own reference:
+`runner.for_backend`). Triton rows record the rows its tiles compute per pair (`rows_per_pair`,
+`moekit.bench.kernel_work.triton_rows`: the alignment of the call's config, read back once per T).
+
 A "fwd+bwd" plan (`moekit bench --backward`) times one forward + backward per call instead, eager
 only, through `bench.backward.run_training_case`.
 """
@@ -7,6 +11,7 @@ only, through `bench.backward.run_training_case`.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -14,6 +19,7 @@ import torch
 
 from moekit.bench.backward import run_training_case, training_workload
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.kernel_work import triton_rows
 from moekit.bench.layers import Layer
 from moekit.bench.results import DIRECTIONS, Provenance, ResultRow
 from moekit.bench.runner import (
@@ -22,6 +28,7 @@ from moekit.bench.runner import (
     Measurement,
     Options,
     Workload,
+    for_backend,
     make_weights,
     make_workload,
     run_case,
@@ -67,7 +74,7 @@ class Plan:
 
 
 def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement,
-           direction: str = "fwd", flushed: bool = True) -> ResultRow:
+           direction: str = "fwd", flushed: bool = True, rows_per_pair: float = math.nan) -> ResultRow:
     s, t = work.shape, work.traffic
     timing, launches = m.timing, m.launches
     return ResultRow(
@@ -87,7 +94,21 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
         experts_hit=t.experts_hit, experts_hit_mean=work.experts_hit_mean,
         experts_expected=s.expected_distinct_experts(work.tokens),
         direction=direction, peak_mib=m.peak_mib, cache="flushed" if flushed else "warm",
+        rows_per_pair=rows_per_pair,
     )
+
+
+TILED = "triton"   # the backend whose rows record rows_per_pair
+
+
+def rows_per_pair(work: Workload, direction: str) -> float:
+    """Rows the triton backend's tiles compute per pair on this workload (NaN when it cannot tell:
+    an error there is the triton rows' own to report)."""
+    try:
+        return triton_rows(work.x, work.weights.gate_up_proj, work.topk_ids,
+                           grad=direction == "fwd+bwd").per_pair
+    except Exception:   # the triton case itself records what went wrong
+        return math.nan
 
 
 def _free(device: torch.device) -> None:
@@ -109,17 +130,20 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
             if plan.direction == "fwd+bwd":
                 work = training_workload(work, plan.seed)
             for backend in plan.backends:
+                case_work = for_backend(work, backend)
+                per_pair = rows_per_pair(work, plan.direction) if backend == TILED else math.nan
                 for mode in plan.modes:
                     what = f"{preset} T={tokens} {backend} {mode}"
                     if on_case:
                         on_case(what, None)
                     m = (run_training_case(work, backend, ceilings, options) if plan.direction == "fwd+bwd"
-                         else run_case(work, backend, mode, ceilings, options))
-                    row = to_row(prov, work, backend, mode, m, plan.direction, options.flush_l2)
+                         else run_case(case_work, backend, mode, ceilings, options))
+                    row = to_row(prov, work, backend, mode, m, plan.direction, options.flush_l2, per_pair)
                     rows.append(row)
                     if on_case:
                         on_case(what, row)
                     _free(plan.device)
+                del case_work
             del work
         del weights
         _free(plan.device)

@@ -1,0 +1,134 @@
+"""What the triton path's kernels compute for one routing: each GEMM kernel's useful FLOPs, in launch
+order, and the rows its tiles compute (the padding).
+
+Useful FLOPs count the S pairs with an expert in [0, E) (S = T * K when every id is valid), never
+the padding rows; H hidden, I intermediate:
+
+    forward   moe_gemm1_swiglu_kernel  GEMM1  x rows (S, H) @ gate_up_e^T (H, 2I)        2 S H 2I
+              moe_gemm2_kernel         GEMM2  h (S, I) @ down_e^T (I, H)                  2 S I H
+    backward  moe_swiglu_bwd_kernel    g = dout @ down_e, a = x @ gate_e^T, b = x @ up_e^T:
+                                       3 GEMMs of S H I (a and b recomputed)       3 x 2 S H I
+              moe_gemm2_kernel         dx = dpre (S, 2I) @ gate_up_e (2I, H)              2 S 2I H
+              moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
+              moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
+
+(the opt-in direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
+forward is the roofline's 2 S 3HI; a training step is 22 S H I, the roofline's 3x the forward plus the
+4 S H I of the recomputed a and b. A kernel launched for two roles (GEMM2 and dx, the two weight
+gradients) is told apart by its launch order (`label_launches`).
+
+Rows computed: every grouped GEMM runs each expert's pairs rounded up to the align block's
+block_m rows, num_padded rows in all (paired tiles compute the same rows: experts stay padded to
+block_m), so it does rows / S times the useful FLOPs (`RowsComputed`; `triton_rows` reads num_padded
+back from the alignment a call makes: a host read, fine in the lab, never in the runtime).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moekit.decode import use_decode_direct
+from moekit.experts.triton import align_pairs, auto_config
+from moekit.shapes import MoEShape
+from moekit.tuning import ExpertsConfig
+
+
+@dataclass(frozen=True)
+class KernelFlops:
+    """One launch of the triton path: its kernel's name, what it computes, its useful FLOPs."""
+
+    kernel: str
+    role: str
+    flops: int
+
+
+def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> list[KernelFlops]:
+    """The GEMM launches of one triton call on `pairs` valid pairs, in launch order (module doc);
+    with `backward`, those of a forward + backward (the forward's first). Align and sum kernels do
+    no GEMM FLOPs and are not listed; the decode path's kernels are (a call runs one path or the other)."""
+    s, h, i = pairs, shape.hidden_size, shape.intermediate_size
+    gemm1, gemm2 = 2 * s * h * 2 * i, 2 * s * i * h
+    out = [KernelFlops("moe_gemm1_swiglu_kernel", "GEMM1: gate/up + SwiGLU", gemm1),
+           KernelFlops("moe_gemm2_kernel", "GEMM2: down + weight", gemm2),
+           KernelFlops("decode_gemm1_swiglu_kernel", "GEMM1, direct decode", gemm1),
+           KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2)]
+    if backward:
+        out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g, a, b (a, b recomputed)",
+                            3 * 2 * s * h * i),
+                KernelFlops("moe_gemm2_kernel", "dx: dpre @ gate_up", 2 * s * 2 * i * h),
+                KernelFlops("moe_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
+                KernelFlops("moe_wgrad_kernel", "d down_proj", 2 * s * h * i)]
+    return out
+
+
+def label_launches(names: Sequence[str], flops: Sequence[KernelFlops]) -> list[KernelFlops | None]:
+    """Each launch (kernel names in launch order) with the entry of `flops` it is: the n-th launch of
+    a kernel takes that kernel's n-th entry; a launch with none (another kernel, or one launch too
+    many) gets None."""
+    by_name: dict[str, list[KernelFlops]] = {}
+    for k in flops:
+        by_name.setdefault(k.kernel, []).append(k)
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        entries = by_name.get(name, [])
+        out.append(entries[n] if n < len(entries) else None)
+    return out
+
+
+def padded_rows(counts: Sequence[int], block_m: int) -> int:
+    """Rows the tiles compute: each expert's pairs rounded up to a multiple of block_m (paired tiles
+    compute the same rows: experts stay padded to block_m)."""
+    return sum(-(-int(n) // block_m) * block_m for n in counts)
+
+
+def padding_fraction(counts: Sequence[int], block_m: int) -> float:
+    """Fraction of the computed rows that are padding: 1 - pairs / padded rows."""
+    rows = padded_rows(counts, block_m)
+    return 1.0 - sum(int(n) for n in counts) / rows if rows else 0.0
+
+
+@dataclass(frozen=True)
+class RowsComputed:
+    """Rows a call's GEMM tiles compute for its valid pairs."""
+
+    rows: int
+    pairs: int
+    block_m: int | None = None   # the align block the rows are padded to (None: no alignment)
+
+    @property
+    def per_pair(self) -> float:
+        """rows / pairs (1.0: no padding); NaN without a pair."""
+        return self.rows / self.pairs if self.pairs else float("nan")
+
+    @property
+    def padding(self) -> float:
+        """Fraction of the computed rows that are padding, 1 - pairs / rows."""
+        return 1.0 - self.pairs / self.rows if self.rows else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.per_pair:.2f} rows computed per pair, {self.padding:.0%} padding"
+
+
+def aligned_rows(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> RowsComputed:
+    """num_padded of the triton backend's alignment of this routing at config.block_m (read back to
+    the host) over its valid pairs."""
+    align = align_pairs(topk_ids, num_experts, config)
+    return RowsComputed(int(align.num_padded), int(align.tokens_per_expert.sum()), config.block_m)
+
+
+def triton_rows(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor, *,
+                grad: bool = False) -> RowsComputed:
+    """The rows a `moe_experts(..., backend="triton")` call with no config computes: its tuned config's
+    alignment (`aligned_rows`), or one row per pair on the direct decode path (inference, when on).
+    `grad`: the call needs gradients (never the decode path)."""
+    if not grad and use_decode_direct(topk_ids.numel()):
+        pairs = int(((topk_ids >= 0) & (topk_ids < gate_up_proj.shape[0])).sum())
+        return RowsComputed(pairs, pairs)
+    config = auto_config(x.shape[0], gate_up_proj, topk_ids.shape[1], x.dtype, x.device)
+    return aligned_rows(topk_ids, gate_up_proj.shape[0], config)
