@@ -7,12 +7,14 @@
 
 The same FLOPs as the layer (2 * S * 3HI) with none of its gather, padding, scatter or weighting, and
 one expert's weights instead of every expert hit: below the crossover the layer's floor is the
-weights' bandwidth, which the pair does not pay; above it, the pair is the bar of dense GEMM speed
-(its SwiGLU pass, which GEMM1 fuses, costs it about 10 S I bytes more than the two GEMMs alone).
+weights' bandwidth, which the pair does not pay; above it, the pair is the bar of dense GEMM speed.
 
-`moekit ablate`'s `dense` variant and `moekit bench`'s `dense` rows (backend `DENSE`) both time
-`dense_pair`, checked by `dense_expected`: the layer whose router sends every pair to expert 0, the
-pair's rows weighted and summed per token outside the timed call (`slot_sum`).
+`moekit ablate`'s `dense` variant times all three steps (the SwiGLU pass, which GEMM1 fuses, costs
+it about 10 S I bytes more than the GEMMs). `moekit bench`'s `dense` rows (backend `DENSE`) time the
+two GEMMs alone (`gemms_only`): h is computed once outside the timed call, which runs pre (its
+result unused) and y = h @ down_0^T, so the bar is cuBLAS's GEMM speed and nothing else. Both are
+checked by `dense_expected` on y: the layer whose router sends every pair to expert 0, the pair's
+rows weighted and summed per token outside the timed call (`slot_sum`).
 """
 
 from __future__ import annotations
@@ -38,12 +40,19 @@ def dense_matmuls(x_rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 
 def dense_pair(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-               top_k: int) -> Callable[[], torch.Tensor]:
+               top_k: int, *, gemms_only: bool = False) -> Callable[[], torch.Tensor]:
     """The call to time: `dense_matmuls` on x's rows, each repeated top_k times (repeated here, once),
-    through expert 0's weights."""
+    through expert 0's weights; with gemms_only, the two GEMMs alone (h computed here, once)."""
     rows = x.repeat_interleave(top_k, dim=0)
     gate_up, down = gate_up_proj[0], down_proj[0]
-    return lambda: dense_matmuls(rows, gate_up, down)
+    if not gemms_only:
+        return lambda: dense_matmuls(rows, gate_up, down)
+    h = swiglu_pass(F.linear(rows, gate_up), down.shape[1])
+
+    def gemms() -> torch.Tensor:
+        F.linear(rows, gate_up)          # GEMM1's FLOPs; its SwiGLU is outside the timed call
+        return F.linear(h, down)
+    return gemms
 
 
 def slot_sum(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

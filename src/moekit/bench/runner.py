@@ -201,7 +201,7 @@ def _peer_factory(name: str) -> BackendFactory:
 
 def _dense_factory(work: Workload) -> Call:
     wt = work.weights
-    return dense.dense_pair(work.x, wt.gate_up_proj, wt.down_proj, work.topk_ids.shape[1])
+    return dense.dense_pair(work.x, wt.gate_up_proj, wt.down_proj, work.topk_ids.shape[1], gemms_only=True)
 
 
 def backend_factory(name: str) -> BackendFactory:
