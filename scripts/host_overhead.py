@@ -54,7 +54,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_MODULES = ("moekit.kernels.align", "moekit.kernels.grouped_gemm", "moekit.kernels.router",
-                  "moekit.kernels.decode")     # decode: MOEKIT_DECODE_DIRECT=1 calls
+                  "moekit.kernels.decode")     # decode: the direct path (the default at small T)
 PHASES = ("router", "checks", "prepare", "align", "gemm1", "gemm2", "sum", "experts", "layer")
 
 

@@ -92,7 +92,7 @@ def test_rows_computed_reads_the_alignment_of_a_known_routing():
 
 def test_triton_rows_follow_the_calls_config_or_the_decode_path(work, monkeypatch):
     w = work.weights
-    monkeypatch.delenv("MOEKIT_DECODE_DIRECT", raising=False)
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")
     rc = triton_rows(work.x, w.gate_up_proj, work.topk_ids)
     block_m = auto_config(5, w.gate_up_proj, 2, torch.float32, CPU).block_m
     counts = torch.bincount(work.topk_ids.reshape(-1).long(), minlength=8).tolist()
@@ -127,7 +127,8 @@ def bench(argv: list[str]) -> int:
     return cli.run(parser.parse_args(argv))
 
 
-def test_bench_times_the_dense_pair_and_records_triton_padding(tmp_path):
+def test_bench_times_the_dense_pair_and_records_triton_padding(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")    # the aligned path's padding at T = 1 and 4
     out = tmp_path / "run"
     assert bench(["--quick", "--tokens", "1,4", "--backends", "triton", "--device", "cpu", "--rep", "2",
                   "--dense", "--out", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""The direct decode path (`moekit.decode`, opt-in MOEKIT_DECODE_DIRECT=1): each kernel against its
+"""The direct decode path (`moekit.decode`, on unless MOEKIT_DECODE_DIRECT=0): each kernel against its
 pure-PyTorch twin, the twins chained against the fp32 reference, the whole path by the 2x rule, and
 the triton backend's decision (which calls take it, and that they honour out=, poisoned workspaces,
 invalid ids, int32 / int64 ids, non-contiguous inputs). CPU: the Triton interpreter, fp32 and fp16.
@@ -117,7 +117,7 @@ def test_unrolled_loops_compute_the_same():
 
 @pytest.fixture
 def direct(monkeypatch):
-    """The opt-in switched on; records the calls that take the direct path."""
+    """The path switched on; records the calls that take the direct path."""
     import moekit.experts.triton as backend
 
     monkeypatch.setenv(ENV_VAR, "1")
@@ -133,15 +133,15 @@ def direct(monkeypatch):
 
 
 def test_the_switch(monkeypatch):
-    for off in (None, "0", ""):                       # unset, 0 or empty: off
-        if off is None:
+    monkeypatch.setenv(ENV_VAR, "0")                  # 0: off
+    assert not use_decode_direct(8)
+    for on in (None, "1", ""):                        # unset (the default), 1 or empty: on
+        if on is None:
             monkeypatch.delenv(ENV_VAR, raising=False)
         else:
-            monkeypatch.setenv(ENV_VAR, off)
-        assert not use_decode_direct(8)
-    monkeypatch.setenv(ENV_VAR, "1")
-    assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
-    assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+            monkeypatch.setenv(ENV_VAR, on)
+        assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
+        assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
 
 
 def test_tiles_by_pairs():

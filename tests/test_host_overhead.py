@@ -23,7 +23,7 @@ def _script():
 @pytest.mark.parametrize("direct", ["0", "1"], ids=["normal-path", "direct-decode"])
 def test_smoke_reports_every_phase_and_restores_the_kernels(capsys, monkeypatch, direct):
     """The phases of the normal path are timed either way; the experts call and the layer launch what
-    the backend runs: 4 experts kernels on the normal path, 2 on the direct decode one (opt-in)."""
+    the backend runs: 4 experts kernels on the normal path, 2 on the direct decode one (the default)."""
     monkeypatch.setenv("MOEKIT_DECODE_DIRECT", direct)
     mod = _script()
     runs = [vars(k).get("run") for k in mod.kernels()]

@@ -1,4 +1,4 @@
-"""Direct decode path of the triton backend (opt-in): two kernels for a few pairs, no align.
+"""Direct decode path of the triton backend (on by default): two kernels for a few pairs, no align.
 
     decode_gemm1_swiglu   h (S, I): silu(x_t @ gate_e^T) * (x_t @ up_e^T) per pair, unsorted
     decode_gemm2_sum      out (T, H): sum over slots k ascending of w[t,k] * (h[t*K+k] @ down_e^T)
@@ -9,18 +9,18 @@ no weight reuse, and the normal path's four dependent launches (align, GEMM1, GE
 pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
 in the normal path (which never places them). Inference only: the triton backend uses it for calls
 that need no gradients, plain SwiGLU without biases or interleaved rows, no explicit `config` (the
-normal path's tiles), T * K <= `DECODE_MAX_PAIRS`, when switched on: `MOEKIT_DECODE_DIRECT=1` (read
-at each call).
+normal path's tiles), T * K <= `DECODE_MAX_PAIRS`, unless switched off: `MOEKIT_DECODE_DIRECT=0`
+(read at each call).
 
 Measured (H200, Qwen3-30B-A3B, bf16, 2026-11-30; `benchmarks/results/h200/2026-11-30/session4/`):
 in a CUDA graph after an L2 flush it is level with the normal path's tuned table from 1 to 8 tokens
 (T = 1: 0.042 ms both; T = 4: 0.088 against 0.092 ms; T = 8: 0.140 ms both; at 16 tokens, 128
 pairs, the table wins: 0.209 against 0.241 ms, so 64 pairs is the limit), and an eager layer call
 costs half the host time (0.132 against 0.269 ms at T = 1: 3 launches and 6 torch ops a layer call
-instead of 5 and 10). Still opt-in: the GPU suite run with it on found two tests that assumed the
+instead of 5 and 10). On by default since the whole GPU suite passed with it on
+(`benchmarks/results/h200/2026-11-30/session5/`); a first run had found two tests that assumed the
 normal path's bits at T = 1 (a captured layer, which named its tiles, against an eager call; gpt-oss
-with zero biases against plain SwiGLU), both fixed since, and the rest of the suite has not yet run
-on a GPU with it on.
+with zero biases against plain SwiGLU), fixed before.
 
 Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
 and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
@@ -39,7 +39,7 @@ from moekit._host import cdiv
 from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.tuning import check_tile
 
-DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path when it is on
+DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
 ENV_VAR = "MOEKIT_DECODE_DIRECT"
 
 
@@ -110,8 +110,8 @@ DECODE_TILES = (
 
 
 def decode_direct_enabled() -> bool:
-    """Whether $MOEKIT_DECODE_DIRECT switches the direct decode path on (read at each call)."""
-    return os.environ.get(ENV_VAR, "0").strip() not in ("", "0")
+    """Whether the direct decode path is on: unless $MOEKIT_DECODE_DIRECT is 0 (read at each call)."""
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
 
 
 def decode_config(num_pairs: int) -> DecodeConfig:

@@ -12,7 +12,7 @@ the padding rows; H hidden, I intermediate:
               moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
               moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
 
-(the opt-in direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
+(the direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
 forward is the roofline's 2 S 3HI; a training step is 22 S H I, the roofline's 3x the forward plus the
 4 S H I of the recomputed a and b. A kernel launched for two roles (GEMM2 and dx, the two weight
 gradients) is told apart by its launch order (`label_launches`).

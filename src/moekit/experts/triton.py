@@ -25,10 +25,11 @@ forward kernels' epilogues; the backward kernels compute SwiGLU without biases o
 any of them that needs gradients raises here (`moekit.moe_experts` routes such calls to a backend
 with a torch backward first: no bias gradient is ever dropped).
 
-Direct decode (opt-in, `moekit.decode`: MOEKIT_DECODE_DIRECT=1): an inference call with plain SwiGLU
-(no biases, not interleaved), no `config` given and T * K <= `moekit.decode.DECODE_MAX_PAIRS` runs two
-kernels instead of the four (no align); every other call runs the path above (a `config` names the
-normal path's tiles, so a caller who gives one, the tuner or ablate, gets that path).
+Direct decode (on by default, `moekit.decode`; MOEKIT_DECODE_DIRECT=0 switches it off): an inference
+call with plain SwiGLU (no biases, not interleaved), no `config` given and T * K <=
+`moekit.decode.DECODE_MAX_PAIRS` runs two kernels instead of the four (no align); every other call
+runs the path above (a `config` names the normal path's tiles, so a caller who gives one, the tuner
+or ablate, gets that path).
 """
 
 from __future__ import annotations
