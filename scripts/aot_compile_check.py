@@ -22,6 +22,9 @@ Paths (GEMM1's flags; GEMM2 takes HAS_BIAS and TMA_W):
     gpt-oss+persistent+tma  gpt-oss's experts (GPT_OSS, HAS_BIAS, INTERLEAVED), PERSISTENT and TMA_W
     flatten, flatten+tma  persistent (+ TMA_W) with FLATTEN (experimental `PERSISTENT_FLATTEN`: the
                           tile and K loops fused; paired tiles run without it)
+    store-pre             GEMM1 with STORE_PRE (`gemm1_swiglu_with_pre`: the training forward, the
+                          pre-activations stored beside h), SwiGLU, no bias
+    store-pre+tma, store-pre+persistent+tma   + TMA_W (+ PERSISTENT)
 over the Qwen3-30B-A3B tiles (bf16) below, paired tiles on and off. A path whose TMA the runtime
 would refuse (`resolve_tma`: e.g. an interleaved box over 256 rows) is reported as such, not compiled.
 
@@ -37,10 +40,15 @@ compile to main's kernels:
     python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
 
 `--wgrad [all|old,default,<i>,...]` checks the weight-gradient kernel instead (`moe_wgrad_kernel`,
-both launches of a training step: d gate_up_proj, A by sorted row and B by token; d down_proj, A by
-token and B by sorted row) with its tiles (`moekit.tuning.WgradConfig`): the old ones (the forward's
-L tiles capped at 64), the default and `moekit.bench.wgrad.CANDIDATES` (by index); with --regs its
-lines give shared memory, registers and spills per launch.
+both launches of a training step, unscaled: d gate_up_proj, A by sorted row and B by token; d
+down_proj, A by token and B by sorted row; then d down_proj in the scaled mode, which the backward
+runs when only down_proj needs a gradient) with its tiles (`moekit.tuning.WgradConfig`): the old
+ones (the forward's L tiles capped at 64), the default and `moekit.bench.wgrad.CANDIDATES` (by
+index); with --regs its lines give shared memory, registers and spills per launch.
+
+`--backward` checks the SwiGLU backward instead (`moe_swiglu_bwd_kernel` and the tile sum, for each
+--tiles, with `BackwardTiles.fit`'s tiles): reading the saved pre-activations (what the autograd
+Function runs) and RECOMPUTE (the custom op's backward), every output stored; --regs as above.
 
 `--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.kernels.decode`:
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
@@ -49,6 +57,7 @@ GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
        python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
+       python scripts/aot_compile_check.py --backward [--tiles S,M,MP,L] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
 """
 
@@ -93,23 +102,27 @@ TILES = {
     "L": moekit.ExpertsConfig(block_m=128, block_n1=128, block_k1=64, warps1=8, stages1=4,
                               block_n2=128, block_k2=64, warps2=8, stages2=4, group_m=8),
 }
-# name: (activation, biases, interleaved, tma, persistent: False, True or "flatten")
+# name: (activation, biases, interleaved, tma, persistent: False, True or "flatten", store_pre)
 PATHS = {
-    "default": ("swiglu", False, False, False, False),
-    "tma": ("swiglu", False, False, True, False),
-    "gpt-oss+bias": ("gpt_oss", True, False, False, False),
-    "gpt-oss+bias+tma": ("gpt_oss", True, False, True, False),
-    "interleaved": ("swiglu", False, True, False, False),
-    "interleaved+tma": ("swiglu", False, True, True, False),
-    "gpt-oss": ("gpt_oss", True, True, False, False),
-    "gpt-oss+tma": ("gpt_oss", True, True, True, False),
-    "persistent": ("swiglu", False, False, False, True),
-    "persistent+tma": ("swiglu", False, False, True, True),
-    "gpt-oss+persistent+tma": ("gpt_oss", True, True, True, True),
-    "flatten": ("swiglu", False, False, False, "flatten"),
-    "flatten+tma": ("swiglu", False, False, True, "flatten"),
+    "default": ("swiglu", False, False, False, False, False),
+    "tma": ("swiglu", False, False, True, False, False),
+    "gpt-oss+bias": ("gpt_oss", True, False, False, False, False),
+    "gpt-oss+bias+tma": ("gpt_oss", True, False, True, False, False),
+    "interleaved": ("swiglu", False, True, False, False, False),
+    "interleaved+tma": ("swiglu", False, True, True, False, False),
+    "gpt-oss": ("gpt_oss", True, True, False, False, False),
+    "gpt-oss+tma": ("gpt_oss", True, True, True, False, False),
+    "persistent": ("swiglu", False, False, False, True, False),
+    "persistent+tma": ("swiglu", False, False, True, True, False),
+    "gpt-oss+persistent+tma": ("gpt_oss", True, True, True, True, False),
+    "flatten": ("swiglu", False, False, False, "flatten", False),
+    "flatten+tma": ("swiglu", False, False, True, "flatten", False),
+    "store-pre": ("swiglu", False, False, False, False, True),
+    "store-pre+tma": ("swiglu", False, False, True, False, True),
+    "store-pre+persistent+tma": ("swiglu", False, False, True, True, True),
 }
-QUICK = (("S", "default"), ("S", "gpt-oss+tma"), ("M", "persistent"))    # the CPU test's subset
+# the CPU test's subset
+QUICK = (("S", "default"), ("S", "gpt-oss+tma"), ("M", "persistent"), ("MP", "store-pre+persistent+tma"))
 
 
 def cuda_backend_missing() -> str | None:
@@ -238,23 +251,64 @@ def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, re
 
     top_k = inp.ids.shape[1]
     align = align_block_size(inp.ids, inp.gate_up.shape[0], 64, backend="torch")
-    dpre = torch.empty(align.sorted_ids.numel(), inp.gate_up.shape[1], dtype=inp.x.dtype)
+    dpre_w = torch.empty(align.sorted_ids.numel(), inp.gate_up.shape[1], dtype=inp.x.dtype)
     h = torch.empty(align.sorted_ids.numel(), inp.down.shape[2], dtype=inp.x.dtype)
 
     def call():
-        gate_up_proj_grad(dpre, inp.x, inp.w, align, top_k, inp.x.dtype, tiles["gate_up"])
-        down_proj_grad(inp.x, h, inp.w, align, top_k, inp.x.dtype, tiles["down"])
+        gate_up_proj_grad(dpre_w, inp.x, None, align, top_k, inp.x.dtype, tiles["gate_up"])
+        down_proj_grad(inp.x, h, None, align, top_k, inp.x.dtype, tiles["down"])
+        down_proj_grad(inp.x, h, inp.w, align, top_k, inp.x.dtype, tiles["down"])     # scaled
 
     launches = capture_launches(call, (moe_wgrad_kernel,))
     label = " / ".join(dict.fromkeys(t.label() for t in tiles.values()))
-    usage = compile_launches(launches, target, dump, [f"{name}.gate_up", f"{name}.down"], regs)
+    names = [f"{name}.gate_up", f"{name}.down", f"{name}.down_scaled"]
+    usage = compile_launches(launches, target, dump, names, regs)
     return f"OK  shared {usage}  [{label}]"
+
+
+def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, regs: bool) -> int:
+    """One line per (tiles, mode): the SwiGLU backward and the tile sum as `swiglu_backward` launches
+    them, reading the saved pre-activations (saved) or recomputing them (recompute), every output
+    stored (shared memory, registers, spills)."""
+    from moekit.grouped_gemm_backward import BackwardTiles, swiglu_backward
+    from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel
+
+    top_k = inp.ids.shape[1]
+    failed = total = 0
+    for key in tiles:
+        cfg = TILES[key]
+        align = align_block_size(inp.ids, inp.gate_up.shape[0], cfg.block_m, backend="torch")
+        pre = torch.empty(align.sorted_ids.numel(), inp.gate_up.shape[1], dtype=inp.x.dtype)
+        for mode in ("saved", "recompute"):
+            total += 1
+            started = time.perf_counter()
+            fit = BackwardTiles.fit(cfg, inp.x.element_size(), recompute=mode == "recompute")
+            name = f"backward.{key}.{mode}"
+            saved = pre if mode == "saved" else None
+            try:
+                launches = capture_launches(
+                    lambda c=cfg, a=align, s=saved: swiglu_backward(
+                        inp.x, inp.gate_up, inp.down, inp.x, inp.w, a, top_k, c, pre=s),
+                    (moe_swiglu_bwd_kernel, moe_tile_sum_kernel))
+                for kernel, _, kwargs in launches:
+                    if kernel is moe_swiglu_bwd_kernel and kwargs["RECOMPUTE"] is not (mode == "recompute"):
+                        raise RuntimeError(f"launched with RECOMPUTE={kwargs['RECOMPUTE']} for {mode}")
+                usage = compile_launches(launches, target, dump, [name] * len(launches), regs)
+                status = f"OK  shared {usage}"
+            except Exception as exc:
+                failed += 1
+                text = str(exc).strip().splitlines()
+                status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+            label = f"m{cfg.block_m} n{fit.block_n} k{fit.block_k} s{fit.stages} w{cfg.warps1}"
+            print(f"{name:<28} {status}  [{label}]  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{total - failed}/{total} backward variants compile" + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
 
 
 def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump: Path | None, name: str,
                 regs: bool = False):
     """'OK ...' or 'SKIP ...' for one (tiles, path); raises when a kernel fails to compile."""
-    activation, biases, interleaved, tma, persistent = PATHS[path]
+    activation, biases, interleaved, tma, persistent, store_pre = PATHS[path]
     act = SWIGLU if activation == "swiglu" else GatedActivation(activation)
     cfg = dataclasses.replace(cfg, tma_weights=True) if tma else cfg
     # The field is named only when asked for: the other paths also run on commits without it.
@@ -262,8 +316,13 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
     align = align_block_size(inp.ids, inp.gate_up.shape[0], cfg.block_m, backend="torch")
 
     def call():
-        h = gemm1_swiglu(inp.x, inp.gate_up, align, inp.ids.shape[1], cfg, activation=act,
-                         interleaved=interleaved, bias=inp.gate_up_bias if biases else None)
+        if store_pre:   # imported here: the other paths also run on commits without it
+            from moekit.grouped_gemm import gemm1_swiglu_with_pre
+
+            h, _ = gemm1_swiglu_with_pre(inp.x, inp.gate_up, align, inp.ids.shape[1], cfg)
+        else:
+            h = gemm1_swiglu(inp.x, inp.gate_up, align, inp.ids.shape[1], cfg, activation=act,
+                             interleaved=interleaved, bias=inp.gate_up_bias if biases else None)
         gemm2_weighted(h, inp.down, inp.w, align, cfg, bias=inp.down_bias if biases else None)
 
     if persistent == "flatten":
@@ -290,6 +349,8 @@ def run_variant(inp: Inputs, cfg: moekit.ExpertsConfig, path: str, target, dump:
     for kernel, _, kwargs in launches:
         if kwargs.get("TMA_W", False) is not tma:
             raise RuntimeError(f"{kernel.__name__} launched with TMA_W={kwargs.get('TMA_W')}, wanted {tma}")
+        if kernel is moe_gemm1_swiglu_kernel and kwargs.get("STORE_PRE", False) is not store_pre:
+            raise RuntimeError(f"GEMM1 launched with STORE_PRE={kwargs.get('STORE_PRE')}, wanted {store_pre}")
         if kwargs.get("PERSISTENT", False) is not persistent:
             raise RuntimeError(f"{kernel.__name__} launched with PERSISTENT={kwargs.get('PERSISTENT')}, "
                                f"wanted {persistent}")
@@ -391,6 +452,8 @@ def main() -> int:
                    help="also registers per thread and local memory (cuobjdump)")
     p.add_argument("--wgrad", nargs="?", const="all", default=None,
                    help="the weight-gradient kernel's tiles instead: all, or old,default,<index>,...")
+    p.add_argument("--backward", action="store_true",
+                   help="the SwiGLU backward (saved pre-activations and RECOMPUTE) for --tiles instead")
     p.add_argument("--decode", nargs="?", const="all", default=None,
                    help="the direct decode kernels' tiles instead: all, or default,<index>,...")
     args = p.parse_args()
@@ -410,6 +473,8 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}, {args.preset} bf16, T={NUM_TOKENS}", flush=True)
     if args.wgrad is not None:
         return check_wgrad(inp, wgrad_variants(args.wgrad), target, args.dump, args.regs)
+    if args.backward:
+        return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
     if args.decode is not None:
         return check_decode(inp, decode_variants(args.decode), target, args.dump, args.regs)
     pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +29,19 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def aot_compile_check(*args: str) -> str:
+    """stdout of scripts/aot_compile_check.py run with these arguments on this checkout's sources,
+    which must exit 0; the test is skipped where this Triton has no CUDA backend or ptxas (exit 2)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "aot_compile_check.py"), *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    if done.returncode == 2:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:

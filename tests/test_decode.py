@@ -6,15 +6,10 @@ invalid ids, int32 / int64 ids, non-contiguous inputs). CPU: the Triton interpre
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
+from helpers import aot_compile_check, distinct_topk_ids, poisoned, rel_err, same_dtype_bound
 from moekit import ExpertsConfig, moe_experts
 from moekit._workspace import poisoning
 from moekit.decode import (
@@ -206,15 +201,8 @@ def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direc
 def test_decode_kernels_compile_for_sm90_without_spills():
     """scripts/aot_compile_check.py --decode default: both kernels at the Qwen3-30B-A3B shape, bf16,
     through ptxas for sm_90, no local memory."""
-    root = Path(__file__).resolve().parents[1]
-    script = root / "scripts" / "aot_compile_check.py"
-    done = subprocess.run([sys.executable, str(script), "--decode", "default", "--regs"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root / "src")})
-    if done.returncode == 2:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "1/1 decode variants compile" in done.stdout and "local" not in done.stdout
+    out = aot_compile_check("--decode", "default", "--regs")
+    assert "1/1 decode variants compile" in out and "local" not in out
 
 
 @pytest.mark.gpu

@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
+from helpers import aot_compile_check, distinct_topk_ids, poisoned, rel_err, same_dtype_bound
 from moekit import ExpertsConfig, align_block_size, moe_experts
 from moekit._workspace import poisoning
+from moekit.activation import SWIGLU, GatedActivation
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
 from moekit.grouped_gemm import (
+    _gemm1,
     gemm1_swiglu,
     gemm1_swiglu_torch,
+    gemm1_swiglu_with_pre,
     gemm2_weighted,
     gemm2_weighted_torch,
     moe_sum,
@@ -122,6 +121,68 @@ def test_epilogues_switched_off_match_their_twins(case, cfg):
     assert rel_err(y[placed], gemm2_weighted_torch(h, down, None, align)[placed]) <= 1e-5
     weighted = gemm2_weighted(h, down, w, align, cfg)
     assert rel_err(y[placed] * w.reshape(-1, 1)[placed], weighted[placed]) <= 1e-5
+
+
+# The training forward's GEMM1 (`gemm1_swiglu_with_pre`, STORE_PRE): h as without it, plus the [gate | up]
+# pre-activations at the sorted rows, in every variant the forward runs (paired, TMA, persistent).
+
+
+@pytest.fixture
+def store_pre_variants(monkeypatch):
+    """name -> config of every GEMM1 variant, persistent ones started as 3 programs (their loops
+    iterate); with the TMA ones' descriptors built (checked in the test)."""
+    import moekit.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "num_sms", lambda device: 3)
+    return {"blocks": CFG, "paired": PAIRED, "tma": dataclasses.replace(CFG, tma_weights=True),
+            "persistent": dataclasses.replace(CFG, persistent=True),
+            "persistent+paired+tma": dataclasses.replace(PAIRED, persistent=True, tma_weights=True)}
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("invalid", [False, True], ids=["all-valid", "sentinels"])
+@pytest.mark.parametrize("case", CASES + [(23, 4, 40, 24, 4)], ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_gemm1_stores_the_pre_activations(case, invalid, id_dtype, store_pre_variants):
+    num_tokens, num_experts, hidden, inter, top_k = case
+    x, gate_up, down, w, ids = make(*case, invalid=invalid)
+    ids = ids.to(id_dtype)
+    if top_k == num_experts:                       # K = E: one slot of every token is a sentinel
+        ids[:, -1] = -1
+    for name, cfg in store_pre_variants.items():
+        align, live, _ = aligned(ids, num_experts, cfg.block_m)
+        with poisoning():
+            h, pre = gemm1_swiglu_with_pre(x, gate_up, align, top_k, cfg)
+            h_alone = gemm1_swiglu(x, gate_up, align, top_k, cfg)
+        assert pre.shape == (align.sorted_ids.numel(), 2 * inter) and pre.is_contiguous(), name
+        assert torch.equal(h[:live], h_alone[:live]), name              # STORE_PRE changes nothing else
+        want = gemm1_swiglu_torch(x, gate_up, align, top_k, swiglu=False)
+        assert rel_err(pre[:live], want[:live]) <= 1e-5, name
+        padding = align.sorted_ids[:live] >= ids.numel()
+        assert torch.equal(pre[:live][padding], torch.zeros_like(pre[:live][padding])), name
+
+
+def test_gemm1_stores_the_pre_activations_in_float16(store_pre_variants):
+    """Rounded once from the fp32 accumulators: within one fp16 rounding of the fp32 twin."""
+    x, gate_up, down, w, ids = make_tma(13, 5, 40, 24, 2, torch.float16, invalid=True)
+    for name, cfg in store_pre_variants.items():
+        align, live, _ = aligned(ids, 5, cfg.block_m)
+        with poisoning():
+            _, pre = gemm1_swiglu_with_pre(x, gate_up, align, 2, cfg)
+        want = gemm1_swiglu_torch(x, gate_up, align, 2, swiglu=False)[:live]
+        assert pre.dtype == torch.float16
+        assert rel_err(pre[:live], want) <= 2 * rel_err(want.half(), want), name
+
+
+def test_gemm1_stores_the_pre_activations_of_plain_swiglu_only():
+    x, gate_up, down, w, ids = make(5, 4, 32, 16, 2)
+    align = align_block_size(ids, 4, CFG.block_m, backend="torch")
+    with pytest.raises(ValueError, match="plain SwiGLU only"):
+        _gemm1(x, gate_up, align, 2, CFG, swiglu=True, bias=torch.zeros(4, 32), activation=SWIGLU,
+               interleaved=False, store_pre=True)
+    for kwargs in ({"interleaved": True}, {"activation": GatedActivation("gpt_oss")}, {"swiglu": False}):
+        args = {"swiglu": True, "bias": None, "activation": SWIGLU, "interleaved": False, **kwargs}
+        with pytest.raises(ValueError, match="plain SwiGLU only"):
+            _gemm1(x, gate_up, align, 2, CFG, store_pre=True, **args)
 
 
 # TMA weights (`ExpertsConfig.tma_weights`): the interpreter emulates tensor descriptors (Triton >= 3.4),
@@ -343,17 +404,11 @@ def test_replay_from_a_cuda_graph(qwen_layer, variant, num_tokens):
 
 
 def test_forward_kernels_compile_for_sm90_ahead_of_time(tmp_path):
-    """The default kernels, gpt-oss's (biases, interleaved rows) with TMA weights and the persistent
-    ones compile for sm_90 as their launchers would launch them; the TMA kernels load the weights
-    with TMA instructions (UTMALDG), the default kernels do not."""
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "scripts" / "aot_compile_check.py"), "--quick",
-                           "--dump", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root / "src")})
-    if done.returncode == 2:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "3/3 variants compile" in done.stdout
+    """The default kernels, gpt-oss's (biases, interleaved rows) with TMA weights, the persistent
+    ones and the training forward's GEMM1 (STORE_PRE, paired, persistent, TMA) compile for sm_90 as
+    their launchers would launch them; the TMA kernels load the weights with TMA instructions
+    (UTMALDG), the default kernels do not."""
+    assert "4/4 variants compile" in aot_compile_check("--quick", "--dump", str(tmp_path))
     for kernel in ("moe_gemm1_swiglu_kernel", "moe_gemm2_kernel"):
         assert "UTMALDG" in (tmp_path / f"S.gpt-oss+tma.{kernel}.sass").read_text(), kernel
         assert "UTMALDG" not in (tmp_path / f"S.default.{kernel}.sass").read_text(), kernel

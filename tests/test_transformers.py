@@ -441,9 +441,9 @@ def triton_backward_calls():
     """The `needs` of every call of the triton backward (the autograd.Function's and the op's)."""
     calls, real = [], triton_experts.experts_triton_backward
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[-1])
-        return real(*args)
+        return real(*args, **kwargs)
 
     with mock.patch.object(triton_experts, "experts_triton_backward", spy):
         yield calls

@@ -4,19 +4,13 @@ against the error rule and accounted for in the rows; timings are never asserted
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import load_script
+from helpers import aot_compile_check, load_script
 from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, legacy_tiles
 from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_limit
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
@@ -44,12 +38,7 @@ def test_candidates_are_distinct_and_launchable_on_hopper():
 def test_wgrad_kernel_compiles_for_sm90_without_spills():
     """The old and the default tiles, both launches, through ptxas for sm_90 (skipped where this
     Triton has no CUDA backend or ptxas)."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "aot_compile_check.py"), "--wgrad",
-                           "old,default", "--regs"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    if done.returncode == 2:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "2/2 wgrad variants compile" in done.stdout
-    lines = [line for line in done.stdout.splitlines() if line.startswith("wgrad ")]
+    out = aot_compile_check("--wgrad", "old,default", "--regs")
+    assert "2/2 wgrad variants compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("wgrad ")]
     assert len(lines) == 2 and all("r/" in line and " local " not in line for line in lines), lines

@@ -15,6 +15,11 @@ The extended expert math (`moekit.activation`: expert biases, the gpt_oss activa
 gate/up rows) is keyword arguments of GEMM1 and GEMM2 and of their twins; left at their defaults
 the kernels compile exactly as without them (constexpr flags off).
 
+`gemm1_swiglu_with_pre` is GEMM1 for a forward that the backward follows (plain SwiGLU): the same
+launch also stores the [gate | up] pre-activations, (L, 2I) in x's dtype (constexpr STORE_PRE, off
+in every other launch, which then compiles exactly as without it), that the SwiGLU backward reads
+instead of recomputing them; their twin is `gemm1_swiglu_torch(..., swiglu=False)`.
+
 `ExpertsConfig.tma_weights` (opt-in) passes the weights to GEMM1 and GEMM2 as host-side TMA tensor
 descriptors (`triton.tools.tensor_descriptor.TensorDescriptor`, Triton >= 3.4) wherever
 `tma_supported` holds, else the pointer path runs. Host descriptors, not `tl.make_tensor_descriptor`:
@@ -201,24 +206,49 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
     """h (L, I): act(x_tok @ gate_e^T [+ bias], x_tok @ up_e^T [+ bias]) at each sorted row; padding
     rows 0. swiglu=False: the epilogue left out, h (L, 2I) holds the [gate | up] pre-activations.
     bias: gate_up_bias (E, 2I) in gate_up_proj's row layout; interleaved: rows alternate gate, up."""
+    return _gemm1(x, gate_up_proj, align, top_k, cfg, swiglu=swiglu, bias=bias, activation=activation,
+                  interleaved=interleaved, store_pre=False)[0]
+
+
+def gemm1_swiglu_with_pre(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
+                          cfg: ExpertsConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 of a forward that a backward follows (plain SwiGLU): (h (L, I), pre (L, 2I)), pre the
+    [gate | up] pre-activations x_tok @ gate_up_e^T rounded from fp32 to x's dtype at each sorted
+    row (the layout swiglu=False gives h; padding rows 0), stored by the same launch (STORE_PRE).
+    Both are fresh allocations (`moekit._workspace.empty`), so pre can be saved for the backward."""
+    h, pre = _gemm1(x, gate_up_proj, align, top_k, cfg, swiglu=True, bias=None, activation=SWIGLU,
+                    interleaved=False, store_pre=True)
+    return h, pre
+
+
+def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
+           swiglu: bool, bias: torch.Tensor | None, activation: GatedActivation, interleaved: bool,
+           store_pre: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h, pre or None): `moe_gemm1_swiglu_kernel`, with STORE_PRE when store_pre (plain SwiGLU)."""
+    if store_pre and (not swiglu or bias is not None or not activation.is_swiglu or interleaved):
+        raise ValueError("GEMM1 stores the pre-activations for plain SwiGLU only (the fused SiLU epilogue, "
+                         "no bias, not interleaved)")
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
-    h = _workspace.empty(align.sorted_ids.numel(), inter * (1 if swiglu else 2), dtype=x.dtype,
-                         device=x.device)
+    rows = align.sorted_ids.numel()
+    h = _workspace.empty(rows, inter * (1 if swiglu else 2), dtype=x.dtype, device=x.device)
+    pre = _workspace.empty(rows, two_i, dtype=x.dtype, device=x.device) if store_pre else None
     n_tiles = cdiv(inter, cfg.block_n1)
     w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
     args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
             align.num_pairs, inter, hidden, n_tiles,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
-            *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit))
-    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, dict(
+            *_bias_args(bias, gate_up_proj), float(activation.alpha), float(activation.limit), pre)
+    flags = dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k1 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(x.dtype), SWIGLU=swiglu, HAS_BIAS=bias is not None,
         GPT_OSS=not activation.is_swiglu, INTERLEAVED=interleaved, TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
-    ))
-    return h
+        STORE_PRE=store_pre,
+    )
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, flags)
+    return h, pre
 
 
 def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,

@@ -4,40 +4,51 @@ The forward (`moekit.grouped_gemm`) computes, for each pair p = t * K + k placed
 expert e: a, b = x[t] @ gate_e^T, x[t] @ up_e^T; h[r] = silu(a) * b; y_p = w_p * h[r] @ down_e^T;
 out[t] = sum_k y_p. Given dout (T, H), with g[r] = dout[t] @ down_e (I):
 
-    d topk_weights[p] = <g[r], h[r]>
-    dpre[r]           = [g * b * silu'(a), g * silu(a)]          (2I; per unit routing weight)
-    d down_e          = sum over e's rows of (w_p dout[t])^T h[r]
-    d gate_up_e       = sum over e's rows of (w_p dpre[r])^T x[t]
-    dx[t]             = sum over t's valid slots of w_p dpre[r] @ gate_up_e
+    d topk_weights[p] = <g[r], h[r]>                                  (unscaled h)
+    dpre_w[r]         = w_p * [g * b * silu'(a), g * silu(a)]         (2I; dpre scaled by w_p)
+    h_w[r]            = w_p * h[r]
+    d down_e          = sum over e's rows of dout[t]^T h_w[r]
+    d gate_up_e       = sum over e's rows of dpre_w[r]^T x[t]
+    dx[t]             = sum over t's valid slots of dpre_w[r] @ gate_up_e
+
+a and b come from the forward: GEMM1 stores them beside h when a backward will need them
+(`moekit.grouped_gemm.gemm1_swiglu_with_pre`, (L, 2I) in the input dtype), so the SwiGLU backward
+runs one GEMM (g) instead of three; without them (`pre=None`: the custom op's backward, which has the
+inputs alone) it recomputes a and b in the same loop over H. The routing weight is applied once, in
+that kernel's fp32 epilogue (dpre_w and h_w each rounded once to the dtype), so the weight gradients
+multiply their operand tiles as loaded and dx is GEMM2 without its routing-weight epilogue.
 
 Launchers, in the order the autograd Function (`moekit.experts.triton`) calls them:
 
-    swiglu_backward     x, dout, weights -> dpre (L, 2I), h (L, I), d topk_weights (S,) fp32
-                        (one kernel recomputing a, b beside g, plus a tile-sum kernel for the weights)
-    hidden_states_grad  dpre -> dx (T, H): the forward's GEMM2 with gate_up_e as the (H, 2I) matrix,
-                        then its slot sum
-    gate_up_proj_grad   dpre, x -> (E, 2I, H);  down_proj_grad  dout, h -> (E, H, I)
-                        (both `wgrad`, with their own tiles)
+    swiglu_backward     dout, weights, pre (or x) -> dpre_w (L, 2I), h_w (L, I), d topk_weights (S,)
+                        fp32 (one kernel, plus a tile-sum kernel for the weights)
+    hidden_states_grad  dpre_w -> dx (T, H): the forward's GEMM2 with gate_up_e as the (H, 2I) matrix,
+                        unweighted, then its slot sum
+    gate_up_proj_grad   dpre_w, x -> (E, 2I, H);  down_proj_grad  dout, h_w -> (E, H, I)
+                        (both `wgrad`, with their own tiles; given topk_weights, `wgrad` scales
+                        the rows itself: d down from the forward's unscaled h, when only down_proj
+                        needs a gradient and h is recomputed by GEMM1)
 
 Metadata: the forward's `Alignment` (sorted_ids (L,), expert_ids (L / block_m,), num_padded, and
 `Alignment.row_starts()` (E + 1,) for the weight gradients). Every grid is sized from
-(T, K, E, config) and `Alignment.max_blocks`; nothing is read back to the host. Rows of dpre and h
-past num_padded are not written (nobody reads them); d topk_weights is 0 for pairs never placed
+(T, K, E, config) and `Alignment.max_blocks`; nothing is read back to the host. Rows of dpre_w and
+h_w past num_padded are not written (nobody reads them); d topk_weights is 0 for pairs never placed
 (ids outside [0, E)); every expert's weight gradient is written, exactly 0 for an expert with no
 rows. No atomics anywhere: results are bitwise reproducible.
 
 Tiles, until the backward has its own tuned table: dx reuses GEMM2 with the forward's GEMM2 tiles
-(same operand tiles, so it fits wherever the forward does). The SwiGLU backward streams five tiles
-per step (x and dout rows, gate, up and down columns), so it takes GEMM1's tiles capped at 64 and
-drops stages, then halves block_k, until they fit the device's shared-memory budget
-(`BackwardTiles.fit`). The weight gradients have tiles of their own, independent of the forward's
+(same operand tiles, so it fits wherever the forward does). The SwiGLU backward takes GEMM1's tiles
+(`BackwardTiles.fit`): reading the saved pre-activations it streams two tiles per step (dout rows,
+down columns), so GEMM1's tiles capped at 128; recomputing, five (x and dout rows, gate, up and down
+columns), so capped at 64; then drops stages, then halves block_k, until they fit the device's
+shared-memory budget. The weight gradients have tiles of their own, independent of the forward's
 and of the align block size (`moekit.tuning.WgradConfig`: the default fitted to the device, or
 $MOEKIT_WGRAD_TILES, or `tiles=` on the launchers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -57,69 +68,85 @@ from moekit.grouped_gemm import (
 from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel, moe_wgrad_kernel
 from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, wgrad_config
 
-TILE_CAP = 64
+RECOMPUTE_TILE_CAP = 64     # the SwiGLU backward's block_n / block_k caps: recomputing a, b
+SAVED_TILE_CAP = 128        # reading the saved pre-activations
 
 
 @dataclass(frozen=True)
 class BackwardTiles:
-    """Tiles of the backward kernels, derived from the forward's config (see the module docstring).
+    """Tiles of the SwiGLU backward, derived from the forward's config (see the module docstring).
 
     Attributes:
-        block_n, block_k, stages: the SwiGLU backward (columns of I, steps over H, pipeline depth).
+        block_n, block_k, stages: columns of I, steps over H, pipeline depth.
+        recompute: the kernel's RECOMPUTE (a, b recomputed from x: five streamed tiles a step), or
+            False (a, b read from the saved pre-activations: two).
     """
 
     block_n: int
     block_k: int
     stages: int
+    recompute: bool = True
+
+    def pipeline_bytes(self, block_m: int, itemsize: int) -> int:
+        """Shared memory of the loop's streamed tiles: dout rows [BM, BK] and down columns [BK, BN],
+        and recomputing, x rows and gate and up columns too; `stages` buffers of each."""
+        rows, cols = (2, 3) if self.recompute else (1, 1)
+        return self.stages * (rows * block_m * self.block_k + cols * self.block_k * self.block_n) * itemsize
 
     @classmethod
-    def fit(cls, cfg: ExpertsConfig, itemsize: int,
-            device: torch.device | str | None = None) -> BackwardTiles:
+    def fit(cls, cfg: ExpertsConfig, itemsize: int, device: torch.device | str | None = None, *,
+            recompute: bool = True) -> BackwardTiles:
+        """GEMM1's block_n1 x block_k1 (capped at 64 recomputing, else 128) and stages1; stages
+        dropped (down to 2), then block_k halved (down to 16), until the loop fits the budget."""
         budget = shared_memory_budget(device)
-        block_n, block_k, stages = min(cfg.block_n1, TILE_CAP), min(cfg.block_k1, TILE_CAP), cfg.stages1
-
-        def pipeline_bytes() -> int:   # x and dout rows [BM, BK], gate, up and down [BK, BN]
-            return stages * (2 * cfg.block_m * block_k + 3 * block_k * block_n) * itemsize
-
-        while pipeline_bytes() > budget and (stages > 2 or block_k > 16):
-            if stages > 2:
-                stages -= 1
+        cap = RECOMPUTE_TILE_CAP if recompute else SAVED_TILE_CAP
+        tiles = cls(min(cfg.block_n1, cap), min(cfg.block_k1, cap), cfg.stages1, recompute)
+        while tiles.pipeline_bytes(cfg.block_m, itemsize) > budget and (tiles.stages > 2
+                                                                        or tiles.block_k > 16):
+            if tiles.stages > 2:
+                tiles = replace(tiles, stages=tiles.stages - 1)
             else:
-                block_k //= 2
-        return cls(block_n, block_k, stages)
+                tiles = replace(tiles, block_k=tiles.block_k // 2)
+        return tiles
 
 
 class SwigluGrads(NamedTuple):
-    """dpre (L, 2I) and h (L, I) in the activations' dtype; topk_weights (S,) fp32. None if not asked."""
+    """dpre_w (L, 2I) and h_w (L, I), dpre and h scaled by each row's routing weight, in the
+    activations' dtype; topk_weights (S,) fp32. None if not asked."""
 
-    dpre: torch.Tensor | None
-    h: torch.Tensor | None
+    dpre_w: torch.Tensor | None
+    h_w: torch.Tensor | None
     topk_weights: torch.Tensor | None
 
 
 def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dout: torch.Tensor,
-                    align: Alignment, top_k: int, cfg: ExpertsConfig, *, want_dpre: bool = True,
-                    want_h: bool = True, want_topk_weights: bool = True) -> SwigluGrads:
-    """The fused SwiGLU backward: g = dout[t] @ down_e with a, b recomputed in the same loop over H."""
+                    topk_weights: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
+                    pre: torch.Tensor | None = None, want_dpre: bool = True, want_h: bool = True,
+                    want_topk_weights: bool = True) -> SwigluGrads:
+    """The fused SwiGLU backward: g = dout[t] @ down_e, with a, b read from `pre` (L, 2I), the
+    forward's [gate | up] pre-activations (`moekit.grouped_gemm.gemm1_swiglu_with_pre`), or, pre
+    None, recomputed from x and gate_up_proj in the same loop over H. dpre_w and h_w are scaled by
+    the routing weight (topk_weights (T, K), the forward's); d topk_weights is <g, h>."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     rows = align.sorted_ids.numel()
     dev, dtype = x.device, x.dtype
-    tiles = BackwardTiles.fit(cfg, x.element_size(), dev)
+    recompute = pre is None
+    tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
     n_tiles = cdiv(inter, tiles.block_n)
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
-    dummy = x   # a pointer for the outputs not asked for; their stores are compiled out
+    dummy = x   # a pointer for the outputs (and pre) not given; their loads and stores are compiled out
     moe_swiglu_bwd_kernel[(align.max_blocks * n_tiles,)](
-        x, dout, gate_up_proj, down_proj, dpre if want_dpre else dummy, h if want_h else dummy,
-        part if want_topk_weights else dummy, align.sorted_ids, align.expert_ids, align.num_padded,
-        align.num_pairs, inter, hidden, n_tiles,
+        x, dout, gate_up_proj, down_proj, dummy if recompute else pre, topk_weights.reshape(-1),
+        dpre if want_dpre else dummy, h if want_h else dummy, part if want_topk_weights else dummy,
+        align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, inter, hidden, n_tiles,
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), *gate_up_proj.stride(), *down_proj.stride(),
-        *(dpre.stride() if want_dpre else (0, 0)), *(h.stride() if want_h else (0, 0)),
-        part.stride(0) if want_topk_weights else 0,
+        *((0, 0) if recompute else pre.stride()), *(dpre.stride() if want_dpre else (0, 0)),
+        *(h.stride() if want_h else (0, 0)), part.stride(0) if want_topk_weights else 0,
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % tiles.block_k == 0, STORE_DPRE=want_dpre, STORE_H=want_h,
+        EVEN_K=hidden % tiles.block_k == 0, RECOMPUTE=recompute, STORE_DPRE=want_dpre, STORE_H=want_h,
         STORE_PART=want_topk_weights, DOT_PRECISION=_dot_precision(dtype),
         num_warps=cfg.warps1, num_stages=tiles.stages,
     )
@@ -134,105 +161,120 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     return SwigluGrads(dpre, h, dw)
 
 
-def hidden_states_grad(dpre: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
-    """dx (T, H): w_p * dpre[r] @ gate_up_e at each pair row, summed over the token's valid slots."""
+def hidden_states_grad(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
+                       align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
+    """dx (T, H): dpre_w[r] @ gate_up_e at each pair row (GEMM2 without the routing weight: dpre_w
+    carries it), summed over the token's valid slots."""
     num_tokens, _ = topk_ids.shape
-    y = gemm2_weighted(dpre, gate_up_proj.transpose(1, 2), topk_weights, align, cfg)
-    dx = _workspace.empty(num_tokens, gate_up_proj.shape[2], dtype=dpre.dtype, device=dpre.device)
+    y = gemm2_weighted(dpre_w, gate_up_proj.transpose(1, 2), None, align, cfg)
+    dx = _workspace.empty(num_tokens, gate_up_proj.shape[2], dtype=dpre_w.dtype, device=dpre_w.device)
     return moe_sum(y, topk_ids, gate_up_proj.shape[0], dx)
 
 
-def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
+def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment, top_k: int,
           shape: tuple[int, int, int], dtype: torch.dtype, *, a_by_token: bool, b_by_token: bool,
           tiles: WgradConfig | None = None) -> torch.Tensor:
-    """(E, N, C) in `dtype`: expert e's sum over its rows of (w_p A[ra])^T B[rb] (`moe_wgrad_kernel`),
-    with `tiles` (default: `moekit.tuning.wgrad_config` for the wider operand's dtype and the device)."""
+    """(E, N, C) in `dtype`: expert e's sum over its rows of A[ra]^T B[rb], or with topk_weights
+    (w_p A[ra])^T B[rb] (`moe_wgrad_kernel`, SCALE), with `tiles` (default:
+    `moekit.tuning.wgrad_config` for the wider operand's dtype and the device)."""
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
     num_experts, n, c = shape
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
     n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
+    scale = topk_weights is not None
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
-        a, b, topk_weights, grad, align.sorted_ids, align.row_starts(),
+        a, b, topk_weights.reshape(-1) if scale else a, grad, align.sorted_ids, align.row_starts(),
         align.num_pairs, n, c, n_tiles, c_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c, NUM_STAGES=tiles.stages,
-        DOT_PRECISION=_dot_precision(b.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+        DOT_PRECISION=_dot_precision(b.dtype), SCALE=scale, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return grad
 
 
-def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
+def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,
                    top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None) -> torch.Tensor:
-    """(E, H, I): sum over each expert's rows of (w_p dout[t])^T h[r]; experts with no rows get 0."""
+    """(E, H, I): sum over each expert's rows of dout[t]^T h[r], h being h_w (already scaled:
+    topk_weights None) or the unscaled h with topk_weights, (w_p dout[t])^T h[r]; experts with no
+    rows get 0."""
     shape = (align.tokens_per_expert.numel(), dout.shape[1], h.shape[1])
     return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True, b_by_token=False,
                  tiles=tiles)
 
 
-def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
-                      top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None) -> torch.Tensor:
-    """(E, 2I, H): sum over each expert's rows of (w_p dpre[r])^T x[t]; experts with no rows get 0."""
+def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor | None,
+                      align: Alignment, top_k: int, dtype: torch.dtype,
+                      tiles: WgradConfig | None = None) -> torch.Tensor:
+    """(E, 2I, H): sum over each expert's rows of dpre[r]^T x[t], dpre being dpre_w (already scaled:
+    topk_weights None) or, with topk_weights, (w_p dpre[r])^T x[t]; experts with no rows get 0."""
     shape = (align.tokens_per_expert.numel(), dpre.shape[1], x.shape[1])
     return wgrad(dpre, x, topk_weights, align, top_k, shape, dtype, a_by_token=False, b_by_token=True,
                  tiles=tiles)
 
 
 def swiglu_backward_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                          dout: torch.Tensor, align: Alignment, top_k: int) -> SwigluGrads:
-    """Twin of `swiglu_backward` in fp32: padding rows of dpre and h 0, unplaced pairs' weight grad 0."""
+                          dout: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int, *,
+                          pre: torch.Tensor | None = None) -> SwigluGrads:
+    """Twin of `swiglu_backward` in fp32 (a, b from `pre` when given, else x @ gate_up_e^T): padding
+    rows of dpre_w and h_w 0, unplaced pairs' weight grad 0."""
     acc = twin_dtype(x)
     inter = gate_up_proj.shape[1] // 2
     num_rows = align.sorted_ids.numel()
     dpre = torch.zeros(num_rows, 2 * inter, dtype=acc, device=x.device)
     h = torch.zeros(num_rows, inter, dtype=acc, device=x.device)
     dw = torch.zeros(align.num_pairs, dtype=acc, device=x.device)
-    rows, pair, expert = _placed_rows(align)
-    for e in expert.unique().tolist():
-        sel = expert == e
-        tok = pair[sel] // top_k
-        a, b = (x[tok].to(acc) @ gate_up_proj[e].to(acc).T).chunk(2, dim=-1)
-        g = dout[tok].to(acc) @ down_proj[e].to(acc)
-        sig = torch.sigmoid(a)
-        h[rows[sel]] = a * sig * b
-        dpre[rows[sel]] = torch.cat([g * b * sig * (1 + a * (1 - sig)), g * a * sig], dim=-1)
-        dw[pair[sel]] = (g * h[rows[sel]]).sum(-1)
-    return SwigluGrads(dpre, h, dw)
-
-
-def hidden_states_grad_torch(dpre: torch.Tensor, gate_up_proj: torch.Tensor, topk_weights: torch.Tensor,
-                             topk_ids: torch.Tensor, align: Alignment) -> torch.Tensor:
-    """Twin of `hidden_states_grad` in fp32."""
-    y = gemm2_weighted_torch(dpre, gate_up_proj.transpose(1, 2), topk_weights, align)
-    return moe_sum_torch(y, topk_ids, gate_up_proj.shape[0])
-
-
-def wgrad_torch(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int,
-                *, a_by_token: bool, b_by_token: bool,
-                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Twin of `wgrad` in fp32 (`twin_dtype`); with `compute_dtype`, plain PyTorch in that dtype (the
-    weights too): the same-dtype baseline of the error rule."""
-    acc = compute_dtype or twin_dtype(a)
-    num_experts = align.tokens_per_expert.numel()
-    grad = torch.zeros(num_experts, a.shape[1], b.shape[1], dtype=acc, device=a.device)
     w = topk_weights.reshape(-1).to(acc)
     rows, pair, expert = _placed_rows(align)
     for e in expert.unique().tolist():
         sel = expert == e
         tok = pair[sel] // top_k
-        a_rows = a[tok if a_by_token else rows[sel]].to(acc) * w[pair[sel], None]
+        pre_e = x[tok].to(acc) @ gate_up_proj[e].to(acc).T if pre is None else pre[rows[sel]].to(acc)
+        a, b = pre_e.chunk(2, dim=-1)
+        g = dout[tok].to(acc) @ down_proj[e].to(acc)
+        sig = torch.sigmoid(a)
+        h_e = a * sig * b
+        w_e = w[pair[sel], None]
+        dw[pair[sel]] = (g * h_e).sum(-1)
+        h[rows[sel]] = w_e * h_e
+        dpre[rows[sel]] = w_e * torch.cat([g * b * sig * (1 + a * (1 - sig)), g * a * sig], dim=-1)
+    return SwigluGrads(dpre, h, dw)
+
+
+def hidden_states_grad_torch(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
+                             align: Alignment) -> torch.Tensor:
+    """Twin of `hidden_states_grad` in fp32."""
+    y = gemm2_weighted_torch(dpre_w, gate_up_proj.transpose(1, 2), None, align)
+    return moe_sum_torch(y, topk_ids, gate_up_proj.shape[0])
+
+
+def wgrad_torch(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,
+                top_k: int, *, a_by_token: bool, b_by_token: bool,
+                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Twin of `wgrad` in fp32 (`twin_dtype`; topk_weights None: no scale); with `compute_dtype`,
+    plain PyTorch in that dtype (the weights too): the same-dtype baseline of the error rule."""
+    acc = compute_dtype or twin_dtype(a)
+    num_experts = align.tokens_per_expert.numel()
+    grad = torch.zeros(num_experts, a.shape[1], b.shape[1], dtype=acc, device=a.device)
+    w = None if topk_weights is None else topk_weights.reshape(-1).to(acc)
+    rows, pair, expert = _placed_rows(align)
+    for e in expert.unique().tolist():
+        sel = expert == e
+        tok = pair[sel] // top_k
+        a_rows = a[tok if a_by_token else rows[sel]].to(acc)
+        if w is not None:
+            a_rows = a_rows * w[pair[sel], None]
         grad[e] = a_rows.T @ b[tok if b_by_token else rows[sel]].to(acc)
     return grad
 
 
-def down_proj_grad_torch(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
-                         top_k: int) -> torch.Tensor:
+def down_proj_grad_torch(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None,
+                         align: Alignment, top_k: int) -> torch.Tensor:
     """Twin of `down_proj_grad` in fp32."""
     return wgrad_torch(dout, h, topk_weights, align, top_k, a_by_token=True, b_by_token=False)
 
 
-def gate_up_proj_grad_torch(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+def gate_up_proj_grad_torch(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor | None,
                             align: Alignment, top_k: int) -> torch.Tensor:
     """Twin of `gate_up_proj_grad` in fp32."""
     return wgrad_torch(dpre, x, topk_weights, align, top_k, a_by_token=False, b_by_token=True)

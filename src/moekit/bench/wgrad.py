@@ -2,9 +2,11 @@
 `scripts/aot_compile_check.py --wgrad` compiles them for sm_90): the candidates, the tiles the kernel
 ran with before it had its own, and one T's inputs with the error rule.
 
-The two launches of a training step (`moekit.grouped_gemm_backward`):
-    gate_up  d gate_up_proj (E, 2I, H) = sum over e's rows of (w dpre[r])^T x[t]
-    down     d down_proj    (E, H, I)  = sum over e's rows of (w dout[t])^T h[r]
+The two launches of a training step (`moekit.grouped_gemm_backward`), unscaled: the SwiGLU backward
+stores dpre_w and h_w with the routing weight applied, so neither launch multiplies by it (the
+kernel's SCALE off; the scaled mode, used only when down_proj alone trains, is not swept):
+    gate_up  d gate_up_proj (E, 2I, H) = sum over e's rows of dpre_w[r]^T x[t]
+    down     d down_proj    (E, H, I)  = sum over e's rows of dout[t]^T h_w[r]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ CANDIDATES = tuple(WgradConfig(*t) for t in (
     (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (64, 256, 64, 8, 5), (256, 64, 64, 8, 5),
     (64, 64, 64, 4, 5), (64, 64, 32, 4, 7),
 ))
-# Interpreted on the CPU: small tiles, both scaling branches (BN < BC scales A).
+# Interpreted on the CPU: small tiles, BN < BC and BN > BC.
 CPU_CANDIDATES = (WgradConfig(16, 32, 16, 4, 3), WgradConfig(32, 16, 32, 4, 5))
 
 
@@ -47,14 +49,14 @@ def legacy_tiles(cfg: ExpertsConfig) -> dict[str, WgradConfig]:
 
 @dataclass
 class WgradCase:
-    """One T's operands (random, the routing of a softmax top-k with the last expert never picked)
-    and, per launch, its FLOPs (placed pairs only), fp32 reference and plain same-dtype error."""
+    """One T's operands (random, the routing of a softmax top-k with the last expert never picked;
+    dpre_w and h_w random too: already scaled, as the backward stores them) and, per launch, its
+    FLOPs (placed pairs only), fp32 reference and plain same-dtype error."""
 
     tokens: int
     top_k: int
     align: Alignment
     operands: dict[str, tuple[torch.Tensor, torch.Tensor, bool, bool]]   # a, b, a_by_token, b_by_token
-    weights: torch.Tensor
     shapes: dict[str, tuple[int, int, int]]
     flops: dict[str, float]
     refs: dict[str, torch.Tensor]
@@ -63,7 +65,7 @@ class WgradCase:
 
     def run(self, launch: str, tiles: WgradConfig) -> torch.Tensor:
         a, b, a_by_token, b_by_token = self.operands[launch]
-        return wgrad(a, b, self.weights, self.align, self.top_k, self.shapes[launch], a.dtype,
+        return wgrad(a, b, None, self.align, self.top_k, self.shapes[launch], a.dtype,
                      a_by_token=a_by_token, b_by_token=b_by_token, tiles=tiles)
 
     def problem(self, launch: str, got: torch.Tensor) -> tuple[float, str | None]:
@@ -91,19 +93,19 @@ def make_case(shape: MoEShape, num_tokens: int, dtype: torch.dtype, block_m: int
 
     logits = torch.randn(num_tokens, e, device=device, generator=gen)
     logits[:, -1] = float("-inf")
-    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    _, ids = torch.softmax(logits, -1).topk(top_k, -1)
     align = align_block_size(ids, e, block_m, backend="torch")
     rows = align.sorted_ids.numel()
     x, dout = randn(num_tokens, hidden), randn(num_tokens, hidden)
-    dpre, h, w = randn(rows, 2 * inter), randn(rows, inter), w.contiguous()
-    operands = {"gate_up": (dpre, x, False, True), "down": (dout, h, True, False)}
+    dpre_w, h_w = randn(rows, 2 * inter), randn(rows, inter)
+    operands = {"gate_up": (dpre_w, x, False, True), "down": (dout, h_w, True, False)}
     shapes = {"gate_up": (e, 2 * inter, hidden), "down": (e, hidden, inter)}
     pairs = num_tokens * top_k
     flops = {k: 2.0 * pairs * n * c for k, (_, n, c) in shapes.items()}
     refs, base_err = {}, {}
     for k, (a, b, a_tok, b_tok) in operands.items():
-        refs[k] = wgrad_torch(a, b, w, align, top_k, a_by_token=a_tok, b_by_token=b_tok)
-        plain = wgrad_torch(a, b, w, align, top_k, a_by_token=a_tok, b_by_token=b_tok, compute_dtype=dtype)
+        refs[k] = wgrad_torch(a, b, None, align, top_k, a_by_token=a_tok, b_by_token=b_tok)
+        plain = wgrad_torch(a, b, None, align, top_k, a_by_token=a_tok, b_by_token=b_tok, compute_dtype=dtype)
         base_err[k] = rel_err(plain, refs[k])
     unused = align.tokens_per_expert == 0
-    return WgradCase(num_tokens, top_k, align, operands, w, shapes, flops, refs, base_err, unused)
+    return WgradCase(num_tokens, top_k, align, operands, shapes, flops, refs, base_err, unused)

@@ -7,18 +7,29 @@ sized from the fixed upper bound `Alignment.max_blocks`; programs past num_padde
 Workspace: h (L, I) and y (S, H) in the input dtype (L = padded rows, S = T * K).
 
 Backward (when grad mode is on and an input requires grad). Saved: the inputs themselves (references,
-no copies) and the forward's `Alignment`: sorted_ids int32 (L,), expert_ids int32 (L / block_m,),
-num_padded, tokens_per_expert int32 (E,), about 4 bytes per pair plus padding, in place of the
-(L, 2I) gate/up pre-activations (4I bytes per pair in bf16, 3 KiB at Qwen3-30B-A3B's I = 768).
-Recomputed: a, b and h, inside the kernel that computes g = dout @ down_e (the same loop over H; one
-extra GEMM1's worth of FLOPs, no extra launch). Launches, each skipped when no input needs it:
-    swiglu_backward     dpre (L, 2I), h (L, I), d topk_weights      if x, gate_up or weights need grad
-    (gemm1_swiglu)      h alone                                     if only down_proj needs grad
-    hidden_states_grad  dx: GEMM2 on (dpre, gate_up^T) + slot sum    if x needs grad
-    gate_up_proj_grad   (E, 2I, H)                                  if gate_up_proj needs grad
-    down_proj_grad      (E, H, I)                                   if down_proj needs grad
-Backward workspace: dpre (L, 2I), h (L, I), (L, cdiv(I, block_n1)) fp32 partial sums, (S, H) per-pair dx.
-Deterministic (no atomics), no host sync. Not twice differentiable.
+no copies); the forward's `Alignment`: sorted_ids int32 (L,), expert_ids int32 (L / block_m,),
+num_padded, tokens_per_expert int32 (E,), block_codes, about 4 bytes per pair plus padding; and, when
+x, gate_up_proj or topk_weights needs a gradient, the (L, 2I) gate/up pre-activations that GEMM1
+stores beside h in the same launch (`gemm1_swiglu_with_pre`: 4I bytes per pair in bf16, 3 KiB at
+Qwen3-30B-A3B's I = 768, plus the padding rows), in place of recomputing them. The buffer is a fresh
+allocation per forward (`moekit._workspace.empty` allocates every call; nothing pools or reuses it),
+so a later forward never overwrites what an earlier one saved. Not saved: h (recomputed from the
+saved a, b in the SwiGLU backward's epilogue, silu(a) * b) and y. When only down_proj needs a
+gradient nothing extra is saved and the backward recomputes h by the forward's GEMM1 (one GEMM).
+Launches, each skipped when no input needs it:
+    swiglu_backward     dpre_w (L, 2I), h_w (L, I), d topk_weights   if x, gate_up or weights need grad
+                        (g = dout @ down_e, one GEMM; a, b read from the saved pre-activations)
+    (gemm1_swiglu)      h alone, unscaled                            if only down_proj needs grad
+    hidden_states_grad  dx: GEMM2 on (dpre_w, gate_up^T) + slot sum  if x needs grad
+    gate_up_proj_grad   (E, 2I, H)                                   if gate_up_proj needs grad
+    down_proj_grad      (E, H, I)                                    if down_proj needs grad
+dpre_w and h_w carry the routing weight (`moekit.grouped_gemm_backward`), so dx and the weight
+gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
+Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
+per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). Deterministic (no
+atomics), no host sync. Not twice differentiable. The `moekit::experts` custom op's backward
+(`experts_triton_grads`) has the inputs alone: it recomputes a and b inside the SwiGLU backward (the
+same loop over H as g: two more GEMMs, no extra launch).
 
 Expert biases, the gpt_oss activation and interleaved gate/up rows (`moekit.activation`) run in the
 forward kernels' epilogues; the backward kernels compute SwiGLU without biases only, so a call with
@@ -44,7 +55,7 @@ from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_gr
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import Alignment, align_block_size
 from moekit.decode import experts_decode, use_decode_direct
-from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted, moe_sum, resolve_tma
+from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
     down_proj_grad,
     gate_up_proj_grad,
@@ -64,41 +75,50 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig)
 def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor, *,
              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-             activation: GatedActivation = SWIGLU, interleaved: bool = False) -> Alignment:
+             activation: GatedActivation = SWIGLU, interleaved: bool = False,
+             store_pre: bool = False) -> tuple[Alignment, torch.Tensor | None]:
+    """(alignment, pre): pre the (L, 2I) pre-activations GEMM1 stored when store_pre (plain SwiGLU
+    only), else None."""
     align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
-    h = gemm1_swiglu(x, gate_up_proj, align, topk_ids.shape[1], config, bias=gate_up_bias,
-                     activation=activation, interleaved=interleaved)
+    top_k = topk_ids.shape[1]
+    pre = None
+    if store_pre:
+        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config)
+    else:
+        h = gemm1_swiglu(x, gate_up_proj, align, top_k, config, bias=gate_up_bias, activation=activation,
+                         interleaved=interleaved)
     y = gemm2_weighted(h, down_proj, topk_weights, align, config, bias=down_bias)
     moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
-    return align
+    return align, pre
 
 
 def experts_triton_backward(
     dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, align: Alignment, config: ExpertsConfig,
-    needs: tuple[bool, bool, bool, bool],
+    needs: tuple[bool, bool, bool, bool], *, pre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """(dx, d gate_up_proj, d down_proj, d topk_weights), None where `needs` is False.
 
-    topk_weights and topk_ids must be the contiguous tensors the forward used with `align`.
+    topk_weights and topk_ids must be the contiguous tensors the forward used with `align`; pre the
+    (L, 2I) pre-activations that forward's GEMM1 stored (`gemm1_swiglu_with_pre`), or None to
+    recompute them.
     """
     need_x, need_gu, need_down, need_w = needs
     top_k = topk_ids.shape[1]
     dx = d_gu = d_down = d_w = None
-    dpre = h = None
     if need_x or need_gu or need_w:
-        grads = swiglu_backward(x, gate_up_proj, down_proj, dout, align, top_k, config,
+        grads = swiglu_backward(x, gate_up_proj, down_proj, dout, topk_weights, align, top_k, config, pre=pre,
                                 want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
-        dpre, h = grads.dpre, grads.h
         if need_w:
             d_w = grads.topk_weights.view(topk_weights.shape).to(topk_weights.dtype)
-    elif need_down:                                   # frozen everything else: h alone, by the forward
+        if need_x:
+            dx = hidden_states_grad(grads.dpre_w, gate_up_proj, topk_ids, align, config)
+        if need_gu:
+            d_gu = gate_up_proj_grad(grads.dpre_w, x, None, align, top_k, gate_up_proj.dtype)
+        if need_down:
+            d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype)
+    elif need_down:          # frozen everything else: h alone, unscaled, by the forward's GEMM1
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
-    if need_x:
-        dx = hidden_states_grad(dpre, gate_up_proj, topk_weights, topk_ids, align, config)
-    if need_gu:
-        d_gu = gate_up_proj_grad(dpre, x, topk_weights, align, top_k, gate_up_proj.dtype)
-    if need_down:
         d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)
     return dx, d_gu, d_down, d_w
 
@@ -107,9 +127,13 @@ class _TritonExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, topk_weights, topk_ids, config):
         out = _workspace.empty_like(x)
-        align = _forward(x, gate_up_proj, down_proj, topk_weights, topk_ids, config, out)
+        need_x, need_gu, _, need_w = ctx.needs_input_grad[:4]
+        # The SwiGLU backward runs only for these: it reads a, b where GEMM1 stored them.
+        align, pre = _forward(x, gate_up_proj, down_proj, topk_weights, topk_ids, config, out,
+                              store_pre=need_x or need_gu or need_w)
         ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, topk_ids, align.sorted_ids,
-                              align.expert_ids, align.num_padded, align.tokens_per_expert, align.block_codes)
+                              align.expert_ids, align.num_padded, align.tokens_per_expert, align.block_codes,
+                              pre)
         ctx.config, ctx.block_m, ctx.num_pairs = config, align.block_m, align.num_pairs
         ctx.mark_non_differentiable(topk_ids)
         return out
@@ -117,10 +141,10 @@ class _TritonExperts(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes = ctx.saved_tensors
+        x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes, pre = ctx.saved_tensors
         align = Alignment(*meta, ctx.block_m, ctx.num_pairs, block_codes)
         grads = experts_triton_backward(dout, x, gate_up_proj, down_proj, topk_weights, topk_ids, align,
-                                        ctx.config, tuple(ctx.needs_input_grad[:4]))
+                                        ctx.config, tuple(ctx.needs_input_grad[:4]), pre=pre)
         return (*grads, None, None)
 
 

@@ -28,6 +28,13 @@ kernels compile as before:
     INTERLEAVED  gate_up rows alternate gate, up: one [BK, 2 BN] tile of consecutive rows per step,
                  one dot, gate and up split in the epilogue (tl.reshape + tl.split)
 
+For training, GEMM1's STORE_PRE (off by default; plain SwiGLU only: no bias, not interleaved, not
+gpt_oss) stores, beside h, the fp32 gate and up accumulators rounded to the input dtype into a
+contiguous (L, 2I) buffer at the sorted row ([gate | up], the layout SWIGLU False gives h; padding
+rows zeros): the backward reads them instead of recomputing x @ gate_up^T
+(`moekit.kernels.grouped_gemm_backward`). It is an epilogue store only, so it runs with TMA_W,
+PAIRED and PERSISTENT alike.
+
 With TMA_W (Hopper and later, `ExpertsConfig.tma_weights`), the weight operand `w` is a TMA tensor
 descriptor over the weights' 2D view (E * rows, K) (rows = 2I for gate_up, H for down) with block
 [BN, BK]; expert e's tile of columns n0.. starts at row e * rows + n0 (gate), + I (up). With
@@ -179,13 +186,23 @@ def k_loop_tma(a_ptrs, w_desc, b_row, valid, K, stride_ak,
 
 
 @triton.jit
-def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue,
+def _store_gate_up(ptrs, acc_g, acc_u, n_in, up_offset):
+    """Store the gate and up accumulators [M, BN], rounded to the buffer's dtype, at ptrs (the gate
+    columns) and ptrs + up_offset (the up columns): the [gate | up] layout of an (L, 2N) buffer."""
+    tl.store(ptrs, acc_g.to(ptrs.dtype.element_ty), mask=n_in[None, :])
+    tl.store(ptrs + up_offset, acc_u.to(ptrs.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
+def _gemm1_tile(x_ptr, w, h_ptr, pre_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, flags):
     """One [M, BLOCK_N] tile of h: M sorted rows from row0, all of expert e (`_paired`'s signature:
-    strides of x, gate_up and h; flags (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W)). SWIGLU
-    False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N). w: the gate_up
-    pointer, or with TMA_W its descriptor over (E * 2N, K)."""
+    strides of x, gate_up and h; flags (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W, STORE_PRE)).
+    SWIGLU False: gate and up stored unfused, at columns rn and N + rn of h (L, 2N). STORE_PRE
+    (plain SwiGLU only, the launcher checks): h as usual, and the same [gate | up] pre-activations
+    also in pre_ptr, a contiguous (L, 2N) buffer (padding rows: zeros, their x rows read as 0).
+    w: the gate_up pointer, or with TMA_W its descriptor over (E * 2N, K)."""
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn = strides
     bias_ptr, stride_be, stride_bn, alpha, limit = epilogue
     SWIGLU: tl.constexpr = flags[0]     # annotated: a plain or tuple assignment makes a constexpr a tensor
@@ -193,6 +210,7 @@ def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, 
     GPT_OSS: tl.constexpr = flags[2]
     INTERLEAVED: tl.constexpr = flags[3]
     TMA_W: tl.constexpr = flags[4]
+    STORE_PRE: tl.constexpr = flags[5]
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
     pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
     valid = pair < S
@@ -243,9 +261,11 @@ def _gemm1_tile(x_ptr, w, h_ptr, unused_ptr, sorted_ids_ptr, row0, e, pid_n, S, 
         if HAS_BIAS:                                                   # padding rows: zeros, as GEMM2 needs
             h = tl.where(valid[:, None], h, 0.0)
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+        if STORE_PRE:                                                  # contiguous (L, 2N)
+            pre_ptrs = pre_ptr + rows.to(tl.int64)[:, None] * (2 * N) + rn[None, :]
+            _store_gate_up(pre_ptrs, acc_g, acc_u, n_in, N)
     else:
-        tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
-        tl.store(h_ptrs + N * stride_hn, acc_u.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+        _store_gate_up(h_ptrs, acc_g, acc_u, n_in, N * stride_hn)
 
 
 @triton.jit
@@ -258,9 +278,10 @@ def _paired(TILE: tl.constexpr, block_codes_ptr, expert_ids_ptr, pid_m, pid_n, a
     block alone, 0 = nothing (the block before covers it). The groups both GEMMs pass through come
     as tuples the tile unpacks: strides, the 7 strides of a (2), w (3) and o (2); epilogue =
     (bias_ptr, stride_be, stride_bn, alpha, limit); flags = the constexprs (EPILOGUE, HAS_BIAS,
-    GPT_OSS, INTERLEAVED, TMA_W), EPILOGUE the tile's fused epilogue switch (SWIGLU of GEMM1, MUL_W
-    of GEMM2), the others as in the module docstring (GEMM2 reads HAS_BIAS and TMA_W only).
-    w: weights pointer, or descriptor when TMA_W."""
+    GPT_OSS, INTERLEAVED, TMA_W[, STORE_PRE]), EPILOGUE the tile's fused epilogue switch (SWIGLU of
+    GEMM1, MUL_W of GEMM2), the others as in the module docstring (GEMM2 reads HAS_BIAS and TMA_W
+    only; STORE_PRE is GEMM1's). aux_ptr: GEMM1's pre-activations buffer (None without STORE_PRE),
+    GEMM2's routing weights. w: weights pointer, or descriptor when TMA_W."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     row0 = pid_m * BLOCK_M
     code = tl.load(block_codes_ptr + pid_m) if PAIRED else 1
@@ -315,21 +336,25 @@ def moe_gemm1_swiglu_kernel(
     x_ptr, w, h_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
-    bias_ptr, stride_be, stride_bn, alpha, limit,
+    bias_ptr, stride_be, stride_bn, alpha, limit, pre_ptr,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
     TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    STORE_PRE: tl.constexpr = False,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     # w: gate_up (E, 2N, K), or with TMA_W its descriptor over (E * 2N, K), block [BLOCK_N, BLOCK_K]
     # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED). PERSISTENT: each program loops over tiles.
+    # pre_ptr: with STORE_PRE the contiguous (L, 2N) pre-activations buffer, else None (a constexpr:
+    # the kernel compiles exactly as without it).
     strides = (stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn)
     _for_each_tile(_gemm1_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
-                   expert_ids_ptr, x_ptr, w, h_ptr, x_ptr, sorted_ids_ptr, S, N, K, strides,
+                   expert_ids_ptr, x_ptr, w, h_ptr, pre_ptr, sorted_ids_ptr, S, N, K, strides,
                    (bias_ptr, stride_be, stride_bn, alpha, limit), TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                   EVEN_K, DOT_PRECISION, PAIRED, (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W), FLATTEN)
+                   EVEN_K, DOT_PRECISION, PAIRED, (SWIGLU, HAS_BIAS, GPT_OSS, INTERLEAVED, TMA_W, STORE_PRE),
+                   FLATTEN)
 
 
 @triton.jit

@@ -5,24 +5,32 @@ Legend as in the forward (`moekit.kernels.grouped_gemm`): T tokens, K top_k, S =
 H hidden, I intermediate, L padded rows, BM/BN/BK tiles. r is a sorted row, p = sorted_ids[r] its pair,
 t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the gradient of the output.
 
-    SWIGLU_BWD  per sorted row block (one expert) and I tile, ONE loop over H feeding three fp32 accs:
-                g = dout[t] @ down_e,  a = x[t] @ gate_e^T,  b = x[t] @ up_e^T   (a, b recomputed)
-                -> h = silu(a) * b
-                -> dpre (L, 2I) = [g * b * silu'(a), g * silu(a)] at the sorted row (for d gate_up, dx)
-                -> h (L, I) at the sorted row (for d down)
-                -> part (L, n_tiles) = sum over the tile's columns of g * h (for d topk_weights)
+    SWIGLU_BWD  per sorted row block (one expert) and I tile, one loop over H:
+                g = dout[t] @ down_e                                  (fp32 acc)
+                a, b = pre[r] (L, 2I): the forward's GEMM1 saved them (STORE_PRE), loaded as fp32
+                   or, RECOMPUTE: a = x[t] @ gate_e^T, b = x[t] @ up_e^T in the same loop (3 accs)
+                -> h = silu(a) * b, dpre = [g * b * silu'(a), g * silu(a)]   (fp32)
+                -> dpre_w (L, 2I) = w_p * dpre at the sorted row (for d gate_up, dx)
+                -> h_w (L, I) = w_p * h at the sorted row (for d down)
+                   (each rounded once from fp32; w_p = 0 on padding rows)
+                -> part (L, n_tiles) = sum over the tile's columns of g * h, unscaled (d topk_weights)
     TILE_SUM    dw[p] = sum over the I tiles of part[r], in tile order, stored at the pair row
-    WGRAD       C[e] (N, C) = sum over e's rows of w_p * A[row]^T @ B[row]: one program per
-                (e, N tile, C tile) walking the expert's rows in order, BM at a time (its own
-                tiles, `moekit.tuning.WgradConfig`). No atomics: deterministic.
-                d down_e     = (w dout[t])^T @ h[r]      A gathered by token, B sorted rows
-                d gate_up_e  = (w dpre[r])^T @ x[t]      A sorted rows, B gathered by token
-    dx          the forward's GEMM2 on (dpre, gate_up_e viewed as (H, 2I)), then SUM over the slots.
+    WGRAD       C[e] (N, C) = sum over e's rows of A[row]^T @ B[row] (SCALE: w_p * A[row]^T @ B[row]):
+                one program per (e, N tile, C tile) walking the expert's rows in order, BM at a
+                time (its own tiles, `moekit.tuning.WgradConfig`). No atomics: deterministic.
+                d down_e     = dout[t]^T @ h_w[r]        A gathered by token, B sorted rows
+                d gate_up_e  = dpre_w[r]^T @ x[t]        A sorted rows, B gathered by token
+                (SCALE: d down_e = (w dout[t])^T @ h[r], for an unscaled h: the forward's GEMM1
+                recomputing h alone when only down_proj needs a gradient)
+    dx          the forward's GEMM2 on (dpre_w, gate_up_e viewed as (H, 2I)) without the routing-
+                weight epilogue (MUL_W off), then SUM over the slots.
 
-dpre is the gradient of the pre-activations per unit routing weight (dh = w_p * g): w_p is applied
-where dpre is consumed (d gate_up, dx), so one buffer serves both and d topk_weights = <g, h> needs
-no division. Padding rows load zeros, so every row of a live block is written (zeros there);
-pairs whose id lies outside [0, E) are never placed, so never gathered.
+dpre_w and h_w carry the routing weight (dh = w_p * g), applied once in the SwiGLU backward's fp32
+epilogue, so the weight gradients feed both tiles straight to the dot and dx needs no multiply;
+d topk_weights = <g, h> uses the unscaled h. Padding rows (and columns past I) load zeros, from x,
+dout and the saved pre-activations alike (masked loads, so whatever a padding row of pre holds never
+reaches a result), so every row of a live block is written (zeros there); pairs whose id lies
+outside [0, E) are never placed, so never gathered.
 """
 
 import triton
@@ -33,17 +41,19 @@ from moekit.kernels.grouped_gemm import _tile_ids
 
 @triton.jit
 def moe_swiglu_bwd_kernel(
-    x_ptr, dout_ptr, w1_ptr, w2_ptr, dpre_ptr, h_ptr, part_ptr,
+    x_ptr, dout_ptr, w1_ptr, w2_ptr, pre_ptr, topk_weights_ptr, dpre_ptr, h_ptr, part_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     S, N, K, num_n_tiles,
     stride_xt, stride_xk, stride_dt, stride_dk,
     stride_w1e, stride_w1n, stride_w1k, stride_w2e, stride_w2k, stride_w2n,
-    stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
+    stride_am, stride_an, stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, STORE_DPRE: tl.constexpr, STORE_H: tl.constexpr,
-    STORE_PART: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, RECOMPUTE: tl.constexpr, STORE_DPRE: tl.constexpr,
+    STORE_H: tl.constexpr, STORE_PART: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # N = I, K = H. w1 = gate_up (E, 2I, H), w2 = down (E, H, I).
+    # N = I, K = H. w1 = gate_up (E, 2I, H), w2 = down (E, H, I). RECOMPUTE: a, b from x and w1 in
+    # the loop over H (pre_ptr unused); else from pre (L, 2I) [gate | up] at the sorted rows (x_ptr,
+    # w1_ptr unused). topk_weights (S,) contiguous: w_p scales the stored dpre and h.
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # sorted rows [BM]
@@ -54,57 +64,66 @@ def moe_swiglu_bwd_kernel(
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
         n_in = rn < N
         rn64 = rn.to(tl.int64)
+        rows64 = rows.to(tl.int64)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
 
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk               # [BM, BK]
         d_ptrs = dout_ptr + tok[:, None] * stride_dt + rk[None, :] * stride_dk            # [BM, BK]
-        g_ptrs = w1_ptr + e * stride_w1e + rn64[None, :] * stride_w1n + rk[:, None] * stride_w1k
-        u_ptrs = w1_ptr + e * stride_w1e + (rn64 + N)[None, :] * stride_w1n + rk[:, None] * stride_w1k
         v_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2k + rn64[None, :] * stride_w2n  # [BK, BN]
-
-        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if RECOMPUTE:
+            x_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk           # [BM, BK]
+            g_ptrs = w1_ptr + e * stride_w1e + rn64[None, :] * stride_w1n + rk[:, None] * stride_w1k
+            u_ptrs = g_ptrs + N * stride_w1n                                               # [BK, BN]
+            acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                xa = tl.load(x_ptrs, mask=valid[:, None], other=0.0)
-                da = tl.load(d_ptrs, mask=valid[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=n_in[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_in[None, :], other=0.0)
+                row_mask = valid[:, None]
+                col_mask = n_in[None, :]
             else:
                 k_in = rk + k0 < K
-                xa = tl.load(x_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
-                da = tl.load(d_ptrs, mask=valid[:, None] & k_in[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-            acc_a = tl.dot(xa, g, acc_a, input_precision=DOT_PRECISION)
-            acc_b = tl.dot(xa, u, acc_b, input_precision=DOT_PRECISION)
+                row_mask = valid[:, None] & k_in[None, :]
+                col_mask = k_in[:, None] & n_in[None, :]
+            da = tl.load(d_ptrs, mask=row_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=col_mask, other=0.0)
+            if RECOMPUTE:
+                xa = tl.load(x_ptrs, mask=row_mask, other=0.0)
+                g = tl.load(g_ptrs, mask=col_mask, other=0.0)
+                u = tl.load(u_ptrs, mask=col_mask, other=0.0)
+                acc_a = tl.dot(xa, g, acc_a, input_precision=DOT_PRECISION)
+                acc_b = tl.dot(xa, u, acc_b, input_precision=DOT_PRECISION)
+                x_ptrs += BLOCK_K * stride_xk
+                g_ptrs += BLOCK_K * stride_w1k
+                u_ptrs += BLOCK_K * stride_w1k
             acc_g = tl.dot(da.to(v.dtype), v, acc_g, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
             d_ptrs += BLOCK_K * stride_dk
-            g_ptrs += BLOCK_K * stride_w1k
-            u_ptrs += BLOCK_K * stride_w1k
             v_ptrs += BLOCK_K * stride_w2k
 
-        sig = tl.sigmoid(acc_a)                                        # [BM, BN] fp32
-        silu = acc_a * sig
-        h = silu * acc_b
-        rows64 = rows.to(tl.int64)
-        if STORE_PART:
+        if RECOMPUTE:
+            a = acc_a
+            b = acc_b
+        else:   # padding rows and columns past N read 0 (whatever the buffer holds there)
+            pre_mask = valid[:, None] & n_in[None, :]
+            a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an     # gate half
+            a = tl.load(a_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
+            b = tl.load(a_ptrs + N * stride_an, mask=pre_mask, other=0.0).to(tl.float32)  # up half
+        sig = tl.sigmoid(a)                                            # [BM, BN] fp32
+        silu = a * sig
+        h = silu * b
+        if STORE_PART:   # d topk_weights: the unscaled <g, h>
             part = tl.sum(acc_g * h, axis=1)                           # [BM]; masked columns are 0
             tl.store(part_ptr + rows64 * stride_qm + pid_n, part)
+        wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]  # [BM, 1]
         if STORE_H:
             h_ptrs = h_ptr + rows64[:, None] * stride_hm + rn64[None, :] * stride_hn
-            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+            tl.store(h_ptrs, (wt * h).to(h_ptr.dtype.element_ty), mask=n_in[None, :])
         if STORE_DPRE:
-            d_gate = acc_g * acc_b * sig * (1.0 + acc_a * (1.0 - sig))    # silu'(a) = s (1 + a (1 - s))
-            d_up = acc_g * silu
+            gw = wt * acc_g                                            # dh = w_p g
+            d_gate = gw * b * sig * (1.0 + a * (1.0 - sig))            # silu'(a) = s (1 + a (1 - s))
+            d_up = gw * silu
             p_ptrs = dpre_ptr + rows64[:, None] * stride_pm + rn64[None, :] * stride_pn      # gate half
-            q_ptrs = dpre_ptr + rows64[:, None] * stride_pm + (rn64 + N)[None, :] * stride_pn  # up half
             tl.store(p_ptrs, d_gate.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
-            tl.store(q_ptrs, d_up.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+            tl.store(p_ptrs + N * stride_pn, d_up.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
 
 
 @triton.jit
@@ -135,17 +154,19 @@ def moe_wgrad_kernel(
     stride_ar, stride_an, stride_br, stride_bc, stride_ce, stride_cn, stride_cc,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE: tl.constexpr,
 ):
-    """C[e] (N, C) = sum over expert e's sorted rows r of scale[p] * A[ra]^T B[rb].
+    """C[e] (N, C) = sum over expert e's sorted rows r of [scale[p] *] A[ra]^T B[rb].
 
     ra / rb is the token t = p // K when *_BY_TOKEN, else the sorted row r. Rows of e lie in
     [row_starts[e], row_starts[e + 1]); an expert with no rows gets an exact zero tile. Programs
     run expert by expert (e slowest), so the programs in flight share one expert's rows in L2 and
     walk them in step. Row, pair and token indices are int32 (fewer than 2**31 pairs); element
-    offsets are int64 (T * H may not be). The routing weight scales the smaller operand tile (B
-    on a tie), in fp32 with one rounding back, as w * A would be; the other goes from global to
-    shared memory untouched, so the pipeliner streams it asynchronously.
+    offsets are int64 (T * H may not be). SCALE False (the training step's launches: the SwiGLU
+    backward stores dpre and h already scaled): both tiles go from global memory to the dot
+    untouched, so the pipeliner streams both asynchronously; scale_ptr is not read. SCALE: the
+    routing weight scales the smaller operand tile (B on a tie), in fp32 with one rounding back,
+    as w * A would be; only the other tile is streamed asynchronously.
     """
     pid = tl.program_id(0)
     tiles = num_n_tiles * num_c_tiles
@@ -174,12 +195,15 @@ def moe_wgrad_kernel(
                     mask=valid[None, :] & n_in[:, None], other=0.0)                   # [BN, BM]
         b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br,
                     mask=valid[:, None] & c_in[None, :], other=0.0)                   # [BM, BC]
-        w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)          # [BM]
-        if BLOCK_N < BLOCK_C:
-            a = (a.to(tl.float32) * w[None, :]).to(b.dtype)
+        if SCALE:
+            w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)      # [BM]
+            if BLOCK_N < BLOCK_C:
+                a = (a.to(tl.float32) * w[None, :]).to(b.dtype)
+            else:
+                a = a.to(b.dtype)
+                b = (b.to(tl.float32) * w[:, None]).to(b.dtype)
         else:
-            a = a.to(b.dtype)
-            b = (b.to(tl.float32) * w[:, None]).to(b.dtype)
+            a = a.to(b.dtype)                                          # the same dtype: no conversion
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn

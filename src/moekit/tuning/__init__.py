@@ -143,6 +143,9 @@ class WgradConfig:
     from the forward's config; 128 x 128 at 7 stages, the earlier default, 1.09 / 1.27 / 1.42x;
     `benchmarks/results/h200/2026-11-30/session4/wgrad_compare/`). The wider C tile halves how often each
     gathered [BN, BM] block of the row operand is loaded. `fit` shrinks it for wider dtypes.
+    Those timings are of the kernel's scaled mode (the routing weight applied to one operand tile in
+    registers), which the training step no longer runs (dpre and h now come scaled): the tiles have
+    not been re-swept for the unscaled launches.
     Environment:
     MOEKIT_WGRAD_TILES="block_n=128,block_c=64,..." (fields left out keep their defaults) replaces
     the default, as given (not fitted).
@@ -172,8 +175,9 @@ class WgradConfig:
 
     def pipeline_bytes(self, itemsize: int) -> int:
         """Shared memory of the loop's tiles, an upper bound: lead + 1 buffers of each operand tile
-        ([BN, BM] and [BM, BC]; the pipeliner gives the scaled one a buffer less) and the scaled
-        copy of the smaller one."""
+        ([BN, BM] and [BM, BC]) and a copy of the smaller one, which the kernel's scaled mode (the
+        routing weight applied in registers) stages; the training step's launches are unscaled
+        (both tiles streamed as loaded), so they use at most this."""
         lead = max(1, (self.stages - 1) // 2)
         operands = (lead + 1) * (self.block_n + self.block_c) * self.block_m
         return (operands + self.block_m * min(self.block_n, self.block_c)) * itemsize
