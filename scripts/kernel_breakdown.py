@@ -13,9 +13,10 @@ come from `moekit bench`.
 
 Per kernel, the useful FLOPs it did and its achieved rate (useful FLOPs / its device time): the
 triton path's GEMM kernels by `moekit.bench.kernel_work.triton_kernel_flops` (GEMM1 2·S·H·2I, GEMM2
-2·S·I·H; backward: the SwiGLU backward's 3 GEMMs of S·H·I with a and b recomputed, dx 2·S·2I·H, the
-weight gradients 2·S·2I·H and 2·S·H·I; a kernel launched twice, GEMM2 and dx, is told apart by
-launch order), "–" for a kernel without a count (align, sums, other backends' kernels, CPU aten ops).
+2·S·I·H; backward: the SwiGLU backward's g = dout @ down_e, 2·S·H·I (a and b saved by the
+forward), dx 2·S·2I·H, the weight gradients 2·S·2I·H and 2·S·H·I; a kernel launched twice, GEMM2
+and dx, is told apart by launch order), "–" for a kernel without a count (align, sums, other
+backends' kernels, CPU aten ops).
 Each triton case also says the rows its tiles computed, num_padded of its alignment read back after
 the run over the S pairs ("1.24 rows computed per pair, 19% padding": the GEMMs did 1.24x the useful
 FLOPs), and every case its layer's useful FLOPs (the roofline's) over the device-busy time.

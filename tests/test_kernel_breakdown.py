@@ -68,13 +68,13 @@ def test_gemm_kernels_get_their_flops_and_rate_by_launch_order():
     assert (sums.count, sums.flops, sums.ms) == (2, None, pytest.approx(0.002)) and math.isnan(sums.tflops)
     assert [r.ms for r in rows] == sorted((r.ms for r in rows), reverse=True)
     lines = script.table(rows, top=3)           # of 0.026 ms in all
-    assert lines[2] == ("| `moe_swiglu_bwd_kernel` SwiGLU backward: g, a, b (a, b recomputed) | 1 | 0.006 "
-                        "| 23% | 0.000184 | 0.0307 |")                 # 184,320 FLOPs in 6 µs
+    assert lines[2] == ("| `moe_swiglu_bwd_kernel` SwiGLU backward: g (a, b saved) | 1 | 0.006 "
+                        "| 23% | 6.14e-05 | 0.0102 |")                 # 61,440 FLOPs in 6 µs
     assert lines[3] == "| `moe_wgrad_kernel` d gate_up_proj | 1 | 0.005 | 19% | 0.000123 | 0.0246 |"
     assert lines[-1] == "| 5 others | 6 | 0.011 | 42% | | |"
-    counted = 122_880 + 61_440 + 184_320 + 122_880 + 122_880 + 61_440      # 675,840 in 0.022 ms
+    counted = 122_880 + 61_440 + 61_440 + 122_880 + 122_880 + 61_440       # 552,960 in 0.022 ms
     assert script.summary(rows, busy=0.025, layer_flops=552_960) == [
         "Useful FLOPs per call: 0.000553 GFLOP, 0.0221 TFLOP/s over the device-busy time.",
-        f"GEMM kernels: {counted / 1e9:.3g} GFLOP useful in 0.022 ms, 0.0307 TFLOP/s."]
+        f"GEMM kernels: {counted / 1e9:.3g} GFLOP useful in 0.022 ms, 0.0251 TFLOP/s."]
     assert script.summary(rows, busy=math.nan, layer_flops=552_960) == [
         "Useful FLOPs per call: 0.000553 GFLOP (no device timeline on the CPU)."]

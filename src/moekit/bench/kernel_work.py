@@ -6,16 +6,16 @@ the padding rows; H hidden, I intermediate:
 
     forward   moe_gemm1_swiglu_kernel  GEMM1  x rows (S, H) @ gate_up_e^T (H, 2I)        2 S H 2I
               moe_gemm2_kernel         GEMM2  h (S, I) @ down_e^T (I, H)                  2 S I H
-    backward  moe_swiglu_bwd_kernel    g = dout @ down_e, a = x @ gate_e^T, b = x @ up_e^T:
-                                       3 GEMMs of S H I (a and b recomputed)       3 x 2 S H I
+    backward  moe_swiglu_bwd_kernel    g = dout @ down_e (a, b saved by the forward)      2 S H I
               moe_gemm2_kernel         dx = dpre (S, 2I) @ gate_up_e (2I, H)              2 S 2I H
               moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
               moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
 
 (the direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
-forward is the roofline's 2 S 3HI; a training step is 22 S H I, the roofline's 3x the forward plus the
-4 S H I of the recomputed a and b. A kernel launched for two roles (GEMM2 and dx, the two weight
-gradients) is told apart by its launch order (`label_launches`).
+forward is the roofline's 2 S 3HI; a training step is 18 S H I, the roofline's 3x the forward (the
+autograd path saves the pre-activations; only `experts_triton_grads`, the backward from the inputs
+alone, recomputes a and b: 4 S H I more, not counted here). A kernel launched for two roles (GEMM2
+and dx, the two weight gradients) is told apart by its launch order (`label_launches`).
 
 Rows computed: every grouped GEMM runs each expert's pairs rounded up to the align block's
 block_m rows, num_padded rows in all (paired tiles compute the same rows: experts stay padded to
@@ -56,8 +56,7 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
            KernelFlops("decode_gemm1_swiglu_kernel", "GEMM1, direct decode", gemm1),
            KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2)]
     if backward:
-        out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g, a, b (a, b recomputed)",
-                            3 * 2 * s * h * i),
+        out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
                 KernelFlops("moe_gemm2_kernel", "dx: dpre @ gate_up", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_kernel", "d down_proj", 2 * s * h * i)]
