@@ -101,7 +101,8 @@ def _dense_note(rs: Sequence[ResultRow], mode: str) -> list[str]:
           if mode else "")
     return [f"*{DENSE}* is the dense pair: the same FLOPs as two dense matmuls, T·K rows (each token "
             "repeated K times) through one expert's weights (`torch.nn.functional.linear`: cuBLAS on a GPU), "
-            "silu(gate)·up as a separate pass between them; timed like the backends. Its % of floor is "
+            "the two GEMMs alone (silu(gate)·up computed once, outside the timed call); timed like the "
+            "backends. Its % of floor is "
             "against the layer's floor: below the crossover that floor is the weights of every expert hit, "
             "which the pair does not read (it is no bar there); above it, the FLOPs, the same for both."
             + vs, ""]
