@@ -136,16 +136,14 @@ class WgradConfig:
     lead = (stages - 1) // 2 steps ahead. At 3 or 4 stages the lead is 1 and every step waits for
     all its copies before its MMA (nothing overlaps: compiled for sm_90, `async_wait num = 0`);
     from 5 stages the next step's tiles are in flight during this step's MMA.
-    The default (H200, 16-bit): 128 x 256 output tiles, 32 rows a step, 8 warps, 5 stages (lead 2),
-    80 KiB of the pipeline's shared memory: the fastest of `moekit.bench.wgrad.CANDIDATES` at 1,024,
-    4,096 and 16,384 tokens in `scripts/wgrad_compare.py` on an H200 (2026-11-30, both launches of a
-    training step, Qwen3-30B-A3B, bf16: 0.89 / 1.61 / 4.64 ms, 1.23 / 1.44 / 1.61x the tiles taken
-    from the forward's config; 128 x 128 at 7 stages, the earlier default, 1.09 / 1.27 / 1.42x;
-    `benchmarks/results/h200/2026-11-30/session4/wgrad_compare/`). The wider C tile halves how often each
-    gathered [BN, BM] block of the row operand is loaded. `fit` shrinks it for wider dtypes.
-    Those timings are of the kernel's scaled mode (the routing weight applied to one operand tile in
-    registers), which the training step no longer runs (dpre and h now come scaled): the tiles have
-    not been re-swept for the unscaled launches.
+    The default (H200, 16-bit): 128 x 128 output tiles, 64 rows a step, 8 warps, 3 stages, 96 KiB of
+    the pipeline's shared memory: the fastest of `moekit.bench.wgrad.CANDIDATES` at 4,096 and 16,384
+    tokens in `scripts/wgrad_compare.py` on an H200 for the unscaled launches a training step runs
+    (dpre and h come scaled by the routing weight; 2026-11-30, both launches, Qwen3-30B-A3B, bf16:
+    1.297 / 3.582 ms against 1.436 / 3.975 ms for the previous default, 128 x 256, 32 rows, 5 stages,
+    which had won the sweep of the scaled mode; `benchmarks/results/h200/2026-11-30/session5/`).
+    Without the scale both operand tiles go from global to shared memory untouched, so longer steps
+    (64 rows) with fewer stages pay off. `fit` shrinks it for wider dtypes.
     Environment:
     MOEKIT_WGRAD_TILES="block_n=128,block_c=64,..." (fields left out keep their defaults) replaces
     the default, as given (not fitted).
@@ -158,10 +156,10 @@ class WgradConfig:
     """
 
     block_n: int = 128
-    block_c: int = 256
-    block_m: int = 32
+    block_c: int = 128
+    block_m: int = 64
     warps: int = 8
-    stages: int = 5
+    stages: int = 3
 
     def __post_init__(self) -> None:
         for f in fields(self):
