@@ -3,6 +3,7 @@ H200 table, bad table files, and the tuner's logic with its GPU timer stubbed (C
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -295,7 +296,7 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     shape = PRESETS["tiny"]
     calls, logged = [], []
     best, records = tuner.tune_tokens(shape, 4, torch.float32, rotations=2, log=logged.append,
-                                      device="cpu", timer=fake_timer(calls))
+                                      device="cpu", timer=fake_timer(calls), switches=False)
     assert best.block_m == 16 and best.group_m == 1
     assert (best.block_n1, best.block_k1, best.warps1, best.stages1) == tuple(FAST1.values())
     assert (best.block_n2, best.block_k2, best.warps2, best.stages2) == tuple(FAST2.values())
@@ -310,8 +311,8 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     fast = [r for r in gemm_records if r["ms"] == 0.1 / 2]    # ms per routing: divided by rotations
     assert [(r["gemm"], r["block_n"]) for r in fast] == [(1, 32), (2, 64)]
     (path,) = [r for r in records if r["gemm"] == 0]
-    assert path["ms"] == 0.25 and ExpertsConfig(**{k: v for k, v in path.items()
-                                                   if k not in ("tokens", "gemm", "ms")}) == best
+    assert path["ms"] == 0.25 and path["variant"] == "" and ExpertsConfig(
+        **{k: v for k, v in path.items() if k not in ("tokens", "gemm", "ms", "variant")}) == best
     json.dumps(records)                                         # the --records lines are JSON
 
 
@@ -321,7 +322,66 @@ def test_tune_tokens_keeps_the_block_m_of_the_fastest_path():
     best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
                                       device="cpu", timer=fake_timer([]))
     assert best.block_m == 32 and best.block_n1 == FAST1["block_n"]
-    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0) == [(16, 0.5), (32, 0.3)]
+    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0 and not r["variant"]) == [
+        (16, 0.5), (32, 0.3)]
+    # The switches are tried on block_m 32's tiles; timed level with them, they do not displace them.
+    assert {r["block_m"] for r in records if r.get("variant")} == {32} and best.pair_blocks == 1
+
+
+def switch_timer(calls: list):
+    """fake_timer, except that whole paths with switches are timed by them: paired + persistent
+    fastest, TMA "fails to compile" alone."""
+    tiles = fake_timer(calls)
+
+    def timer(fn) -> float:
+        cfg = fn.args[-1]
+        if fn.func is not tuner._path_all or tuner.variant_label(cfg) == "":
+            return tiles(fn)
+        calls.append((fn.func.__name__, cfg))
+        label = tuner.variant_label(cfg)
+        if label == "tma":
+            raise RuntimeError("out of resources")
+        return {"paired+persistent": 0.1, "paired": 0.2}.get(label, 0.4)
+
+    return timer
+
+
+def test_tune_tokens_tries_the_switches_on_the_fastest_tiles(monkeypatch):
+    shape = PRESETS["tiny"]
+    calls, logged = [], []
+    best, records = tuner.tune_tokens(shape, 4, torch.float32, rotations=2, log=logged.append,
+                                      device="cpu", timer=switch_timer(calls))
+    assert (best.pair_blocks, best.tma_weights, best.persistent) == (2, False, True)
+    assert (best.block_n1, best.block_n2) == (FAST1["block_n"], FAST2["block_n"])   # the tuned tiles kept
+    variants = {r["variant"]: r["ms"] for r in records if r["gemm"] == 0 and r["variant"]}
+    # Every combination but the tiles alone and TMA alone (it failed: logged, not recorded).
+    assert set(variants) == {"paired", "persistent", "paired+persistent", "paired+tma", "tma+persistent",
+                             "paired+tma+persistent"}
+    assert variants["paired+persistent"] == 0.1 / 2 and variants["paired"] == 0.2 / 2
+    assert sum("skip T=4 tma:" in m for m in logged) == 1
+    # Weights the device cannot read through TMA: the TMA variants are not tried at all.
+    monkeypatch.setattr(tuner, "resolve_tma",
+                        lambda cfg, *a, **k: dataclasses.replace(cfg, tma_weights=False))
+    cfg = ExpertsConfig()
+    assert [tuner.variant_label(v) for v in tuner.switch_variants(cfg, None, None)] == [
+        "", "persistent", "paired", "paired+persistent"]
+
+
+def test_tune_report_shows_the_switches_tried_and_chosen():
+    from moekit.bench.results import Provenance
+    from moekit.bench.tune_report import output_files, tune_rows
+
+    prov = Provenance("20260101T000000Z", "2026-01-01T00:00:00+00:00", "abc", "cuda", "Stub GPU", "2", "3",
+                      "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 4, torch.float32, rotations=2, log=lambda m: None,
+                                      device="cpu", timer=switch_timer([]))
+    rows = tune_rows(prov, "tiny", PRESETS["tiny"], 2, records, best)
+    (chosen,) = [r for r in rows if r.chosen]
+    assert chosen.variant == "paired+persistent" and (chosen.pair_blocks, chosen.persistent) == (2, 1)
+    report = output_files(rows)["report.md"]
+    line = next(ln for ln in report.splitlines() if ln.startswith("| 4 |"))
+    assert "| paired, persistent |" in line and "paired+persistent **50.0**" in line
+    assert "| 250.0 |" in line             # block_m 16's tiles alone: 0.25 ms per routing, not chosen
 
 
 def test_tune_tokens_says_so_when_no_tile_runs():
@@ -426,10 +486,10 @@ def stub_gpu(monkeypatch):
                       "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
     real = tuner.tune_tokens
 
-    def on_cpu(shape, tokens, dtype, rotations, log, *, device, timer, seed):
-        assert device.type == "cuda" and seed == 7
+    def on_cpu(shape, tokens, dtype, rotations, log, *, device, timer, seed, switches):
+        assert device.type == "cuda" and seed == 7 and switches
         return real(shape, tokens, torch.float32, rotations, log, device="cpu", timer=fake_timer([]),
-                    seed=seed)
+                    seed=seed, switches=switches)
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuner, "measure_provenance", lambda *a, **k: (None, prov))

@@ -2,7 +2,9 @@
 
 For each token count T and each candidate block_m, GEMM1's and GEMM2's tiles are searched
 separately (each GEMM timed alone in a CUDA graph), then the whole path (align, both GEMMs, sum)
-is timed with each block_m's winners and the fastest wins. Routing is uniform random with k
+is timed with each block_m's winners. On the fastest, the opt-in switches are tried (`switch_variants`:
+paired tiles, TMA weight loads where the device and weights allow them, persistent GEMMs, alone and
+combined), each as a whole path; the fastest of all wins. Routing is uniform random with k
 distinct experts per token; each timed graph runs R different routings back to back, so small T
 reads more distinct experts than L2 holds and the weights come from HBM as in a real model.
 Candidate tiles are those whose pipelined operands fit in the device's shared memory
@@ -29,7 +31,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +45,7 @@ from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
 from moekit.bench.tune_report import STUDY, tune_rows
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
+from moekit.grouped_gemm import resolve_tma
 from moekit.shapes import MoEShape
 from moekit.tuning import (
     META_KEY,
@@ -117,6 +120,28 @@ def gemm_candidates(block_m: int, itemsize: int, swiglu: bool,
     return out
 
 
+def switch_variants(cfg: ExpertsConfig, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor) -> list[ExpertsConfig]:
+    """cfg, then cfg with the opt-in switches in every combination: pair_blocks 1 and 2, tma_weights
+    where both weights pass `moekit.grouped_gemm.tma_supported` with cfg's tiles (`resolve_tma`),
+    persistent off and on. Each config once."""
+    tma = (False, True) if resolve_tma(replace(cfg, tma_weights=True), gate_up_proj, down_proj).tma_weights \
+        else (False,)
+    out = [cfg]
+    for pair, use_tma, persistent in itertools.product((1, 2), tma, (False, True)):
+        v = replace(cfg, pair_blocks=pair, tma_weights=use_tma, persistent=persistent)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def variant_label(cfg: ExpertsConfig) -> str:
+    """The switches a config has on, e.g. "paired+tma" ("" for none)."""
+    on = [name for name, is_on in (("paired", cfg.pair_blocks == 2), ("tma", cfg.tma_weights),
+                                   ("persistent", cfg.persistent)) if is_on]
+    return "+".join(on)
+
+
 def _with(cfg: ExpertsConfig, which: int, p: dict[str, int]) -> ExpertsConfig:
     return replace(cfg, **{f"block_n{which}": p["block_n"], f"block_k{which}": p["block_k"],
                            f"warps{which}": p["warps"], f"stages{which}": p["stages"]})
@@ -136,11 +161,15 @@ def _path_all(xs, gate_up, down, ws, ids, cfg):
 
 def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations: int,
                 log: Callable[[str], None] = print, *, device: torch.device | str = "cuda",
-                timer: Timer = graph_time_ms, seed: int = 0) -> tuple[ExpertsConfig, list[dict]]:
+                timer: Timer = graph_time_ms, seed: int = 0,
+                switches: bool = True) -> tuple[ExpertsConfig, list[dict]]:
     """The fastest config for `num_tokens`, and one record per timing.
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
-    block_k, warps, stages}; per block_m's whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}.
+    block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, variant, **ExpertsConfig fields}:
+    each block_m's winners (variant ""), then, with `switches`, the fastest of those with each of
+    `switch_variants` (variant: `variant_label`, e.g. "paired+tma"). A candidate that fails to run is
+    logged and skipped.
     `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
     """
     dev = torch.device(device)
@@ -186,12 +215,23 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             continue
         cfg = _with(_with(base, 1, winners[1]), 2, winners[2])
         total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
-        records.append(dict(tokens=num_tokens, gemm=0, ms=total, **cfg.to_dict()))
+        records.append(dict(tokens=num_tokens, gemm=0, ms=total, variant="", **asdict(cfg)))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         if total < best_total:
             best_total, best_cfg = total, cfg
     if best_cfg is None:
         raise RuntimeError(f"no candidate config ran at T={num_tokens}")
+    for cfg in switch_variants(best_cfg, gate_up, down)[1:] if switches else ():
+        label = variant_label(cfg)
+        try:
+            total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
+        except Exception as exc:  # a switch this Triton or device cannot run: skip it, say why
+            log(f"  skip T={num_tokens} {label}: {type(exc).__name__}")
+            continue
+        records.append(dict(tokens=num_tokens, gemm=0, ms=total, variant=label, **asdict(cfg)))
+        log(f"T={num_tokens:>6} {label}: {total * 1e3:8.1f} us")
+        if total < best_total:
+            best_total, best_cfg = total, cfg
     return best_cfg, records
 
 
@@ -232,6 +272,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSON table to write or merge the winners into (default: <device>.json in "
                         "$MOEKIT_CONFIG_DIR when set, else in --out, else in ./moekit-results/; never the "
                         "installed package's); an existing file must be a valid table")
+    p.add_argument("--switches", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the fastest tiles with paired tiles, TMA weights and persistent GEMMs, "
+                        "alone and combined (default: on)")
     p.add_argument("--records", type=arg_types.out_file, default=None,
                    help="also write every timing as JSON lines (results.csv holds them too)")
 
@@ -302,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         rot = args.rotations or (8 if t <= 16 else 2 if t <= 256 else 1)
         try:
             best, rec = tune_tokens(shape, t, dtype, rot, lambda m: console.print(m, highlight=False),
-                                    device=device, timer=timer, seed=args.seed)
+                                    device=device, timer=timer, seed=args.seed, switches=args.switches)
         except RuntimeError as exc:   # every tile failed: the tokens tuned so far are kept
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             status = 1

@@ -1,9 +1,11 @@
 """`moekit tune` results: one row per timing, the report and the plot, for the scaffold.
 
 `moekit.bench.tune` times GEMM1 and GEMM2 candidate tiles alone, then the whole path with each
-block_m's winners; every timing becomes a `TuneRow` (long format, provenance in every row). The
-report (the chosen config per token count, the whole-path time of every block_m tried) and the
-plot are drawn from rows read back from the CSV, so `moekit report DIR` redraws them.
+block_m's winners, then the fastest of those with the opt-in switches (paired tiles, TMA weights,
+persistent GEMMs); every timing becomes a `TuneRow` (long format, provenance in every row). The
+report (the chosen config per token count, the whole-path time of every block_m and every switch
+variant tried) and the plot are drawn from rows read back from the CSV, so `moekit report DIR`
+redraws them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from moekit.bench.results import (
 )
 from moekit.bench.study import FILES, Files, Study
 from moekit.shapes import MoEShape
-from moekit.tuning import TILE_FIELDS, ExpertsConfig
+from moekit.tuning import SWITCH_FIELDS, TILE_FIELDS, ExpertsConfig
 
 PATH, GEMM1, GEMM2 = 0, 1, 2
 PER_GEMM = ("block_n", "block_k", "warps", "stages")
@@ -58,9 +60,13 @@ class TuneRow(LayerRow):
     stages2: int | None
     group_m: int | None
     pair_blocks: int | None = None
+    tma_weights: int | None = None   # whole-path rows: 0 / 1 (empty in CSVs written before the switches)
+    persistent: int | None = None
+    variant: str = ""                # whole-path rows: the switches tried on the block_m winner, e.g.
+                                     # "paired+tma"; "" for the block_m winners themselves
 
 
-CONFIG_FIELDS = TILE_FIELDS   # the tuner times tiles; switches (tma_weights) stay at their defaults
+CONFIG_FIELDS = TILE_FIELDS + SWITCH_FIELDS
 
 
 def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, records: Sequence[dict],
@@ -70,15 +76,18 @@ def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, re
     for r in records:
         tiles = dict.fromkeys(CONFIG_FIELDS[1:])
         if r["gemm"] == PATH:
-            tiles.update({k: r[k] for k in CONFIG_FIELDS[1:]})
-            is_chosen = ExpertsConfig(**{k: r[k] for k in CONFIG_FIELDS}) == chosen
+            cfg = ExpertsConfig(**{k: r.get(k, False) for k in CONFIG_FIELDS})   # switches: off if absent
+            tiles.update({k: getattr(cfg, k) for k in TILE_FIELDS[1:]})
+            tiles.update({k: int(getattr(cfg, k)) for k in SWITCH_FIELDS})
+            is_chosen = cfg == chosen
         else:
             tiles.update({f"{k}{r['gemm']}": r[k] for k in PER_GEMM})
             is_chosen = False
         rows.append(TuneRow(**asdict(prov), preset=preset, num_experts=shape.num_experts,
                             hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                             top_k=shape.top_k, tokens=r["tokens"], rotations=rotations, gemm=r["gemm"],
-                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"], **tiles))
+                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"],
+                            variant=r.get("variant", ""), **tiles))
     return rows
 
 
@@ -123,10 +132,23 @@ def plot(rows: Sequence[TuneRow]) -> tuple[str, bytes]:
     return f"tune_{file_stem(r0.preset)}.png", png_bytes(fig)
 
 
+def _path_us(r: TuneRow | None, chosen: TuneRow | None) -> str:
+    """A whole path's µs, in bold when it is the chosen one."""
+    if r is None:
+        return _us(math.nan)
+    return "**" + _us(r.ms) + "**" if r is chosen else _us(r.ms)
+
+
+def _chosen_switches(r: TuneRow) -> str:
+    on = [name for name, is_on in (("paired", r.pair_blocks == 2), ("TMA", r.tma_weights),
+                                   ("persistent", r.persistent)) if is_on]
+    return ", ".join(on) or "none"
+
+
 def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str:
     r0 = rows[0]
     tokens = sorted({r.tokens for r in rows})
-    block_ms = sorted({r.block_m for r in rows if r.gemm == PATH})
+    block_ms = sorted({r.block_m for r in rows if r.gemm == PATH and not r.variant})
     lines = [
         f"# moekit tune: {r0.preset} on {r0.device_name}", "",
         f"- run {', '.join(sorted({r.run_id for r in rows}))}, {r0.date}, commit `{r0.commit or 'unknown'}`",
@@ -136,23 +158,26 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
         f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; {r0.dtype}",
         "",
         "For each T and block_m, GEMM1's and GEMM2's tiles were timed alone (CUDA-graph replays of "
-        "`rotations` different routings, per routing), then the whole path with each block_m's winners; "
-        "the fastest whole path was chosen. Tiles: block_n×block_k, warps, stages.",
+        "`rotations` different routings, per routing), then the whole path with each block_m's winners, "
+        "then the fastest of those with the opt-in switches (paired tiles, TMA weights, persistent "
+        "GEMMs); the fastest whole path was chosen. Tiles: block_n×block_k, warps, stages.",
         "",
-        "| T | rotations | chosen block_m | GEMM1 tile | GEMM2 tile | group_m | GEMM1 candidates | "
-        "GEMM2 candidates | " + " | ".join(f"path µs, block_m {bm}" for bm in block_ms) + " |",
-        "|---:|---:|---:|---|---|---:|---:|---:|" + "---:|" * len(block_ms),
+        "| T | rotations | chosen block_m | GEMM1 tile | GEMM2 tile | group_m | switches | "
+        "GEMM1 candidates | GEMM2 candidates | " + " | ".join(f"path µs, block_m {bm}" for bm in block_ms)
+        + " | path µs with switches |",
+        "|---:|---:|---:|---|---|---:|---|---:|---:|" + "---:|" * len(block_ms) + "---|",
     ]
     for t in tokens:
         rs = [r for r in rows if r.tokens == t]
         chosen = next((r for r in rs if r.gemm == PATH and r.chosen), None)
-        path = {r.block_m: r.ms for r in rs if r.gemm == PATH}
+        path = {r.block_m: r for r in rs if r.gemm == PATH and not r.variant}
         counts = [sum(r.gemm == g for r in rs) for g in (GEMM1, GEMM2)]
-        head = (f"{chosen.block_m} | {_tiles(chosen, 1)} | {_tiles(chosen, 2)} | {chosen.group_m}"
-                if chosen else "– | – | – | –")
+        head = (f"{chosen.block_m} | {_tiles(chosen, 1)} | {_tiles(chosen, 2)} | {chosen.group_m} | "
+                f"{_chosen_switches(chosen)}" if chosen else "– | – | – | – | –")
+        variants = ", ".join(f"{r.variant} {_path_us(r, chosen)}" for r in rs
+                             if r.gemm == PATH and r.variant) or "–"
         lines.append(f"| {t} | {rs[0].rotations} | {head} | {counts[0]} | {counts[1]} | "
-                     + " | ".join(("**" + _us(path[bm]) + "**" if chosen and bm == chosen.block_m
-                                   else _us(path.get(bm, math.nan))) for bm in block_ms) + " |")
+                     + " | ".join(_path_us(path.get(bm), chosen) for bm in block_ms) + f" | {variants} |")
     lines += ["", f"![whole path per block_m]({plot_name})", "",
               f"Data: `{files.csv}` (one row per timing, long format, provenance in every row). Redraw "
               "the plot and this report with `moekit report <this folder>`.", ""]
