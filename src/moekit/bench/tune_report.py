@@ -112,13 +112,14 @@ def _tiles(r: TuneRow, gemm: int) -> str:
 
 
 def plot(rows: Sequence[TuneRow]) -> tuple[str, bytes]:
-    """Whole-path time per routing vs tokens, one line per block_m; the chosen configs circled."""
+    """Whole-path time per routing vs tokens, one line per block_m (its tiles alone); the chosen
+    configs circled (a switch variant where one won)."""
     r0 = rows[0]
     paths = [r for r in rows if r.gemm == PATH]
     fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
-    for bm in sorted({r.block_m for r in paths}):
-        pts = sorted((r.tokens, r.ms * 1e3) for r in paths if r.block_m == bm)
+    for bm in sorted({r.block_m for r in paths}):     # each block_m's own tiles, no switch variant
+        pts = sorted((r.tokens, r.ms * 1e3) for r in paths if r.block_m == bm and not r.variant)
         ax.plot([t for t, _ in pts], [us for _, us in pts], marker="o", ms=3, label=f"block_m {bm}")
     chosen = sorted((r.tokens, r.ms * 1e3) for r in paths if r.chosen)
     ax.plot([t for t, _ in chosen], [us for _, us in chosen], ls="none", marker="o", ms=9, mfc="none",
