@@ -16,6 +16,7 @@ import torch
 
 from moekit import tuning
 from moekit.bench import tune as tuner
+from moekit.bench.tune_report import CONFIG_FIELDS
 from moekit.cli import build_parser, main
 from moekit.shapes import PRESETS
 from moekit.tuning import (
@@ -311,9 +312,14 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     fast = [r for r in gemm_records if r["ms"] == 0.1 / 2]    # ms per routing: divided by rotations
     assert [(r["gemm"], r["block_n"]) for r in fast] == [(1, 32), (2, 64)]
     (path,) = [r for r in records if r["gemm"] == 0]
-    assert path["ms"] == 0.25 and path["variant"] == "" and ExpertsConfig(
-        **{k: v for k, v in path.items() if k not in ("tokens", "gemm", "ms", "variant")}) == best
+    assert path["ms"] == 0.25 and ExpertsConfig(**{k: v for k, v in path.items()
+                                                   if k not in ("tokens", "gemm", "ms")}) == best
     json.dumps(records)                                         # the --records lines are JSON
+
+
+def label(record: dict) -> str:
+    """The switches of a whole-path record's config ("" for a block_m's own tiles)."""
+    return tuner.variant_label(ExpertsConfig(**{k: record[k] for k in CONFIG_FIELDS}))
 
 
 def test_tune_tokens_keeps_the_block_m_of_the_fastest_path():
@@ -322,10 +328,10 @@ def test_tune_tokens_keeps_the_block_m_of_the_fastest_path():
     best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
                                       device="cpu", timer=fake_timer([]))
     assert best.block_m == 32 and best.block_n1 == FAST1["block_n"]
-    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0 and not r["variant"]) == [
+    assert sorted((r["block_m"], r["ms"]) for r in records if r["gemm"] == 0 and not label(r)) == [
         (16, 0.5), (32, 0.3)]
     # The switches are tried on block_m 32's tiles; timed level with them, they do not displace them.
-    assert {r["block_m"] for r in records if r.get("variant")} == {32} and best.pair_blocks == 1
+    assert {r["block_m"] for r in records if r["gemm"] == 0 and label(r)} == {32} and best.pair_blocks == 1
 
 
 def switch_timer(calls: list):
@@ -353,7 +359,7 @@ def test_tune_tokens_tries_the_switches_on_the_fastest_tiles(monkeypatch):
                                       device="cpu", timer=switch_timer(calls))
     assert (best.pair_blocks, best.tma_weights, best.persistent) == (2, False, True)
     assert (best.block_n1, best.block_n2) == (FAST1["block_n"], FAST2["block_n"])   # the tuned tiles kept
-    variants = {r["variant"]: r["ms"] for r in records if r["gemm"] == 0 and r["variant"]}
+    variants = {label(r): r["ms"] for r in records if r["gemm"] == 0 and label(r)}
     # Every combination but the tiles alone and TMA alone (it failed: logged, not recorded).
     assert set(variants) == {"paired", "persistent", "paired+persistent", "paired+tma", "tma+persistent",
                              "paired+tma+persistent"}
@@ -377,7 +383,8 @@ def test_tune_report_shows_the_switches_tried_and_chosen():
                                       device="cpu", timer=switch_timer([]))
     rows = tune_rows(prov, "tiny", PRESETS["tiny"], 2, records, best)
     (chosen,) = [r for r in rows if r.chosen]
-    assert chosen.variant == "paired+persistent" and (chosen.pair_blocks, chosen.persistent) == (2, 1)
+    assert tuner.variant_label(chosen) == "paired+persistent"
+    assert (chosen.pair_blocks, chosen.persistent) == (2, 1)
     report = output_files(rows)["report.md"]
     line = next(ln for ln in report.splitlines() if ln.startswith("| 4 |"))
     assert "| paired, persistent |" in line and "paired+persistent **50.0**" in line

@@ -43,7 +43,7 @@ from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
 from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
-from moekit.bench.tune_report import STUDY, tune_rows
+from moekit.bench.tune_report import STUDY, tune_rows, variant_label
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
 from moekit.grouped_gemm import resolve_tma
 from moekit.shapes import MoEShape
@@ -135,13 +135,6 @@ def switch_variants(cfg: ExpertsConfig, gate_up_proj: torch.Tensor,
     return out
 
 
-def variant_label(cfg: ExpertsConfig) -> str:
-    """The switches a config has on, e.g. "paired+tma" ("" for none)."""
-    on = [name for name, is_on in (("paired", cfg.pair_blocks == 2), ("tma", cfg.tma_weights),
-                                   ("persistent", cfg.persistent)) if is_on]
-    return "+".join(on)
-
-
 def _with(cfg: ExpertsConfig, which: int, p: dict[str, int]) -> ExpertsConfig:
     return replace(cfg, **{f"block_n{which}": p["block_n"], f"block_k{which}": p["block_k"],
                            f"warps{which}": p["warps"], f"stages{which}": p["stages"]})
@@ -166,10 +159,10 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     """The fastest config for `num_tokens`, and one record per timing.
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
-    block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, variant, **ExpertsConfig fields}:
-    each block_m's winners (variant ""), then, with `switches`, the fastest of those with each of
-    `switch_variants` (variant: `variant_label`, e.g. "paired+tma"). A candidate that fails to run is
-    logged and skipped.
+    block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}: each
+    block_m's winners (no switch on: `default_config` sets none), then, with `switches`, the fastest
+    of those with each of `switch_variants` (told apart by their switches, `variant_label`). A
+    candidate that fails to run is logged and skipped.
     `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
     """
     dev = torch.device(device)
@@ -215,7 +208,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             continue
         cfg = _with(_with(base, 1, winners[1]), 2, winners[2])
         total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
-        records.append(dict(tokens=num_tokens, gemm=0, ms=total, variant="", **asdict(cfg)))
+        records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         if total < best_total:
             best_total, best_cfg = total, cfg
@@ -228,7 +221,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
         except Exception as exc:  # a switch this Triton or device cannot run: skip it, say why
             log(f"  skip T={num_tokens} {label}: {type(exc).__name__}")
             continue
-        records.append(dict(tokens=num_tokens, gemm=0, ms=total, variant=label, **asdict(cfg)))
+        records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
         log(f"T={num_tokens:>6} {label}: {total * 1e3:8.1f} us")
         if total < best_total:
             best_total, best_cfg = total, cfg

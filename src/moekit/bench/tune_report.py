@@ -62,11 +62,17 @@ class TuneRow(LayerRow):
     pair_blocks: int | None = None
     tma_weights: int | None = None   # whole-path rows: 0 / 1 (empty in CSVs written before the switches)
     persistent: int | None = None
-    variant: str = ""                # whole-path rows: the switches tried on the block_m winner, e.g.
-                                     # "paired+tma"; "" for the block_m winners themselves
 
 
 CONFIG_FIELDS = TILE_FIELDS + SWITCH_FIELDS
+
+
+def variant_label(cfg: ExpertsConfig | TuneRow) -> str:
+    """The opt-in switches a config (or a whole-path row) has on, e.g. "paired+tma"; "" for none: a
+    block_m's own tiles (the tuner's base configs set no switch), else a switch variant tried on them."""
+    on = [name for name, is_on in (("paired", cfg.pair_blocks == 2), ("tma", cfg.tma_weights),
+                                   ("persistent", cfg.persistent)) if is_on]
+    return "+".join(on)
 
 
 def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, records: Sequence[dict],
@@ -86,8 +92,7 @@ def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, re
         rows.append(TuneRow(**asdict(prov), preset=preset, num_experts=shape.num_experts,
                             hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                             top_k=shape.top_k, tokens=r["tokens"], rotations=rotations, gemm=r["gemm"],
-                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"],
-                            variant=r.get("variant", ""), **tiles))
+                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"], **tiles))
     return rows
 
 
@@ -119,7 +124,7 @@ def plot(rows: Sequence[TuneRow]) -> tuple[str, bytes]:
     fig = Figure(figsize=(8.5, 4.8))
     ax = fig.subplots()
     for bm in sorted({r.block_m for r in paths}):     # each block_m's own tiles, no switch variant
-        pts = sorted((r.tokens, r.ms * 1e3) for r in paths if r.block_m == bm and not r.variant)
+        pts = sorted((r.tokens, r.ms * 1e3) for r in paths if r.block_m == bm and not variant_label(r))
         ax.plot([t for t, _ in pts], [us for _, us in pts], marker="o", ms=3, label=f"block_m {bm}")
     chosen = sorted((r.tokens, r.ms * 1e3) for r in paths if r.chosen)
     ax.plot([t for t, _ in chosen], [us for _, us in chosen], ls="none", marker="o", ms=9, mfc="none",
@@ -140,16 +145,10 @@ def _path_us(r: TuneRow | None, chosen: TuneRow | None) -> str:
     return "**" + _us(r.ms) + "**" if r is chosen else _us(r.ms)
 
 
-def _chosen_switches(r: TuneRow) -> str:
-    on = [name for name, is_on in (("paired", r.pair_blocks == 2), ("TMA", r.tma_weights),
-                                   ("persistent", r.persistent)) if is_on]
-    return ", ".join(on) or "none"
-
-
 def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str:
     r0 = rows[0]
     tokens = sorted({r.tokens for r in rows})
-    block_ms = sorted({r.block_m for r in rows if r.gemm == PATH and not r.variant})
+    block_ms = sorted({r.block_m for r in rows if r.gemm == PATH and not variant_label(r)})
     lines = [
         f"# moekit tune: {r0.preset} on {r0.device_name}", "",
         f"- run {', '.join(sorted({r.run_id for r in rows}))}, {r0.date}, commit `{r0.commit or 'unknown'}`",
@@ -171,12 +170,12 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
     for t in tokens:
         rs = [r for r in rows if r.tokens == t]
         chosen = next((r for r in rs if r.gemm == PATH and r.chosen), None)
-        path = {r.block_m: r for r in rs if r.gemm == PATH and not r.variant}
+        path = {r.block_m: r for r in rs if r.gemm == PATH and not variant_label(r)}
         counts = [sum(r.gemm == g for r in rs) for g in (GEMM1, GEMM2)]
         head = (f"{chosen.block_m} | {_tiles(chosen, 1)} | {_tiles(chosen, 2)} | {chosen.group_m} | "
-                f"{_chosen_switches(chosen)}" if chosen else "– | – | – | – | –")
-        variants = ", ".join(f"{r.variant} {_path_us(r, chosen)}" for r in rs
-                             if r.gemm == PATH and r.variant) or "–"
+                f"{variant_label(chosen).replace('+', ', ') or 'none'}" if chosen else "– | – | – | – | –")
+        variants = ", ".join(f"{variant_label(r)} {_path_us(r, chosen)}" for r in rs
+                             if r.gemm == PATH and variant_label(r)) or "–"
         lines.append(f"| {t} | {rs[0].rotations} | {head} | {counts[0]} | {counts[1]} | "
                      + " | ".join(_path_us(path.get(bm), chosen) for bm in block_ms) + f" | {variants} |")
     lines += ["", f"![whole path per block_m]({plot_name})", "",
