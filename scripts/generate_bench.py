@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_transformers import provenance  # noqa: E402
+from gpu_transformers import batched_mm_fits, provenance  # noqa: E402
 
 from moekit.integrations.transformers import register  # noqa: E402
 
@@ -96,16 +96,6 @@ def wall_ms(fn, device: torch.device):
     return (time.perf_counter() - start) * 1e3, result
 
 
-def batched_mm_fits(model, num_tokens: int) -> tuple[bool, str]:
-    """batched_mm copies each pair's expert weights: (T*K, 2I, H) for gate_up at its peak."""
-    cfg = model.config
-    need = num_tokens * cfg.num_experts_per_tok * 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
-    if not torch.cuda.is_available():
-        return True, ""
-    free, _ = torch.cuda.mem_get_info()
-    return need <= free // 2, f"needs {need / 2**30:.0f} GiB for its weight copy, {free / 2**30:.0f} GiB free"
-
-
 def generate(model, prompt: torch.Tensor, new_tokens: int, static: bool) -> torch.Tensor:
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if static:
@@ -127,11 +117,11 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
     skipped: dict[tuple[str, str], str] = {}
     for impl in impls:
         if impl == "batched_mm" and "prefill" in modes:
-            fits, why = batched_mm_fits(model, prompt_len)
+            fits, why = batched_mm_fits(model.model.layers[0].mlp, prompt_len)
             if not fits:
                 skipped[(impl, "prefill")] = why
 
-    def prefill(impl: str) -> float:
+    def prefill() -> float:
         with torch.no_grad():
             ms, _ = wall_ms(lambda: model(prompt, use_cache=True, logits_to_keep=1), device)
         return ms
@@ -145,7 +135,7 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
 
     def measure(impl: str, mode: str) -> float:
         model.set_experts_implementation(impl)
-        return prefill(impl) if mode == "prefill" else decode(impl, mode)
+        return prefill() if mode == "prefill" else decode(impl, mode)
 
     cases = [(impl, mode) for mode in modes for impl in impls if (impl, mode) not in skipped]
     for impl, mode in cases:          # warm-up: JIT, autotune caches, and the compile of each graph

@@ -205,19 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     for t in tokens:
         inputs = _inputs(preset, t, dtype, device)
         x, gate_up, _, _, ids, _ = inputs
-        pairs = int(((ids >= 0) & (ids < shape.num_experts)).sum())
         layer = (training_traffic if a.backward else traffic)(shape, t, ids, dtype).flops
         for backend in a.backends.split(","):
-            flops = triton_kernel_flops(shape, pairs, a.backward) if backend == "triton" else ()
             try:
+                rc = triton_rows(x, gate_up, ids, grad=a.backward) if backend == "triton" else None
+                flops = triton_kernel_flops(shape, rc.pairs, a.backward) if rc else ()
                 rows, wall, busy = breakdown(_call(backend, a.backward, *inputs), device, flops)
             except (RuntimeError, ValueError) as exc:
                 lines += [f"## {backend}, T = {t}: not run ({str(exc).splitlines()[0]})", ""]
                 continue
             lines += [f"## {backend}, T = {t}: wall {wall:.3f} ms, device busy {busy:.3f} ms, "
                       f"{sum(r.count for r in rows)} activities", ""]
-            if backend == "triton":
-                rc = triton_rows(x, gate_up, ids, grad=a.backward)
+            if rc is not None:
                 tiles = f", block_m {rc.block_m}" if rc.block_m else ", direct decode: no alignment"
                 lines.append(f"Padding: {rc} ({rc.rows:,} rows computed for {rc.pairs:,} pairs{tiles}).")
             lines += [*summary(rows, busy, layer), "", *table(rows, a.top), ""]

@@ -40,7 +40,11 @@ def test_breakdown_tables_on_cpu(tmp_path, capsys):
 def test_triton_case_states_its_padding(capsys, monkeypatch):
     monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")     # the aligned path
     script = _script()
+    counted = []                                         # the pairs each case's FLOPs are counted for
+    monkeypatch.setattr(script, "triton_kernel_flops", lambda shape, pairs, backward:
+                        counted.append(pairs) or triton_kernel_flops(shape, pairs))
     assert script.main(["--tokens", "5", "--backends", "triton"]) == 0
+    assert counted == [10]
     text = capsys.readouterr().out
     x, gate_up, _, _, ids, _ = script._inputs("tiny", 5, torch.float32, torch.device("cpu"))
     rc = triton_rows(x, gate_up, ids)

@@ -87,9 +87,8 @@ def padded_rows(counts: Sequence[int], block_m: int) -> int:
 
 
 def padding_fraction(counts: Sequence[int], block_m: int) -> float:
-    """Fraction of the computed rows that are padding: 1 - pairs / padded rows."""
-    rows = padded_rows(counts, block_m)
-    return 1.0 - sum(int(n) for n in counts) / rows if rows else 0.0
+    """Fraction of the computed rows that are padding: 1 - pairs / padded rows (`RowsComputed`)."""
+    return RowsComputed(padded_rows(counts, block_m), sum(int(n) for n in counts), block_m).padding
 
 
 @dataclass(frozen=True)
