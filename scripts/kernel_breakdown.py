@@ -103,9 +103,10 @@ def aggregate(launches: Sequence[tuple[str, float]], flops: Sequence[KernelFlops
 
 
 def breakdown(fn, device: torch.device,
-              flops: Sequence[KernelFlops] = ()) -> tuple[list[KernelRow], float, float]:
-    """(rows largest first, wall ms, device-busy ms (NaN on CPU)) of one call; on CUDA the kernels named
-    in `flops` carry their useful FLOPs (`aggregate`)."""
+              flops: Sequence[KernelFlops] = ()) -> tuple[list[KernelRow], float, float, str]:
+    """(rows largest first, wall ms, device-busy ms (NaN on CPU), a line on the idle gaps between
+    device activities ('' on CPU)) of one call; on CUDA the kernels named in `flops` carry their
+    useful FLOPs (`aggregate`)."""
     for _ in range(3):
         fn()
     _sync(device)
@@ -121,16 +122,23 @@ def breakdown(fn, device: torch.device,
         events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                          if e.device_type == torch.autograd.DeviceType.CUDA)
         rows = aggregate([(name, (end - start) / 1e3) for start, end, name in events], flops)
-        busy, last = 0.0, -1.0
-        for start, end, _ in events:   # the union of the device intervals
+        busy, last, last_name = 0.0, -1.0, ""
+        gaps = []                      # idle device time between activities, with their neighbours
+        for start, end, name in events:   # the union of the device intervals
+            if last >= 0 and start > last:
+                gaps.append(((start - last) / 1e3, last_name, name))
             if end > last:
                 busy += (end - max(start, last)) / 1e3
-                last = end
+                last, last_name = end, name
+        span = (last - events[0][0]) / 1e3 if events else 0.0
+        idle = (f"Device span (first start to last end) {span:.3f} ms, {span - busy:.3f} ms of it idle; "
+                "largest gaps: " + "; ".join(f"{g * 1e3:.0f} us before {_short(n, 40)}"
+                                             for g, _, n in sorted(gaps, reverse=True)[:3]) + ".")
     else:
         rows = sorted((KernelRow(e.key, "", e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
                        if e.key.startswith("aten::") and e.self_cpu_time_total > 0), key=lambda r: -r.ms)
-        busy = float("nan")
-    return rows, wall, busy
+        busy, idle = float("nan"), ""
+    return rows, wall, busy, idle
 
 
 def _gflop(flops: int | None) -> str:
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rc = triton_rows(x, gate_up, ids, grad=a.backward) if backend == "triton" else None
                 flops = triton_kernel_flops(shape, rc.pairs, a.backward) if rc else ()
-                rows, wall, busy = breakdown(_call(backend, a.backward, *inputs), device, flops)
+                rows, wall, busy, idle = breakdown(_call(backend, a.backward, *inputs), device, flops)
             except (RuntimeError, ValueError) as exc:
                 lines += [f"## {backend}, T = {t}: not run ({str(exc).splitlines()[0]})", ""]
                 continue
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             if rc is not None:
                 tiles = f", block_m {rc.block_m}" if rc.block_m else ", direct decode: no alignment"
                 lines.append(f"Padding: {rc} ({rc.rows:,} rows computed for {rc.pairs:,} pairs{tiles}).")
+            if idle:
+                lines.append(idle)
             lines += [*summary(rows, busy, layer), "", *table(rows, a.top), ""]
     text = "\n".join(lines)
     print(text)

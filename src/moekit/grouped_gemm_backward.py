@@ -80,12 +80,19 @@ class BackwardTiles:
         block_n, block_k, stages: columns of I, steps over H, pipeline depth.
         recompute: the kernel's RECOMPUTE (a, b recomputed from x: five streamed tiles a step), or
             False (a, b read from the saved pre-activations: two).
+        warps: num_warps, or None for the forward's GEMM1 warps.
     """
 
     block_n: int
     block_k: int
     stages: int
     recompute: bool = True
+    warps: int | None = None
+
+    def label(self) -> str:
+        """'n128 k64 s3 w8' ('w=' the forward's warps when None); 'r' ends a recomputing one."""
+        warps = "=" if self.warps is None else self.warps
+        return f"n{self.block_n} k{self.block_k} s{self.stages} w{warps}" + (" r" if self.recompute else "")
 
     def pipeline_bytes(self, block_m: int, itemsize: int) -> int:
         """Shared memory of the loop's streamed tiles: dout rows [BM, BK] and down columns [BK, BN],
@@ -122,17 +129,21 @@ class SwigluGrads(NamedTuple):
 def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dout: torch.Tensor,
                     topk_weights: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
                     pre: torch.Tensor | None = None, want_dpre: bool = True, want_h: bool = True,
-                    want_topk_weights: bool = True) -> SwigluGrads:
+                    want_topk_weights: bool = True, tiles: BackwardTiles | None = None) -> SwigluGrads:
     """The fused SwiGLU backward: g = dout[t] @ down_e, with a, b read from `pre` (L, 2I), the
     forward's [gate | up] pre-activations (`moekit.grouped_gemm.gemm1_swiglu_with_pre`), or, pre
     None, recomputed from x and gate_up_proj in the same loop over H. dpre_w and h_w are scaled by
-    the routing weight (topk_weights (T, K), the forward's); d topk_weights is <g, h>."""
+    the routing weight (topk_weights (T, K), the forward's); d topk_weights is <g, h>. `tiles`
+    (default `BackwardTiles.fit`) must match: recompute exactly when pre is None."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     rows = align.sorted_ids.numel()
     dev, dtype = x.device, x.dtype
     recompute = pre is None
-    tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
+    if tiles is None:
+        tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
+    elif tiles.recompute is not recompute:
+        raise ValueError(f"tiles: recompute={tiles.recompute} but pre is {'None' if recompute else 'given'}")
     n_tiles = cdiv(inter, tiles.block_n)
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
@@ -148,7 +159,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % tiles.block_k == 0, RECOMPUTE=recompute, STORE_DPRE=want_dpre, STORE_H=want_h,
         STORE_PART=want_topk_weights, DOT_PRECISION=_dot_precision(dtype),
-        num_warps=cfg.warps1, num_stages=tiles.stages,
+        num_warps=tiles.warps or cfg.warps1, num_stages=tiles.stages,
     )
     dw = None
     if want_topk_weights:
@@ -215,10 +226,12 @@ def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.T
 
 def swiglu_backward_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                           dout: torch.Tensor, topk_weights: torch.Tensor, align: Alignment, top_k: int, *,
-                          pre: torch.Tensor | None = None) -> SwigluGrads:
+                          pre: torch.Tensor | None = None,
+                          compute_dtype: torch.dtype | None = None) -> SwigluGrads:
     """Twin of `swiglu_backward` in fp32 (a, b from `pre` when given, else x @ gate_up_e^T): padding
-    rows of dpre_w and h_w 0, unplaced pairs' weight grad 0."""
-    acc = twin_dtype(x)
+    rows of dpre_w and h_w 0, unplaced pairs' weight grad 0. With `compute_dtype`, plain PyTorch in
+    that dtype: the same-dtype baseline of the error rule."""
+    acc = compute_dtype or twin_dtype(x)
     inter = gate_up_proj.shape[1] // 2
     num_rows = align.sorted_ids.numel()
     dpre = torch.zeros(num_rows, 2 * inter, dtype=acc, device=x.device)
