@@ -30,6 +30,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -46,9 +47,12 @@ from moekit.grouped_gemm_backward import BackwardTiles, swiglu_backward, swiglu_
 from moekit.tuning import get_config, shared_memory_limit
 
 OUTPUTS = ("dpre_w", "h_w", "topk_weights")
-GPU_CANDIDATES = tuple(BackwardTiles(n, k, s, False, w) for n, k, s, w in itertools.product(
-    (64, 128), (64, 128), (3, 4, 5), (4, 8)))
-CPU_CANDIDATES = (BackwardTiles(16, 16, 2, False, 4), BackwardTiles(32, 16, 3, False, 2))
+# The fastest of a first sweep (block_n, block_k in 64/128, 3-5 stages, 4/8 warps; H200,
+# 2026-11-30), each with the saved pre-activations loaded after the loop and before it (pre_first).
+GPU_CANDIDATES = tuple(BackwardTiles(n, k, s, False, 8, first) for (n, k, s), first in itertools.product(
+    ((64, 64, 5), (64, 64, 4), (64, 128, 4), (64, 128, 3), (128, 64, 5), (128, 64, 4), (128, 128, 4),
+     (128, 128, 3), (64, 64, 3)), (False, True)))
+CPU_CANDIDATES = (BackwardTiles(16, 16, 2, False, 4), BackwardTiles(32, 16, 3, False, 2, True))
 
 
 def make_case(shape: moekit.MoEShape, tokens: int, dtype: torch.dtype, dev: torch.device, seed: int = 0):
@@ -65,13 +69,15 @@ def make_case(shape: moekit.MoEShape, tokens: int, dtype: torch.dtype, dev: torc
     cfg = get_config(shape, tokens, dtype, dev)
     align = align_block_size(ids, e, cfg.block_m, backend="torch")
     x, dout = randn(tokens, hidden), randn(tokens, hidden)
-    gate_up, down = randn(e, 2 * inter, hidden, scale=hidden ** -0.5), randn(e, hidden, inter, scale=inter ** -0.5)
+    gate_up = randn(e, 2 * inter, hidden, scale=hidden ** -0.5)
+    down = randn(e, hidden, inter, scale=inter ** -0.5)
     _, pre = gemm1_swiglu_with_pre(x, gate_up, align, top_k, cfg)
     args = (x, gate_up, down, dout, w, align, top_k)
     ref = swiglu_backward_torch(*args, pre=pre)
     plain = swiglu_backward_torch(*args, pre=pre, compute_dtype=dtype)
     rows = _placed_rows(align)[0]
-    pick = {"dpre_w": lambda g: g.dpre_w[rows], "h_w": lambda g: g.h_w[rows], "topk_weights": lambda g: g.topk_weights}
+    pick = {"dpre_w": lambda g: g.dpre_w[rows], "h_w": lambda g: g.h_w[rows],
+            "topk_weights": lambda g: g.topk_weights}
     base = {k: rel_err(pick[k](plain), pick[k](ref)) for k in OUTPUTS}
     flops = 2.0 * tokens * top_k * hidden * inter
     return cfg, args, pre, ref, base, pick, flops
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b on a GPU, tiny on the CPU")
     p.add_argument("--tokens", default=None, help="comma-separated (default: 4096,16384; 16 on the CPU)")
-    p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: 20; 1 on the CPU)")
+    p.add_argument("--rep", type=int, default=None, help="timed calls a variant (default: 20; 1 on the CPU)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter")
     a = p.parse_args(argv)
@@ -93,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(v) for v in (a.tokens or ("4096,16384" if on_gpu else "16")).split(",")]
     rep = a.rep or (20 if on_gpu else 1)
     candidates = GPU_CANDIDATES if on_gpu else CPU_CANDIDATES
-    print(f"{torch.cuda.get_device_name(dev) if on_gpu else 'cpu (interpreter)'}; torch {torch.__version__}; "
-          f"E={shape.num_experts} H={shape.hidden_size} I={shape.intermediate_size} K={shape.top_k}", flush=True)
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu (interpreter)"
+    print(f"{name}; torch {torch.__version__}; E={shape.num_experts} H={shape.hidden_size} "
+          f"I={shape.intermediate_size} K={shape.top_k}", flush=True)
     rows: list[dict] = []
     for t in tokens:
         cfg, args, pre, ref, base, pick, flops = make_case(shape, t, dtype, dev)
         default = BackwardTiles.fit(cfg, dtype.itemsize, dev, recompute=False)
         variants = {"default": default}
         for c in candidates:
-            if c.pipeline_bytes(cfg.block_m, dtype.itemsize) <= shared_memory_limit(dev) and c not in variants.values():
+            fits = c.pipeline_bytes(cfg.block_m, dtype.itemsize) <= shared_memory_limit(dev)
+            if fits and c not in variants.values():
                 variants[c.label()] = c
         print(f"T={t}: block_m {cfg.block_m}, warps1 {cfg.warps1}, default {default.label()}; "
               f"plain {dtype} errors " + ", ".join(f"{k} {v:.2e}" for k, v in base.items()), flush=True)
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif not all(torch.equal(pick[k](got), pick[k](again)) for k in OUTPUTS):
                     row["error"] = "not bitwise reproducible"
             if "error" not in row:
-                ms = time_fn(lambda tiles=tiles: swiglu_backward(*args, cfg, pre=pre, tiles=tiles), graph=on_gpu,
+                call = functools.partial(swiglu_backward, *args, cfg, pre=pre, tiles=tiles)
+                ms = time_fn(call, graph=on_gpu,
                              device=dev, rep=rep, warmup=None if on_gpu else 0, min_rep=1).median_ms
                 row.update(ms=ms, tflops=flops / ms / 1e9)
                 print(f"{t:>6} {name:>18} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
@@ -134,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in tokens:
         timed = sorted((r for r in rows if r["tokens"] == t and "ms" in r), key=lambda r: r["ms"])
         ref_ms = next((r["ms"] for r in timed if r["variant"] == "default"), None)
-        print(f"{t:>6} " + "; ".join(f"{r['tiles']} {r['ms']:.3f}" + (f" ({ref_ms / r['ms']:.2f}x)" if ref_ms else "")
-                                     for r in timed[:8]))
+        cells = [f"{r['tiles']} {r['ms']:.3f}" + (f" ({ref_ms / r['ms']:.2f}x)" if ref_ms else "")
+                 for r in timed]
+        print(f"{t:>6} " + "; ".join(cells[:8]))
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

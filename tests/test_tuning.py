@@ -222,9 +222,11 @@ def test_switches_serialise_backwards_compatibly(table_dir, switch, extra, bad):
     table_dir({shape_key(shape, torch.float32): {"1": off.to_dict(), "1024": on.to_dict()}})
     assert get_config(shape, 1, torch.float32, "cpu") == off
     assert get_config(shape, 1024, torch.float32, "cpu") == on
-    # The packaged table has no such key: every entry reads as off.
-    for entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").values():
-        assert not any(getattr(cfg, switch) for cfg in entry.values())
+    # The packaged table: an entry without the key reads as off, one with it as written.
+    raw = json.loads((PACKAGED_DIR / "nvidia_h200.json").read_text())
+    for key, entry in parse_table(PACKAGED_DIR / "nvidia_h200.json").items():
+        for tokens, cfg in entry.items():
+            assert getattr(cfg, switch) is raw[key][str(tokens)].get(switch, False)
     with pytest.raises(ValueError, match=f"{switch} must be true or false"):
         ExpertsConfig(**{switch: bad})
 

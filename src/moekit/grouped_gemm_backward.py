@@ -81,6 +81,8 @@ class BackwardTiles:
         recompute: the kernel's RECOMPUTE (a, b recomputed from x: five streamed tiles a step), or
             False (a, b read from the saved pre-activations: two).
         warps: num_warps, or None for the forward's GEMM1 warps.
+        pre_first: reading the saved pre-activations, load them before the loop over H (their
+            latency hidden behind the GEMM, held in registers through it) instead of after it.
     """
 
     block_n: int
@@ -88,11 +90,13 @@ class BackwardTiles:
     stages: int
     recompute: bool = True
     warps: int | None = None
+    pre_first: bool = False
 
     def label(self) -> str:
         """'n128 k64 s3 w8' ('w=' the forward's warps when None); 'r' ends a recomputing one."""
         warps = "=" if self.warps is None else self.warps
-        return f"n{self.block_n} k{self.block_k} s{self.stages} w{warps}" + (" r" if self.recompute else "")
+        return (f"n{self.block_n} k{self.block_k} s{self.stages} w{warps}" + (" r" if self.recompute else "")
+                + (" pf" if self.pre_first else ""))
 
     def pipeline_bytes(self, block_m: int, itemsize: int) -> int:
         """Shared memory of the loop's streamed tiles: dout rows [BM, BK] and down columns [BK, BN],
@@ -158,7 +162,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         *(h.stride() if want_h else (0, 0)), part.stride(0) if want_topk_weights else 0,
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % tiles.block_k == 0, RECOMPUTE=recompute, STORE_DPRE=want_dpre, STORE_H=want_h,
-        STORE_PART=want_topk_weights, DOT_PRECISION=_dot_precision(dtype),
+        STORE_PART=want_topk_weights, DOT_PRECISION=_dot_precision(dtype), PRE_FIRST=tiles.pre_first,
         num_warps=tiles.warps or cfg.warps1, num_stages=tiles.stages,
     )
     dw = None

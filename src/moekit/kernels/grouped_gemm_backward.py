@@ -50,6 +50,7 @@ def moe_swiglu_bwd_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, RECOMPUTE: tl.constexpr, STORE_DPRE: tl.constexpr,
     STORE_H: tl.constexpr, STORE_PART: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRE_FIRST: tl.constexpr = False,
 ):
     # N = I, K = H. w1 = gate_up (E, 2I, H), w2 = down (E, H, I). RECOMPUTE: a, b from x and w1 in
     # the loop over H (pre_ptr unused); else from pre (L, 2I) [gate | up] at the sorted rows (x_ptr,
@@ -69,6 +70,12 @@ def moe_swiglu_bwd_kernel(
 
         d_ptrs = dout_ptr + tok[:, None] * stride_dt + rk[None, :] * stride_dk            # [BM, BK]
         v_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2k + rn64[None, :] * stride_w2n  # [BK, BN]
+        if not RECOMPUTE:
+            if PRE_FIRST:   # issued before the loop: the loads land while the GEMM runs
+                pre_mask = valid[:, None] & n_in[None, :]
+                a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an     # gate half
+                a_early = tl.load(a_ptrs, mask=pre_mask, other=0.0)
+                b_early = tl.load(a_ptrs + N * stride_an, mask=pre_mask, other=0.0)      # up half
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if RECOMPUTE:
             x_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk           # [BM, BK]
@@ -102,6 +109,9 @@ def moe_swiglu_bwd_kernel(
         if RECOMPUTE:
             a = acc_a
             b = acc_b
+        elif PRE_FIRST:
+            a = a_early.to(tl.float32)
+            b = b_early.to(tl.float32)
         else:   # padding rows and columns past N read 0 (whatever the buffer holds there)
             pre_mask = valid[:, None] & n_in[None, :]
             a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an     # gate half
