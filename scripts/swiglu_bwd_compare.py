@@ -5,7 +5,7 @@ picked) and the block size of the forward's config at T (`moekit.tuning.get_conf
 training step runs (`moekit.grouped_gemm_backward.swiglu_backward` with `pre` from the forward's
 GEMM1, all three outputs) runs with
 
-    default    `BackwardTiles.fit` of the forward's config (what training runs now)
+    default    `BackwardTiles.fit` (what training runs now: `SAVED_TILES` as they fit)
     n.. k..    candidates: block_n x block_k, stages, warps (those over the device's shared memory
                left out)
 
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"T={t}: block_m {cfg.block_m}, warps1 {cfg.warps1}, default {default.label()}; "
               f"plain {dtype} errors " + ", ".join(f"{k} {v:.2e}" for k, v in base.items()), flush=True)
         for name, tiles in variants.items():
-            row = {"tokens": t, "variant": name, "tiles": tiles.label(), "block_m": cfg.block_m}
+            row = {"tokens": t, "variant": name, "tiles": tiles.label(), "block_m": cfg.block_m,
+                   **{f"base_err_{k}": v for k, v in base.items()}}
             try:
                 with poisoning():
                     got = swiglu_backward(*args, cfg, pre=pre, tiles=tiles)

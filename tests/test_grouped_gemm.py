@@ -326,8 +326,9 @@ def qwen_case(layer, num_tokens):
 
 
 def _tma_configs(shape, num_tokens):
-    """(pointer config, its TMA twin) for the table's config and its paired-tile form."""
-    base = get_config(shape, num_tokens, torch.bfloat16, "cuda")
+    """Pointer configs (TMA off; the caller makes their TMA twins): the table's config and its
+    paired-tile form."""
+    base = dataclasses.replace(get_config(shape, num_tokens, torch.bfloat16, "cuda"), tma_weights=False)
     paired = fit_shared_memory(dataclasses.replace(base, pair_blocks=2), 2, shared_memory_budget("cuda"))
     return {"table": base, "paired": paired}
 

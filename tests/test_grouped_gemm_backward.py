@@ -32,6 +32,7 @@ from moekit.grouped_gemm import (
     moe_sum_torch,
 )
 from moekit.grouped_gemm_backward import (
+    SAVED_TILES,
     BackwardTiles,
     SwigluGrads,
     down_proj_grad,
@@ -185,9 +186,16 @@ def test_saved_pre_activations_give_the_recomputed_gradients(case):
         h, pre = gemm1_swiglu_with_pre(x, gate_up, align, top_k, CFG)
         saved = swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, pre=pre)
         again = swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG)
-    for name, got, want in zip(SwigluGrads._fields, saved, again):
-        got, want = (got, want) if name == "topk_weights" else (got[:live], want[:live])
+        # pre loaded after the loop over H instead of before it (SAVED_TILES loads it first)
+        late = swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, pre=pre,
+                               tiles=dataclasses.replace(SAVED_TILES, pre_first=False))
+    for name, got, want, other in zip(SwigluGrads._fields, saved, again, late):
+        got, want, other = (got, want, other) if name == "topk_weights" else (
+            got[:live], want[:live], other[:live])
         assert rel_err(got, want) <= 1e-5, name
+        assert torch.equal(got, other), name                       # the same arithmetic, bit for bit
+    with pytest.raises(ValueError, match="tiles: recompute=False but pre is None"):
+        swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, tiles=SAVED_TILES)
     placed, pair, _ = _placed_rows(align)       # h_w is the forward's h times the routing weight
     assert rel_err(saved.h_w[placed], h[placed] * w.reshape(-1)[pair, None]) <= 1e-5
 
@@ -381,18 +389,20 @@ def test_backward_tiles_fit_shared_memory():
     configs.append(dataclasses.replace(configs[-1], block_m=256, block_n1=256, block_k1=256, stages1=8))
     for cfg in configs:
         for itemsize in (2, 4):
-            for recompute, streamed, cap in ((True, (2, 3), 64), (False, (1, 1), 128)):
+            for recompute, streamed in ((True, (2, 3)), (False, (1, 1))):
                 tiles = BackwardTiles.fit(cfg, itemsize, recompute=recompute)
                 rows, cols = streamed
                 used = tiles.stages * tiles.block_k * (rows * cfg.block_m + cols * tiles.block_n)
                 assert tiles.recompute is recompute
                 assert used * itemsize == tiles.pipeline_bytes(cfg.block_m, itemsize)
                 assert used * itemsize <= shared_memory_budget(None), (cfg, itemsize, tiles)
-                assert tiles.block_n == min(cfg.block_n1, cap) and tiles.block_k <= min(cfg.block_k1, cap)
-                assert 1 <= tiles.stages <= cfg.stages1
+                # Recomputing: GEMM1's tiles capped at 64; reading pre: tiles of its own.
+                n, k, stages = ((min(cfg.block_n1, 64), min(cfg.block_k1, 64), cfg.stages1) if recompute else
+                                (SAVED_TILES.block_n, SAVED_TILES.block_k, SAVED_TILES.stages))
+                assert tiles.block_n == n and tiles.block_k <= k and 1 <= tiles.stages <= stages
     saved = BackwardTiles.fit(ExpertsConfig(block_m=64, block_n1=128, block_k1=128, stages1=4), 2,
                               recompute=False)
-    assert saved == BackwardTiles(128, 128, 4, False)        # GEMM1's tiles, as they fit
+    assert saved == SAVED_TILES == BackwardTiles(64, 64, 4, False, 8, True)   # fits as it is
     assert BackwardTiles.fit(ExpertsConfig(block_m=64, block_n1=128, block_k1=128, stages1=4), 2) == \
         BackwardTiles(64, 64, 4, True)
 
@@ -405,7 +415,7 @@ def test_swiglu_backward_compiles_for_sm90_without_spills():
     assert "4/4 backward variants compile" in out
     lines = [line for line in out.splitlines() if line.startswith("backward.")]
     assert len(lines) == 4 and all("r/" in line and " local " not in line for line in lines), lines
-    assert "backward.L.saved" in lines[2] and "n128" in lines[2]      # GEMM1's 128-wide tiles, reading pre
+    assert "backward.L.saved" in lines[2] and "n64" in lines[2]       # SAVED_TILES, reading pre
 
 
 # The weight gradients' own tiles (`WgradConfig`): small ones so every expert spans several N and C

@@ -37,11 +37,12 @@ h_w past num_padded are not written (nobody reads them); d topk_weights is 0 for
 rows. No atomics anywhere: results are bitwise reproducible.
 
 Tiles, until the backward has its own tuned table: dx reuses GEMM2 with the forward's GEMM2 tiles
-(same operand tiles, so it fits wherever the forward does). The SwiGLU backward takes GEMM1's tiles
-(`BackwardTiles.fit`): reading the saved pre-activations it streams two tiles per step (dout rows,
-down columns), so GEMM1's tiles capped at 128; recomputing, five (x and dout rows, gate, up and down
-columns), so capped at 64; then drops stages, then halves block_k, until they fit the device's
-shared-memory budget. The weight gradients have tiles of their own, independent of the forward's
+(same operand tiles, so it fits wherever the forward does), without the forward's TMA and
+persistent switches (dx reads gate_up_proj transposed). The SwiGLU backward (`BackwardTiles.fit`):
+reading the saved pre-activations, tiles of its own (`SAVED_TILES`, two streamed tiles a step:
+dout rows, down columns); recomputing, GEMM1's tiles capped at 64 (five streamed tiles: x and dout
+rows, gate, up and down columns); then fewer stages, then halved block_k, until they fit the
+device's shared-memory budget. The weight gradients have tiles of their own, independent of the forward's
 and of the align block size (`moekit.tuning.WgradConfig`: the default fitted to the device, or
 $MOEKIT_WGRAD_TILES, or `tiles=` on the launchers).
 """
@@ -68,8 +69,7 @@ from moekit.grouped_gemm import (
 from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel, moe_wgrad_kernel
 from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, wgrad_config
 
-RECOMPUTE_TILE_CAP = 64     # the SwiGLU backward's block_n / block_k caps: recomputing a, b
-SAVED_TILE_CAP = 128        # reading the saved pre-activations
+RECOMPUTE_TILE_CAP = 64     # the SwiGLU backward's block_n / block_k cap when it recomputes a, b
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,15 @@ class BackwardTiles:
     @classmethod
     def fit(cls, cfg: ExpertsConfig, itemsize: int, device: torch.device | str | None = None, *,
             recompute: bool = True) -> BackwardTiles:
-        """GEMM1's block_n1 x block_k1 (capped at 64 recomputing, else 128) and stages1; stages
-        dropped (down to 2), then block_k halved (down to 16), until the loop fits the budget."""
+        """Recomputing: GEMM1's block_n1 x block_k1 capped at 64, stages1 and its warps. Reading the
+        saved pre-activations: `SAVED_TILES` whatever the forward's tiles. Then stages dropped (down
+        to 2), then block_k halved (down to 16), until the loop fits the budget."""
         budget = shared_memory_budget(device)
-        cap = RECOMPUTE_TILE_CAP if recompute else SAVED_TILE_CAP
-        tiles = cls(min(cfg.block_n1, cap), min(cfg.block_k1, cap), cfg.stages1, recompute)
+        if recompute:
+            cap = RECOMPUTE_TILE_CAP
+            tiles = cls(min(cfg.block_n1, cap), min(cfg.block_k1, cap), cfg.stages1, recompute)
+        else:
+            tiles = SAVED_TILES
         while tiles.pipeline_bytes(cfg.block_m, itemsize) > budget and (tiles.stages > 2
                                                                         or tiles.block_k > 16):
             if tiles.stages > 2:
@@ -119,6 +123,15 @@ class BackwardTiles:
             else:
                 tiles = replace(tiles, block_k=tiles.block_k // 2)
         return tiles
+
+
+# Reading the saved pre-activations (the training step's launch): the fastest of
+# `scripts/swiglu_bwd_compare.py` on an H200 at 4,096 and 16,384 tokens (Qwen3-30B-A3B, bf16,
+# 2026-11-30; block_m 64 and 128): 64 x 64, 4 stages, 8 warps, the pre-activations loaded before
+# the loop: 1.535 ms at 16,384 against 1.846 for GEMM1's 128 x 64 tiles (4 stages, its 8 warps).
+# Narrow columns win although each dout row tile is read I / 64 times: the epilogue's fp32 tiles
+# (g, a, b and what follows from them) stay small.
+SAVED_TILES = BackwardTiles(64, 64, 4, recompute=False, warps=8, pre_first=True)
 
 
 class SwigluGrads(NamedTuple):
@@ -181,7 +194,8 @@ def hidden_states_grad(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_id
     """dx (T, H): dpre_w[r] @ gate_up_e at each pair row (GEMM2 without the routing weight: dpre_w
     carries it), summed over the token's valid slots."""
     num_tokens, _ = topk_ids.shape
-    y = gemm2_weighted(dpre_w, gate_up_proj.transpose(1, 2), None, align, cfg)
+    y = gemm2_weighted(dpre_w, gate_up_proj.transpose(1, 2), None, align, replace(cfg, tma_weights=False,
+                                                                                   persistent=False))
     dx = _workspace.empty(num_tokens, gate_up_proj.shape[2], dtype=dpre_w.dtype, device=dpre_w.device)
     return moe_sum(y, topk_ids, gate_up_proj.shape[0], dx)
 
