@@ -258,10 +258,13 @@ def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, re
         gate_up_proj_grad(dpre_w, inp.x, None, align, top_k, inp.x.dtype, tiles["gate_up"])
         down_proj_grad(inp.x, h, None, align, top_k, inp.x.dtype, tiles["down"])
         down_proj_grad(inp.x, h, inp.w, align, top_k, inp.x.dtype, tiles["down"])     # scaled
+        # the training step's launches: dpre_w and h_w zero on padding rows
+        gate_up_proj_grad(dpre_w, inp.x, None, align, top_k, inp.x.dtype, tiles["gate_up"], padding_zero=True)
+        down_proj_grad(inp.x, h, None, align, top_k, inp.x.dtype, tiles["down"], padding_zero=True)
 
     launches = capture_launches(call, (moe_wgrad_kernel,))
     label = " / ".join(dict.fromkeys(t.label() for t in tiles.values()))
-    names = [f"{name}.gate_up", f"{name}.down", f"{name}.down_scaled"]
+    names = [f"{name}.{launch}" for launch in ("gate_up", "down", "down_scaled", "gate_up_pz", "down_pz")]
     usage = compile_launches(launches, target, dump, names, regs)
     return f"OK  shared {usage}  [{label}]"
 

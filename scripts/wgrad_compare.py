@@ -21,7 +21,7 @@ Budget: about 2-3 minutes on an H200 (compiles dominate: two kernels a variant, 
 `--device cpu` is a smoke run under the interpreter (tiny shape, float16, two small candidates).
 
 Usage: python scripts/wgrad_compare.py [--tokens 1024,4096,16384] [--rep N] [--only 0,3,...]
-       [--out rows.jsonl] [--device cpu]
+       [--out rows.jsonl] [--device cpu] [--padding-zero]
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.timing import time_fn
 from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, WgradCase, legacy_tiles, make_case
 from moekit.tuning import WgradConfig, get_config, shared_memory_limit, wgrad_config
+
+PZ = " pz"
 
 
 def variants(case_cfg: moekit.ExpertsConfig, candidates: tuple[WgradConfig, ...], itemsize: int,
@@ -69,14 +71,17 @@ def first_line(exc: BaseException) -> str:
 
 def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], dev: torch.device, rep: int,
                 matmul_tflops: float | None) -> dict:
-    row = {"tokens": case.tokens, "variant": name,
+    """Check, then time one variant; a name ending in PZ runs with padding_zero (the training step's
+    launches: the sorted-row operand's loads need no index)."""
+    pz = name.endswith(PZ)
+    row = {"tokens": case.tokens, "variant": name, "padding_zero": pz,
            **{f"tiles_{k}": t.label() for k, t in tiles.items()},
            **{f"base_err_{k}": case.base_err[k] for k in LAUNCHES}}
     for k in LAUNCHES:                                    # checked before anything is timed
         try:
             with poisoning():                             # a tile left unwritten reads NaN
-                got = case.run(k, tiles[k])
-                again = case.run(k, tiles[k])
+                got = case.run(k, tiles[k], pz)
+                again = case.run(k, tiles[k], pz)
         except Exception as exc:                          # e.g. out of shared memory
             row["error"] = f"{k}: {first_line(exc)}"
             return row
@@ -89,7 +94,7 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], dev: 
             return row
     for k in LAUNCHES:
         on_gpu = dev.type == "cuda"                       # interpreted: nothing to compile or warm
-        ms = time_fn(lambda k=k: case.run(k, tiles[k]), graph=on_gpu, device=dev, rep=rep,
+        ms = time_fn(lambda k=k: case.run(k, tiles[k], pz), graph=on_gpu, device=dev, rep=rep,
                      warmup=None if on_gpu else 0, min_rep=1).median_ms
         row[f"ms_{k}"] = ms
         row[f"tflops_{k}"] = case.flops[k] / ms / 1e9
@@ -126,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated indices into the candidates (default: all)")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter")
+    p.add_argument("--padding-zero", action="store_true",
+                   help="also run each variant with padding_zero (its name ends in ' pz')")
     a = p.parse_args(argv)
     started = time.perf_counter()
     dev = torch.device(a.device)
@@ -150,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in tokens:
         cfg = get_config(shape, t, dtype, dev)
         case = make_case(shape, t, dtype, cfg.block_m, dev)
-        for vname, tiles in variants(cfg, candidates, dtype.itemsize, dev).items():
+        found = variants(cfg, candidates, dtype.itemsize, dev)
+        if a.padding_zero:   # each variant also with padding_zero
+            found = {n + s: v for n, v in found.items() for s in ("", PZ)}
+        for vname, tiles in found.items():
             try:
                 row = run_variant(case, vname, tiles, dev, rep, matmul)
             except Exception as exc:                       # timing failed: say why, go on

@@ -43,6 +43,7 @@ from moekit.grouped_gemm_backward import (
     hidden_states_grad_torch,
     swiglu_backward,
     swiglu_backward_torch,
+    wgrad,
 )
 from moekit.reference import moe_experts_ref
 from moekit.tuning import (
@@ -424,27 +425,37 @@ def test_swiglu_backward_compiles_for_sm90_without_spills():
 WGRAD_TILES = [WgradConfig(16, 32, 16, 4, 1), WgradConfig(32, 16, 32, 4, 2), WgradConfig(16, 16, 16, 2, 3)]
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["prescaled", "scaled"])
+@pytest.mark.parametrize("mode", ["prescaled", "scaled", "padding_zero"])
 @pytest.mark.parametrize("tiles", WGRAD_TILES, ids=WgradConfig.label)
 @pytest.mark.parametrize("case", [CASES[3], CASES[6]], ids=case_id)
-def test_weight_gradients_with_their_own_tiles(case, tiles, scaled):
+def test_weight_gradients_with_their_own_tiles(case, tiles, mode):
     num_tokens, num_experts, hidden, inter, top_k, kind = case
     x, gate_up, down, w, ids, dout = make(*case)
     align = align_block_size(ids, num_experts, CFG.block_m, backend="torch")
     # Operands as the backward feeds them: dpre_w and h_w, or an unscaled h with the weights.
+    scaled, zero = mode == "scaled", mode == "padding_zero"
     scale = w if scaled else None
     sw = swiglu_backward_torch(x, gate_up, down, dout, torch.ones_like(w) if scaled else w, align, top_k)
     dpre, h = sw.dpre_w.clone(), sw.h_w.clone()
-    dpre[padding_rows(align)] = float("nan")                # rows no pair owns are never read
-    h[padding_rows(align)] = float("nan")
+    # Rows no pair owns are never read, or, padding_zero, read as the zeros swiglu_backward writes
+    # there (rows past num_padded, never written, stay NaN: no expert's group reaches them).
+    unowned = padding_rows(align)
+    if zero:
+        unowned[: int(align.num_padded)] = False
+    dpre[unowned] = float("nan")
+    h[unowned] = float("nan")
     with poisoning():
-        d_gu = gate_up_proj_grad(dpre, x, scale, align, top_k, torch.float32, tiles)
-        d_down = down_proj_grad(dout, h, scale, align, top_k, torch.float32, tiles)
+        d_gu = gate_up_proj_grad(dpre, x, scale, align, top_k, torch.float32, tiles, padding_zero=zero)
+        d_down = down_proj_grad(dout, h, scale, align, top_k, torch.float32, tiles, padding_zero=zero)
     assert rel_err(d_gu, gate_up_proj_grad_torch(dpre, x, scale, align, top_k)) <= 1e-5
     assert rel_err(d_down, down_proj_grad_torch(dout, h, scale, align, top_k)) <= 1e-5
     want = ref_grads(x, gate_up, down, w, ids, dout)               # either way, the true gradients
     assert rel_err(d_gu, want[1]) <= 1e-5 and rel_err(d_down, want[2]) <= 1e-5
     check_exact_zeros((None, d_gu, d_down, None), ids, num_experts)
+    if zero:
+        with pytest.raises(ValueError, match="padding_zero needs exactly one operand gathered by token"):
+            wgrad(x, x, None, align, top_k, d_gu.shape, torch.float32, a_by_token=True, b_by_token=True,
+                  padding_zero=True)
 
 
 def test_wgrad_tiles_from_the_environment(monkeypatch):

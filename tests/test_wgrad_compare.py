@@ -28,6 +28,22 @@ def test_wgrad_compare_smoke_on_cpu(tmp_path, capsys):
     assert "best first" in text and "NOT TIMED" not in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
+def test_wgrad_compare_padding_zero_variants_on_cpu(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    script = load_script("wgrad_compare")
+    assert script.main(["--device", "cpu", "--tokens", "9", "--only", "0", "--padding-zero",
+                        "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    names = ["old", "default", CPU_CANDIDATES[0].label()]
+    assert [r["variant"] for r in rows] == [n + s for n in names for s in ("", script.PZ)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["padding_zero"] is r["variant"].endswith(" pz")
+        for k in LAUNCHES:
+            assert r[f"err_{k}"] <= 2 * r[f"base_err_{k}"]
+
+
 def test_candidates_are_distinct_and_launchable_on_hopper():
     assert len(set(CANDIDATES)) == len(CANDIDATES) and WgradConfig() in CANDIDATES
     assert all(t.pipeline_bytes(2) <= shared_memory_limit(None) for t in CANDIDATES)

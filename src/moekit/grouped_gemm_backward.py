@@ -202,10 +202,15 @@ def hidden_states_grad(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_id
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment, top_k: int,
           shape: tuple[int, int, int], dtype: torch.dtype, *, a_by_token: bool, b_by_token: bool,
-          tiles: WgradConfig | None = None) -> torch.Tensor:
+          tiles: WgradConfig | None = None, padding_zero: bool = False) -> torch.Tensor:
     """(E, N, C) in `dtype`: expert e's sum over its rows of A[ra]^T B[rb], or with topk_weights
     (w_p A[ra])^T B[rb] (`moe_wgrad_kernel`, SCALE), with `tiles` (default:
-    `moekit.tuning.wgrad_config` for the wider operand's dtype and the device)."""
+    `moekit.tuning.wgrad_config` for the wider operand's dtype and the device). padding_zero: the
+    sorted-row operand (the one not gathered by token) holds zeros on every padding row of each
+    expert's group, as `swiglu_backward` writes dpre_w and h_w; its loads then need no index (the
+    kernel's PADDING_ZERO). A nonzero padding row would be added to the gradient: only for those."""
+    if padding_zero and a_by_token == b_by_token:
+        raise ValueError("padding_zero needs exactly one operand gathered by token")
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
     num_experts, n, c = shape
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
@@ -217,29 +222,31 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c, NUM_STAGES=tiles.stages,
-        DOT_PRECISION=_dot_precision(b.dtype), SCALE=scale, num_warps=tiles.warps, num_stages=tiles.stages,
+        DOT_PRECISION=_dot_precision(b.dtype), SCALE=scale, PADDING_ZERO=padding_zero,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return grad
 
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,
-                   top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None) -> torch.Tensor:
+                   top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None, *,
+                   padding_zero: bool = False) -> torch.Tensor:
     """(E, H, I): sum over each expert's rows of dout[t]^T h[r], h being h_w (already scaled:
     topk_weights None) or the unscaled h with topk_weights, (w_p dout[t])^T h[r]; experts with no
     rows get 0."""
     shape = (align.tokens_per_expert.numel(), dout.shape[1], h.shape[1])
     return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True, b_by_token=False,
-                 tiles=tiles)
+                 tiles=tiles, padding_zero=padding_zero)
 
 
 def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor | None,
                       align: Alignment, top_k: int, dtype: torch.dtype,
-                      tiles: WgradConfig | None = None) -> torch.Tensor:
+                      tiles: WgradConfig | None = None, *, padding_zero: bool = False) -> torch.Tensor:
     """(E, 2I, H): sum over each expert's rows of dpre[r]^T x[t], dpre being dpre_w (already scaled:
     topk_weights None) or, with topk_weights, (w_p dpre[r])^T x[t]; experts with no rows get 0."""
     shape = (align.tokens_per_expert.numel(), dpre.shape[1], x.shape[1])
     return wgrad(dpre, x, topk_weights, align, top_k, shape, dtype, a_by_token=False, b_by_token=True,
-                 tiles=tiles)
+                 tiles=tiles, padding_zero=padding_zero)
 
 
 def swiglu_backward_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

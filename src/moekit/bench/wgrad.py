@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.align import Alignment, align_block_size
+from moekit.grouped_gemm import _placed_rows
 from moekit.grouped_gemm_backward import wgrad, wgrad_torch
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, WgradConfig
@@ -50,7 +51,8 @@ def legacy_tiles(cfg: ExpertsConfig) -> dict[str, WgradConfig]:
 @dataclass
 class WgradCase:
     """One T's operands (random, the routing of a softmax top-k with the last expert never picked;
-    dpre_w and h_w random too: already scaled, as the backward stores them) and, per launch, its
+    dpre_w and h_w random too: already scaled, as the backward stores them, zeros on rows no pair
+    owns, as it writes them) and, per launch, its
     FLOPs (placed pairs only), fp32 reference and plain same-dtype error."""
 
     tokens: int
@@ -63,10 +65,10 @@ class WgradCase:
     base_err: dict[str, float]
     unused: torch.Tensor            # experts with no pairs: their gradients must be exactly 0
 
-    def run(self, launch: str, tiles: WgradConfig) -> torch.Tensor:
+    def run(self, launch: str, tiles: WgradConfig, padding_zero: bool = False) -> torch.Tensor:
         a, b, a_by_token, b_by_token = self.operands[launch]
         return wgrad(a, b, None, self.align, self.top_k, self.shapes[launch], a.dtype,
-                     a_by_token=a_by_token, b_by_token=b_by_token, tiles=tiles)
+                     a_by_token=a_by_token, b_by_token=b_by_token, tiles=tiles, padding_zero=padding_zero)
 
     def problem(self, launch: str, got: torch.Tensor) -> tuple[float, str | None]:
         """(relative error against fp32, what breaks the rule or None): error at most 2x plain
@@ -98,6 +100,10 @@ def make_case(shape: MoEShape, num_tokens: int, dtype: torch.dtype, block_m: int
     rows = align.sorted_ids.numel()
     x, dout = randn(num_tokens, hidden), randn(num_tokens, hidden)
     dpre_w, h_w = randn(rows, 2 * inter), randn(rows, inter)
+    unowned = torch.ones(rows, dtype=torch.bool, device=device)   # zeros, as the SwiGLU backward
+    unowned[_placed_rows(align)[0]] = False                        # writes its padding rows
+    dpre_w[unowned] = 0
+    h_w[unowned] = 0
     operands = {"gate_up": (dpre_w, x, False, True), "down": (dout, h_w, True, False)}
     shapes = {"gate_up": (e, 2 * inter, hidden), "down": (e, hidden, inter)}
     pairs = num_tokens * top_k

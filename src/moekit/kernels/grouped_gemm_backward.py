@@ -164,7 +164,7 @@ def moe_wgrad_kernel(
     stride_ar, stride_an, stride_br, stride_bc, stride_ce, stride_cn, stride_cc,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE: tl.constexpr, PADDING_ZERO: tl.constexpr = False,
 ):
     """C[e] (N, C) = sum over expert e's sorted rows r of [scale[p] *] A[ra]^T B[rb].
 
@@ -177,6 +177,11 @@ def moe_wgrad_kernel(
     untouched, so the pipeliner streams both asynchronously; scale_ptr is not read. SCALE: the
     routing weight scales the smaller operand tile (B on a tie), in fp32 with one rounding back,
     as w * A would be; only the other tile is streamed asynchronously.
+    PADDING_ZERO: the sorted-row operand holds zeros on the expert's padding rows (the SwiGLU
+    backward writes them so), so its loads need no index: masked by rows < end alone, they no longer
+    wait for the sorted_ids load and the pipeliner can fetch them ahead. The gathered operand's
+    padding rows then read the expert's first token (a row that is the expert's own; its product
+    with the zero rows is 0) instead of being masked.
     """
     pid = tl.program_id(0)
     tiles = num_n_tiles * num_c_tiles
@@ -194,17 +199,27 @@ def moe_wgrad_kernel(
     rm = tl.arange(0, BLOCK_M)                                         # [BM]
 
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    if PADDING_ZERO:   # an expert with rows has a pair in its first row
+        tl.static_assert(A_BY_TOKEN != B_BY_TOKEN, "PADDING_ZERO needs one sorted-row operand")
+        first_tok = tl.load(sorted_ids_ptr + start, mask=start < end, other=0) // TOP_K
     for r0 in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + rm
         pair = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=S)
         valid = pair < S
-        tok = pair // TOP_K
-        ra = tok if A_BY_TOKEN else rows
-        rb = tok if B_BY_TOKEN else rows
-        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar,
-                    mask=valid[None, :] & n_in[:, None], other=0.0)                   # [BN, BM]
-        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br,
-                    mask=valid[:, None] & c_in[None, :], other=0.0)                   # [BM, BC]
+        if PADDING_ZERO:
+            tok = tl.where(valid, pair // TOP_K, first_tok)
+            ra = tok if A_BY_TOKEN else rows
+            rb = tok if B_BY_TOKEN else rows
+            a_mask = n_in[:, None] if A_BY_TOKEN else (rows < end)[None, :] & n_in[:, None]
+            b_mask = c_in[None, :] if B_BY_TOKEN else (rows < end)[:, None] & c_in[None, :]
+        else:
+            tok = pair // TOP_K
+            ra = tok if A_BY_TOKEN else rows
+            rb = tok if B_BY_TOKEN else rows
+            a_mask = valid[None, :] & n_in[:, None]
+            b_mask = valid[:, None] & c_in[None, :]
+        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
+        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
         if SCALE:
             w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)      # [BM]
             if BLOCK_N < BLOCK_C:
