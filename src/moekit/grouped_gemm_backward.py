@@ -202,13 +202,15 @@ def hidden_states_grad(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_id
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment, top_k: int,
           shape: tuple[int, int, int], dtype: torch.dtype, *, a_by_token: bool, b_by_token: bool,
-          tiles: WgradConfig | None = None, padding_zero: bool = False) -> torch.Tensor:
+          tiles: WgradConfig | None = None, padding_zero: bool = False,
+          row_starts: torch.Tensor | None = None) -> torch.Tensor:
     """(E, N, C) in `dtype`: expert e's sum over its rows of A[ra]^T B[rb], or with topk_weights
     (w_p A[ra])^T B[rb] (`moe_wgrad_kernel`, SCALE), with `tiles` (default:
     `moekit.tuning.wgrad_config` for the wider operand's dtype and the device). padding_zero: the
     sorted-row operand (the one not gathered by token) holds zeros on every padding row of each
     expert's group, as `swiglu_backward` writes dpre_w and h_w; its loads then need no index (the
-    kernel's PADDING_ZERO). A nonzero padding row would be added to the gradient: only for those."""
+    kernel's PADDING_ZERO). A nonzero padding row would be added to the gradient: only for those.
+    row_starts: `align.row_starts()`, when the caller has it (a backward's two launches share one)."""
     if padding_zero and a_by_token == b_by_token:
         raise ValueError("padding_zero needs exactly one operand gathered by token")
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
@@ -217,7 +219,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
     scale = topk_weights is not None
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
-        a, b, topk_weights.reshape(-1) if scale else a, grad, align.sorted_ids, align.row_starts(),
+        a, b, topk_weights.reshape(-1) if scale else a, grad, align.sorted_ids,
+        align.row_starts() if row_starts is None else row_starts,
         align.num_pairs, n, c, n_tiles, c_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=tiles.block_m,
@@ -230,23 +233,24 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,
                    top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None, *,
-                   padding_zero: bool = False) -> torch.Tensor:
+                   padding_zero: bool = False, row_starts: torch.Tensor | None = None) -> torch.Tensor:
     """(E, H, I): sum over each expert's rows of dout[t]^T h[r], h being h_w (already scaled:
     topk_weights None) or the unscaled h with topk_weights, (w_p dout[t])^T h[r]; experts with no
     rows get 0."""
     shape = (align.tokens_per_expert.numel(), dout.shape[1], h.shape[1])
     return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True, b_by_token=False,
-                 tiles=tiles, padding_zero=padding_zero)
+                 tiles=tiles, padding_zero=padding_zero, row_starts=row_starts)
 
 
 def gate_up_proj_grad(dpre: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor | None,
                       align: Alignment, top_k: int, dtype: torch.dtype,
-                      tiles: WgradConfig | None = None, *, padding_zero: bool = False) -> torch.Tensor:
+                      tiles: WgradConfig | None = None, *, padding_zero: bool = False,
+                      row_starts: torch.Tensor | None = None) -> torch.Tensor:
     """(E, 2I, H): sum over each expert's rows of dpre[r]^T x[t], dpre being dpre_w (already scaled:
     topk_weights None) or, with topk_weights, (w_p dpre[r])^T x[t]; experts with no rows get 0."""
     shape = (align.tokens_per_expert.numel(), dpre.shape[1], x.shape[1])
     return wgrad(dpre, x, topk_weights, align, top_k, shape, dtype, a_by_token=False, b_by_token=True,
-                 tiles=tiles, padding_zero=padding_zero)
+                 tiles=tiles, padding_zero=padding_zero, row_starts=row_starts)
 
 
 def swiglu_backward_torch(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

@@ -113,11 +113,14 @@ def experts_triton_backward(
             d_w = grads.topk_weights.view(topk_weights.shape).to(topk_weights.dtype)
         if need_x:
             dx = hidden_states_grad(grads.dpre_w, gate_up_proj, topk_ids, align, config)
+        # dpre_w and h_w: zeros on padding rows, as swiglu_backward writes them; one row_starts
+        starts = align.row_starts() if need_gu or need_down else None
         if need_gu:
             d_gu = gate_up_proj_grad(grads.dpre_w, x, None, align, top_k, gate_up_proj.dtype,
-                                     padding_zero=True)
-        if need_down:      # dpre_w and h_w: zeros on padding rows, as swiglu_backward writes them
-            d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True)
+                                     padding_zero=True, row_starts=starts)
+        if need_down:
+            d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
+                                    row_starts=starts)
     elif need_down:          # frozen everything else: h alone, unscaled, by the forward's GEMM1
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
         d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)
