@@ -1,7 +1,7 @@
 """Where one call's device time goes, kernel by kernel: forward, or forward + backward (training).
 
     PYTHONPATH=$PWD/src python3 scripts/kernel_breakdown.py [--backward] [--backends triton,grouped_mm]
-        [--tokens 1024,4096,16384] [--preset qwen3-30b-a3b] [--out breakdown.md]
+        [--tokens 1024,4096,16384] [--preset qwen3-30b-a3b] [--out breakdown.md] [--steady]
 
 For each backend and T: the inputs as `moekit bench` draws them (routed by the preset's router),
 three untimed calls, then one call under torch.profiler. On CUDA every kernel (and memcpy/memset)
@@ -19,13 +19,22 @@ and dx, is told apart by launch order), "–" for a kernel without a count (alig
 backends' kernels, CPU aten ops).
 Each triton case also says the rows its tiles computed, num_padded of its alignment read back after
 the run over the S pairs ("1.24 rows computed per pair, 19% padding": the GEMMs did 1.24x the useful
-FLOPs), and every case its layer's useful FLOPs (the roofline's) over the device-busy time.
+FLOPs), and every case its layer's useful FLOPs (the roofline's) over the device-busy time; on CUDA
+also the device span (first activity's start to the last one's end), how much of it was idle, and
+the largest idle gaps (host work the device waited for).
+
+--steady adds, per case, how the call behaves alone and in a loop (a training loop's steps):
+    isolated      median of 10 calls, each after an L2 flush and a sync (what `moekit bench` times)
+    back-to-back  20 calls issued without a sync between them, per call (the host runs ahead)
+    host          median host time of one call (launch to return) within the back-to-back run
+On a CPU the three are host wall times (no device queue to run ahead of).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -65,6 +74,41 @@ def _call(backend: str, backward: bool, x, gate_up, down, w, ids, grad_out):
         with torch.enable_grad():
             moe_experts(*leaves, ids, backend=backend).backward(grad_out)
     return step
+
+
+def steady(fn, device: torch.device, isolated: int = 10, loop: int = 20) -> str:
+    """'isolated a ms, back-to-back b ms a call, host c ms a call' of fn (see the module doc)."""
+    from moekit.bench.timing import CacheFlusher
+
+    flush = CacheFlusher(device) if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    alone = []
+    for _ in range(isolated):
+        flush()
+        _sync(device)
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            _sync(device)
+            alone.append(start.elapsed_time(end))
+        else:
+            fn()
+            alone.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    host = []
+    t_loop = time.perf_counter()
+    for _ in range(loop):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    per_call = (time.perf_counter() - t_loop) * 1e3 / loop
+    return (f"Steady: isolated {statistics.median(alone):.3f} ms, back-to-back {per_call:.3f} ms a call, "
+            f"host {statistics.median(host):.3f} ms a call.")
 
 
 def _sync(device: torch.device) -> None:
@@ -193,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backward", action="store_true", help="forward + backward (default: forward only)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     p.add_argument("--out", default=None, help="also write the tables to this Markdown file")
+    p.add_argument("--steady", action="store_true",
+                   help="also time each case alone, back to back, and its host time (see above)")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -229,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"Padding: {rc} ({rc.rows:,} rows computed for {rc.pairs:,} pairs{tiles}).")
             if idle:
                 lines.append(idle)
+            if a.steady:
+                lines.append(steady(_call(backend, a.backward, *inputs), device))
             lines += [*summary(rows, busy, layer), "", *table(rows, a.top), ""]
     text = "\n".join(lines)
     print(text)

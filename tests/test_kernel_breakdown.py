@@ -6,6 +6,7 @@ achieved TFLOP/s (the GPU's table, which only a GPU profile fills)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -34,6 +35,20 @@ def test_breakdown_tables_on_cpu(tmp_path, capsys):
     assert shares and 97 <= sum(shares) <= 103          # rounded shares of the whole
     # The layer's useful FLOPs of a training step: 3 x 2 S 3HI, S = 10 pairs of the tiny preset.
     assert f"Useful FLOPs per call: {3 * 2 * 10 * 3 * 64 * 48 / 1e9:.3g} GFLOP" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
+def test_steady_line_per_case(capsys, monkeypatch):
+    script = _script()
+    calls = []
+    real = script._call
+    monkeypatch.setattr(script, "_call", lambda *a: (lambda f: lambda: calls.append(1) or f())(real(*a)))
+    assert script.main(["--tokens", "5", "--backends", "loop", "--backward", "--steady"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Steady: ")]
+    assert len(lines) == 1
+    values = [float(v) for v in re.findall(r"([0-9.]+) ms", lines[0])]
+    assert len(values) == 3 and all(v > 0 for v in values)
+    assert len(calls) == 4 + 3 + 10 + 20       # breakdown (3 warm + 1), steady (3 warm, 10 alone, 20 looped)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
