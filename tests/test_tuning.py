@@ -682,3 +682,21 @@ def test_tile_configs_share_one_field_check():
             cls(**{field: 0})
         with pytest.raises(ValueError, match=rf"{cls.__name__}\.{pow2_field} must be a power of two, got 48"):
             cls(**{pow2_field: 48})
+
+
+def test_shrink_to_fit_lowers_fields_in_order_down_to_their_floors():
+    """Stages by one down to 2, then block_k halved down to 16; as far as it goes past that."""
+    from moekit.tuning import shrink_to_fit
+
+    @dataclasses.dataclass(frozen=True)
+    class Tiles:
+        stages: int
+        block_k: int
+
+    def size(t):
+        return t.stages * t.block_k
+
+    assert shrink_to_fit(Tiles(5, 64), size, 1000, (("stages", 2), ("block_k", 16))) == Tiles(5, 64)
+    assert shrink_to_fit(Tiles(5, 64), size, 192, (("stages", 2), ("block_k", 16))) == Tiles(3, 64)
+    assert shrink_to_fit(Tiles(5, 64), size, 100, (("stages", 2), ("block_k", 16))) == Tiles(2, 32)
+    assert shrink_to_fit(Tiles(5, 64), size, 1, (("stages", 2), ("block_k", 16))) == Tiles(2, 16)

@@ -67,7 +67,7 @@ from moekit.grouped_gemm import (
     twin_dtype,
 )
 from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel, moe_wgrad_kernel
-from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, wgrad_config
+from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, shrink_to_fit, wgrad_config
 
 RECOMPUTE_TILE_CAP = 64     # the SwiGLU backward's block_n / block_k cap when it recomputes a, b
 
@@ -116,13 +116,8 @@ class BackwardTiles:
             tiles = cls(min(cfg.block_n1, cap), min(cfg.block_k1, cap), cfg.stages1, recompute)
         else:
             tiles = SAVED_TILES
-        while tiles.pipeline_bytes(cfg.block_m, itemsize) > budget and (tiles.stages > 2
-                                                                        or tiles.block_k > 16):
-            if tiles.stages > 2:
-                tiles = replace(tiles, stages=tiles.stages - 1)
-            else:
-                tiles = replace(tiles, block_k=tiles.block_k // 2)
-        return tiles
+        return shrink_to_fit(tiles, lambda t: t.pipeline_bytes(cfg.block_m, itemsize), budget,
+                             (("stages", 2), ("block_k", 16)))
 
 
 # Reading the saved pre-activations (the training step's launch): the fastest of

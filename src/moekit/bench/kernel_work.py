@@ -35,6 +35,8 @@ from moekit.experts.triton import align_pairs, auto_config
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig
 
+TILED = "triton"   # the backend whose tiles `triton_rows` counts (the bench's padding and dense columns)
+
 
 @dataclass(frozen=True)
 class KernelFlops:

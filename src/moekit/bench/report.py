@@ -23,6 +23,7 @@ import torch
 from moekit.bench import plots
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.dense import DENSE
+from moekit.bench.kernel_work import TILED
 from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
@@ -31,7 +32,6 @@ from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
 BACKWARD_BASELINE = "grouped_mm"   # the fwd+bwd table's speed-ups are over this backend
-VS_DENSE = "triton"                # the backend whose time the headline table sets against the dense pair
 
 
 def shape_of(r: ResultRow) -> MoEShape:
@@ -88,7 +88,7 @@ def share_of_dense(rows: Sequence[ResultRow]) -> tuple[str, dict[int, float]]:
     ok = {(r.tokens, r.backend, r.mode): r for r in rows if r.status == "ok"}
     for mode in ("graph", "eager"):
         share = {t: 100.0 * d.median_ms / v.median_ms for (t, b, m), d in ok.items()
-                 if b == DENSE and m == mode and (v := ok.get((t, VS_DENSE, mode))) is not None}
+                 if b == DENSE and m == mode and (v := ok.get((t, TILED, mode))) is not None}
         if share:
             return mode, dict(sorted(share.items()))
     return "", {}
@@ -97,7 +97,7 @@ def share_of_dense(rows: Sequence[ResultRow]) -> tuple[str, dict[int, float]]:
 def _dense_note(rs: Sequence[ResultRow], mode: str) -> list[str]:
     if not any(r.backend == DENSE for r in rs):
         return []
-    vs = (f" *{VS_DENSE} ({mode}): % of dense pair* = the dense pair's time / {VS_DENSE}'s, both {mode}."
+    vs = (f" *{TILED} ({mode}): % of dense pair* = the dense pair's time / {TILED}'s, both {mode}."
           if mode else "")
     return [f"*{DENSE}* is the dense pair: the same FLOPs as two dense matmuls, T·K rows (each token "
             "repeated K times) through one expert's weights (`torch.nn.functional.linear`: cuBLAS on a GPU), "
@@ -112,11 +112,11 @@ def _padding_table(rs: Sequence[ResultRow]) -> list[str]:
     """Rows computed per pair by triton's tiles, one line per T (the first triton row recording it)."""
     seen: dict[int, float] = {}
     for r in rs:
-        if r.backend == VS_DENSE and not math.isnan(r.rows_per_pair):
+        if r.backend == TILED and not math.isnan(r.rows_per_pair):
             seen.setdefault(r.tokens, r.rows_per_pair)
     if not seen:
         return []
-    out = ["", f"### Rows computed per pair ({VS_DENSE}'s tiles)", "",
+    out = ["", f"### Rows computed per pair ({TILED}'s tiles)", "",
            "Each expert's pairs rounded up to the align block's rows (num_padded / T·K): the GEMMs compute "
            "this many times the useful FLOPs.", "",
            "| T | rows per pair | padding |", "|---:|---:|---:|"]
@@ -149,7 +149,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     out += _dense_note(rs, mode)
     floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms", {t: fmt_pct(v) for t, v in share.items()},
-                  f"{VS_DENSE} ({mode}): % of dense pair")
+                  f"{TILED} ({mode}): % of dense pair")
     out += _padding_table(rs)
     out += ["", f"### Spread of the timed calls: p20–p80 ms (noisy: p80 / p20 > {NOISY_RATIO})", ""]
     out += _pivot(rs, lambda r: spread(r.p20_ms, r.p80_ms) if r.status == "ok" else "")

@@ -19,7 +19,7 @@ import torch
 
 from moekit.bench.backward import run_training_case, training_workload
 from moekit.bench.ceilings import Ceilings
-from moekit.bench.kernel_work import triton_rows
+from moekit.bench.kernel_work import TILED, triton_rows
 from moekit.bench.layers import Layer
 from moekit.bench.results import DIRECTIONS, Provenance, ResultRow
 from moekit.bench.runner import (
@@ -98,7 +98,6 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
     )
 
 
-TILED = "triton"   # the backend whose rows record rows_per_pair
 
 
 def rows_per_pair(work: Workload, direction: str) -> float:

@@ -27,12 +27,16 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from moekit.shapes import MoEShape
+
+_Tiles = TypeVar("_Tiles")
 
 PACKAGED_DIR = Path(__file__).parent / "configs"
 META_KEY = "_meta"
@@ -182,15 +186,8 @@ class WgradConfig:
 
     def fit(self, itemsize: int, budget: int) -> WgradConfig:
         """Stages first (down to 2), then block_m (down to 16), until the tiles fit `budget`."""
-        cfg = self
-        while cfg.pipeline_bytes(itemsize) > budget:
-            if cfg.stages > 2:
-                cfg = replace(cfg, stages=cfg.stages - 1)
-            elif cfg.block_m > 16:
-                cfg = replace(cfg, block_m=cfg.block_m // 2)
-            else:
-                break
-        return cfg
+        return shrink_to_fit(self, lambda c: c.pipeline_bytes(itemsize), budget,
+                             (("stages", 2), ("block_m", 16)))
 
     @classmethod
     def parse(cls, text: str, source: str = "tiles") -> WgradConfig:
@@ -299,16 +296,29 @@ def pipeline_bytes(cfg: ExpertsConfig, itemsize: int, gemm: int) -> int:
     return cfg.stages2 * (rows * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
 
 
-def fit_shared_memory(cfg: ExpertsConfig, itemsize: int, budget: int = SHARED_MEMORY_BUDGET) -> ExpertsConfig:
-    for gemm in (1, 2):
-        stages, block_k = f"stages{gemm}", f"block_k{gemm}"
-        while pipeline_bytes(cfg, itemsize, gemm) > budget:
-            if getattr(cfg, stages) > 2:
-                cfg = replace(cfg, **{stages: getattr(cfg, stages) - 1})
-            elif getattr(cfg, block_k) > 16:
-                cfg = replace(cfg, **{block_k: getattr(cfg, block_k) // 2})
-            else:
+def shrink_to_fit(tiles: _Tiles, size: Callable[[_Tiles], int], budget: int,
+                  steps: Sequence[tuple[str, int]]) -> _Tiles:
+    """`tiles` (a dataclass) with fields lowered until size(tiles) <= budget: each step lowers the
+    first field of `steps` ((name, floor) pairs, in order) still above its floor, a stages field by
+    one, any other halved; as far as it goes when every field is at its floor. The one shrink rule
+    of the forward's tiles (`fit_shared_memory`), the SwiGLU backward's and the weight gradients'."""
+    while size(tiles) > budget:
+        for name, floor in steps:
+            value = getattr(tiles, name)
+            if value > floor:
+                tiles = replace(tiles, **{name: value - 1 if name.startswith("stages") else value // 2})
                 break
+        else:
+            break
+    return tiles
+
+
+def fit_shared_memory(cfg: ExpertsConfig, itemsize: int, budget: int = SHARED_MEMORY_BUDGET) -> ExpertsConfig:
+    """Each GEMM's stages dropped (down to 2), then its block_k halved (down to 16), until its
+    pipeline fits `budget`."""
+    for gemm in (1, 2):
+        cfg = shrink_to_fit(cfg, lambda c, g=gemm: pipeline_bytes(c, itemsize, g), budget,
+                            ((f"stages{gemm}", 2), (f"block_k{gemm}", 16)))
     return cfg
 
 
