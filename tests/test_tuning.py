@@ -366,13 +366,44 @@ def test_tune_tokens_tries_the_switches_on_the_fastest_tiles(monkeypatch):
     assert set(variants) == {"paired", "persistent", "paired+persistent", "paired+tma", "tma+persistent",
                              "paired+tma+persistent"}
     assert variants["paired+persistent"] == 0.1 / 2 and variants["paired"] == 0.2 / 2
-    assert sum("skip T=4 tma:" in m for m in logged) == 1
+    assert sum("skip T=4 bm=16 tma:" in m for m in logged) == 1
     # Weights the device cannot read through TMA: the TMA variants are not tried at all.
     monkeypatch.setattr(tuner, "resolve_tma",
                         lambda cfg, *a, **k: dataclasses.replace(cfg, tma_weights=False))
     cfg = ExpertsConfig()
     assert [tuner.variant_label(v) for v in tuner.switch_variants(cfg, None, None)] == [
         "", "persistent", "paired", "paired+persistent"]
+
+
+def test_switches_are_tried_on_every_block_m_near_the_fastest():
+    """block_m 16's tiles alone are 1.2x slower than 32's (within SWITCH_SPAN), so both get the
+    switch search; paired tiles on block_m 16 are the fastest of all and are chosen. The report names
+    each variant's block_m."""
+    from moekit.bench.results import Provenance
+    from moekit.bench.tune_report import output_files, tune_rows
+
+    tiles = fake_timer([])
+
+    def timer(fn) -> float:
+        cfg = fn.args[-1]
+        if fn.func is not tuner._path_all:
+            return tiles(fn)
+        label = tuner.variant_label(cfg)
+        if label == "":
+            return 0.36 if cfg.block_m == 16 else 0.3
+        return 0.1 if (cfg.block_m, label) == (16, "paired") else 0.4
+
+    assert 0.36 / 0.3 <= tuner.SWITCH_SPAN
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=timer)
+    assert (best.block_m, best.pair_blocks) == (16, 2)
+    tried = {(r["block_m"], label(r)) for r in records if r["gemm"] == 0 and label(r)}
+    assert {bm for bm, _ in tried} == {16, 32} and len(tried) == 2 * 7      # every combination, each
+    prov = Provenance("20260101T000000Z", "2026-01-01T00:00:00+00:00", "abc", "cuda", "Stub GPU", "2", "3",
+                      "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
+    report = output_files(tune_rows(prov, "tiny", PRESETS["tiny"], 1, records, best))["report.md"]
+    line = next(ln for ln in report.splitlines() if ln.startswith("| 48 |"))
+    assert "block_m 16 paired **100.0**" in line and "block_m 32 paired 400.0" in line
 
 
 def test_tune_report_shows_the_switches_tried_and_chosen():

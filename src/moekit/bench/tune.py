@@ -2,9 +2,10 @@
 
 For each token count T and each candidate block_m, GEMM1's and GEMM2's tiles are searched
 separately (each GEMM timed alone in a CUDA graph), then the whole path (align, both GEMMs, sum)
-is timed with each block_m's winners. On the fastest, the opt-in switches are tried (`switch_variants`:
-paired tiles, TMA weight loads where the device and weights allow them, persistent GEMMs, alone and
-combined), each as a whole path; the fastest of all wins. Routing is uniform random with k
+is timed with each block_m's winners. On every block_m's winners within SWITCH_SPAN (1.25x) of the
+fastest, the opt-in switches are tried (`switch_variants`: paired tiles, TMA weight loads where the
+device and weights allow them, persistent GEMMs, alone and combined), each as a whole path; the
+fastest of all wins. Routing is uniform random with k
 distinct experts per token; each timed graph runs R different routings back to back, so small T
 reads more distinct experts than L2 holds and the weights come from HBM as in a real model.
 Candidate tiles are those whose pipelined operands fit in the device's shared memory
@@ -43,7 +44,7 @@ from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.results import atomic_write_text
 from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
-from moekit.bench.tune_report import STUDY, tune_rows, variant_label
+from moekit.bench.tune_report import STUDY, SWITCH_SPAN, tune_rows, variant_label
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
 from moekit.grouped_gemm import resolve_tma
 from moekit.shapes import MoEShape
@@ -160,9 +161,9 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
     block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}: each
-    block_m's winners (no switch on: `default_config` sets none), then, with `switches`, the fastest
-    of those with each of `switch_variants` (told apart by their switches, `variant_label`). A
-    candidate that fails to run is logged and skipped.
+    block_m's winners (no switch on: `default_config` sets none), then, with `switches`, each of
+    those within SWITCH_SPAN of the fastest with each of `switch_variants` (told apart by their
+    block_m and switches, `variant_label`). A candidate that fails to run is logged and skipped.
     `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
     """
     dev = torch.device(device)
@@ -178,6 +179,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
         ws.append(torch.softmax(torch.randn(num_tokens, k, generator=gen), -1).to(dev))
     records: list[dict] = []
     best_total, best_cfg = float("inf"), None
+    winners_by_bm: list[tuple[float, ExpertsConfig]] = []    # each block_m's whole path
     for bm in block_m_candidates(shape, num_tokens):
         base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
                        group_m=1 if bm <= 32 else 8)
@@ -210,19 +212,23 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
         total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
         records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
+        winners_by_bm.append((total, cfg))
         if total < best_total:
             best_total, best_cfg = total, cfg
     if best_cfg is None:
         raise RuntimeError(f"no candidate config ran at T={num_tokens}")
-    for cfg in switch_variants(best_cfg, gate_up, down)[1:] if switches else ():
+    # The switches on every block_m's tiles within SWITCH_SPAN of the fastest path, fastest first: a
+    # switch can turn the order of two block_m around (paired tiles suit block_m 64, not 128).
+    near = [c for t, c in sorted(winners_by_bm, key=lambda tc: tc[0]) if t <= SWITCH_SPAN * best_total]
+    for cfg in [v for c in near for v in switch_variants(c, gate_up, down)[1:]] if switches else ():
         label = variant_label(cfg)
         try:
             total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
         except Exception as exc:  # a switch this Triton or device cannot run: skip it, say why
-            log(f"  skip T={num_tokens} {label}: {type(exc).__name__}")
+            log(f"  skip T={num_tokens} bm={cfg.block_m} {label}: {type(exc).__name__}")
             continue
         records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
-        log(f"T={num_tokens:>6} {label}: {total * 1e3:8.1f} us")
+        log(f"T={num_tokens:>6} bm={cfg.block_m:>3} {label}: {total * 1e3:8.1f} us")
         if total < best_total:
             best_total, best_cfg = total, cfg
     return best_cfg, records
@@ -266,8 +272,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$MOEKIT_CONFIG_DIR when set, else in --out, else in ./moekit-results/; never the "
                         "installed package's); an existing file must be a valid table")
     p.add_argument("--switches", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the fastest tiles with paired tiles, TMA weights and persistent GEMMs, "
-                        "alone and combined (default: on)")
+                   help="also time the fastest tiles (each block_m's within 1.25x of the fastest path) "
+                        "with paired tiles, TMA weights and persistent GEMMs, alone and combined "
+                        "(default: on)")
     p.add_argument("--records", type=arg_types.out_file, default=None,
                    help="also write every timing as JSON lines (results.csv holds them too)")
 

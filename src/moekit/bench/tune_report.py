@@ -67,6 +67,9 @@ class TuneRow(LayerRow):
 CONFIG_FIELDS = TILE_FIELDS + SWITCH_FIELDS
 
 
+SWITCH_SPAN = 1.25   # block_m whose whole path is within this factor of the fastest get the switch search
+
+
 def variant_label(cfg: ExpertsConfig | TuneRow) -> str:
     """The opt-in switches a config (or a whole-path row) has on, e.g. "paired+tma"; "" for none: a
     block_m's own tiles (the tuner's base configs set no switch), else a switch variant tried on them."""
@@ -159,8 +162,9 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
         "",
         "For each T and block_m, GEMM1's and GEMM2's tiles were timed alone (CUDA-graph replays of "
         "`rotations` different routings, per routing), then the whole path with each block_m's winners, "
-        "then the fastest of those with the opt-in switches (paired tiles, TMA weights, persistent "
-        "GEMMs); the fastest whole path was chosen. Tiles: block_n×block_k, warps, stages.",
+        f"then those within {SWITCH_SPAN:g}× of the fastest with the opt-in switches (paired tiles, TMA "
+        "weights, persistent GEMMs); the fastest whole path was chosen. Tiles: block_n×block_k, warps, "
+        "stages.",
         "",
         "| T | rotations | chosen block_m | GEMM1 tile | GEMM2 tile | group_m | switches | "
         "GEMM1 candidates | GEMM2 candidates | " + " | ".join(f"path µs, block_m {bm}" for bm in block_ms)
@@ -174,8 +178,10 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
         counts = [sum(r.gemm == g for r in rs) for g in (GEMM1, GEMM2)]
         head = (f"{chosen.block_m} | {_tiles(chosen, 1)} | {_tiles(chosen, 2)} | {chosen.group_m} | "
                 f"{variant_label(chosen).replace('+', ', ') or 'none'}" if chosen else "– | – | – | – | –")
-        variants = ", ".join(f"{variant_label(r)} {_path_us(r, chosen)}" for r in rs
-                             if r.gemm == PATH and variant_label(r)) or "–"
+        tried = [r for r in rs if r.gemm == PATH and variant_label(r)]
+        several = len({r.block_m for r in tried}) > 1       # then each variant names its block_m
+        variants = ", ".join(f"{f'block_m {r.block_m} ' if several else ''}{variant_label(r)} "
+                             f"{_path_us(r, chosen)}" for r in tried) or "–"
         lines.append(f"| {t} | {rs[0].rotations} | {head} | {counts[0]} | {counts[1]} | "
                      + " | ".join(_path_us(path.get(bm), chosen) for bm in block_ms) + f" | {variants} |")
     lines += ["", f"![whole path per block_m]({plot_name})", "",
