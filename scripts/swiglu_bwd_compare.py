@@ -32,7 +32,6 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
 import argparse
 import functools
 import itertools
-import json
 import time
 
 import torch
@@ -40,13 +39,14 @@ import torch
 import moekit
 from moekit._workspace import poisoning
 from moekit.align import align_block_size
-from moekit.bench.timing import time_fn
+from moekit.bench.tile_sweep import Sweep, add_args, best_first, first_line, write_rows
 from moekit.bench.wgrad import rel_err
 from moekit.grouped_gemm import _placed_rows, gemm1_swiglu_with_pre
 from moekit.grouped_gemm_backward import BackwardTiles, swiglu_backward, swiglu_backward_torch
 from moekit.tuning import get_config, shared_memory_limit
 
 OUTPUTS = ("dpre_w", "h_w", "topk_weights")
+GPU_TOKENS = "4096,16384"
 # The fastest of a first sweep (block_n, block_k in 64/128, 3-5 stages, 4/8 warps; H200,
 # 2026-11-30), each with the saved pre-activations loaded after the loop and before it (pre_first).
 GPU_CANDIDATES = tuple(BackwardTiles(n, k, s, False, 8, first) for (n, k, s), first in itertools.product(
@@ -85,25 +85,16 @@ def make_case(shape: moekit.MoEShape, tokens: int, dtype: torch.dtype, dev: torc
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b on a GPU, tiny on the CPU")
-    p.add_argument("--tokens", default=None, help="comma-separated (default: 4096,16384; 16 on the CPU)")
-    p.add_argument("--rep", type=int, default=None, help="timed calls a variant (default: 20; 1 on the CPU)")
-    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter")
+    add_args(p, GPU_TOKENS)
     a = p.parse_args(argv)
     started = time.perf_counter()
-    dev = torch.device(a.device)
-    on_gpu = dev.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float16    # the interpreter computes bf16 dots wrongly
-    shape = moekit.get_shape(a.preset or ("qwen3-30b-a3b" if on_gpu else "tiny"))
-    tokens = [int(v) for v in (a.tokens or ("4096,16384" if on_gpu else "16")).split(",")]
-    rep = a.rep or (20 if on_gpu else 1)
-    candidates = GPU_CANDIDATES if on_gpu else CPU_CANDIDATES
-    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu (interpreter)"
-    print(f"{name}; torch {torch.__version__}; E={shape.num_experts} H={shape.hidden_size} "
+    sweep = Sweep.from_args(p, a, GPU_TOKENS)
+    dev, dtype, shape = sweep.device, sweep.dtype, sweep.shape
+    candidates = GPU_CANDIDATES if sweep.on_gpu else CPU_CANDIDATES
+    print(f"{sweep.device_name}; torch {torch.__version__}; E={shape.num_experts} H={shape.hidden_size} "
           f"I={shape.intermediate_size} K={shape.top_k}", flush=True)
     rows: list[dict] = []
-    for t in tokens:
+    for t in sweep.tokens:
         cfg, args, pre, ref, base, pick, flops = make_case(shape, t, dtype, dev)
         default = BackwardTiles.fit(cfg, dtype.itemsize, dev, recompute=False)
         variants = {"default": default}
@@ -121,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     got = swiglu_backward(*args, cfg, pre=pre, tiles=tiles)
                     again = swiglu_backward(*args, cfg, pre=pre, tiles=tiles)
             except Exception as exc:                          # e.g. out of shared memory
-                row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[:1]}"
+                row["error"] = first_line(exc)
             else:
                 errs = {k: rel_err(pick[k](got), pick[k](ref)) for k in OUTPUTS}
                 row.update({f"err_{k}": v for k, v in errs.items()})
@@ -131,25 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                 elif not all(torch.equal(pick[k](got), pick[k](again)) for k in OUTPUTS):
                     row["error"] = "not bitwise reproducible"
             if "error" not in row:
-                call = functools.partial(swiglu_backward, *args, cfg, pre=pre, tiles=tiles)
-                ms = time_fn(call, graph=on_gpu,
-                             device=dev, rep=rep, warmup=None if on_gpu else 0, min_rep=1).median_ms
+                ms = sweep.time(functools.partial(swiglu_backward, *args, cfg, pre=pre, tiles=tiles))
                 row.update(ms=ms, tflops=flops / ms / 1e9)
                 print(f"{t:>6} {name:>18} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
                       + " ".join(f"{errs[k]:.2e}" for k in OUTPUTS), flush=True)
             else:
                 print(f"{t:>6} {name:>18} NOT TIMED: {row['error']}", flush=True)
             rows.append(row)
-    print("\nbest first (x default):")
-    for t in tokens:
-        timed = sorted((r for r in rows if r["tokens"] == t and "ms" in r), key=lambda r: r["ms"])
-        ref_ms = next((r["ms"] for r in timed if r["variant"] == "default"), None)
-        cells = [f"{r['tiles']} {r['ms']:.3f}" + (f" ({ref_ms / r['ms']:.2f}x)" if ref_ms else "")
-                 for r in timed]
-        print(f"{t:>6} " + "; ".join(cells[:8]))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print("\nbest first (x default):", *best_first(rows, "default", label="tiles", top=8), sep="\n")
+    write_rows(a.out, rows)
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0 if any("ms" in r for r in rows) else 1
 

@@ -33,22 +33,21 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
 
 import argparse
-import json
 import time
 
 import torch
 
-import moekit
 from moekit._workspace import poisoning
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.timing import time_fn
+from moekit.bench.tile_sweep import Sweep, add_args, best_first, first_line, write_rows
 from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, WgradCase, legacy_tiles, make_case
-from moekit.tuning import WgradConfig, get_config, shared_memory_limit, wgrad_config
+from moekit.tuning import ExpertsConfig, WgradConfig, get_config, shared_memory_limit, wgrad_config
 
 PZ = " pz"
+GPU_TOKENS = "1024,4096,16384"
 
 
-def variants(case_cfg: moekit.ExpertsConfig, candidates: tuple[WgradConfig, ...], itemsize: int,
+def variants(case_cfg: ExpertsConfig, candidates: tuple[WgradConfig, ...], itemsize: int,
              device: torch.device) -> dict[str, dict[str, WgradConfig]]:
     """name -> tiles per launch: old, default, then the candidates (duplicates of an earlier one left out)."""
     default = wgrad_config(itemsize, device)
@@ -64,12 +63,7 @@ def variants(case_cfg: moekit.ExpertsConfig, candidates: tuple[WgradConfig, ...]
     return out
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
-def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], dev: torch.device, rep: int,
+def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], sweep: Sweep,
                 matmul_tflops: float | None) -> dict:
     """Check, then time one variant; a name ending in PZ runs with padding_zero (the training step's
     launches: the sorted-row operand's loads need no index)."""
@@ -93,9 +87,7 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], dev: 
             row["error"] = f"{k}: {problem}"
             return row
     for k in LAUNCHES:
-        on_gpu = dev.type == "cuda"                       # interpreted: nothing to compile or warm
-        ms = time_fn(lambda k=k: case.run(k, tiles[k], pz), graph=on_gpu, device=dev, rep=rep,
-                     warmup=None if on_gpu else 0, min_rep=1).median_ms
+        ms = sweep.time(lambda k=k: case.run(k, tiles[k], pz))
         row[f"ms_{k}"] = ms
         row[f"tflops_{k}"] = case.flops[k] / ms / 1e9
     row["ms"] = sum(row[f"ms_{k}"] for k in LAUNCHES)
@@ -114,47 +106,28 @@ def describe(row: dict) -> str:
                f"  ({row['tiles_gate_up']} / {row['tiles_down']})"))
 
 
-def summary(rows: list[dict]) -> None:
-    print(f"\n{'T':>6} best first: variant ms (x old)")
-    for t in dict.fromkeys(r["tokens"] for r in rows):
-        timed = sorted((r for r in rows if r["tokens"] == t and "ms" in r), key=lambda r: r["ms"])
-        old = next((r["ms"] for r in timed if r["variant"] == "old"), None)
-        cells = [f"{r['variant']} {r['ms']:.3f}" + (f" ({old / r['ms']:.2f}x)" if old else "") for r in timed]
-        print(f"{t:>6} " + "; ".join(cells))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default=None, help="default: qwen3-30b-a3b on a GPU, tiny on the CPU")
-    p.add_argument("--tokens", default=None, help="comma-separated (default: 1024,4096,16384; 16 on the CPU)")
-    p.add_argument("--rep", type=int, default=None, help="timed calls per launch (default: 20; 1 on the CPU)")
+    add_args(p, GPU_TOKENS)
     p.add_argument("--only", default=None, help="comma-separated indices into the candidates (default: all)")
-    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter")
     p.add_argument("--padding-zero", action="store_true",
                    help="also run each variant with padding_zero (its name ends in ' pz')")
     a = p.parse_args(argv)
     started = time.perf_counter()
-    dev = torch.device(a.device)
-    on_gpu = dev.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float16    # the interpreter computes bf16 dots wrongly
-    shape = moekit.get_shape(a.preset or ("qwen3-30b-a3b" if on_gpu else "tiny"))
-    tokens = [int(v) for v in (a.tokens or ("1024,4096,16384" if on_gpu else "16")).split(",")]
-    if any(t < 1 for t in tokens):
-        p.error("--tokens: positive ints")
-    candidates = CANDIDATES if on_gpu else CPU_CANDIDATES
+    sweep = Sweep.from_args(p, a, GPU_TOKENS)
+    dev, dtype, shape = sweep.device, sweep.dtype, sweep.shape
+    candidates = CANDIDATES if sweep.on_gpu else CPU_CANDIDATES
     if a.only is not None:
         candidates = tuple(candidates[int(i)] for i in a.only.split(","))
-    rep = a.rep or (20 if on_gpu else 1)
-    matmul = measure_ceilings(dev, dtype).matmul_tflops if on_gpu else None   # no ceiling interpreted
-    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu (interpreter)"
-    print(f"{name}: matmul {matmul or float('nan'):.0f} TFLOP/s ({str(dtype).removeprefix('torch.')}); "
+    matmul = measure_ceilings(dev, dtype).matmul_tflops if sweep.on_gpu else None   # none interpreted
+    print(f"{sweep.device_name}: matmul {matmul or float('nan'):.0f} TFLOP/s "
+          f"({str(dtype).removeprefix('torch.')}); "
           f"torch {torch.__version__}; E={shape.num_experts} H={shape.hidden_size} "
           f"I={shape.intermediate_size} K={shape.top_k}", flush=True)
     print(f"{'T':>6} {'variant':>20} {'gate_up':>8} {'down':>8} {'ms':>8} {'TFLOP/s':>7} {'%ceil':>6} "
           f"{'err gu':>9} {'err dn':>9}")
     rows: list[dict] = []
-    for t in tokens:
+    for t in sweep.tokens:
         cfg = get_config(shape, t, dtype, dev)
         case = make_case(shape, t, dtype, cfg.block_m, dev)
         found = variants(cfg, candidates, dtype.itemsize, dev)
@@ -162,18 +135,16 @@ def main(argv: list[str] | None = None) -> int:
             found = {n + s: v for n, v in found.items() for s in ("", PZ)}
         for vname, tiles in found.items():
             try:
-                row = run_variant(case, vname, tiles, dev, rep, matmul)
+                row = run_variant(case, vname, tiles, sweep, matmul)
             except Exception as exc:                       # timing failed: say why, go on
                 row = {"tokens": t, "variant": vname, "error": "timing: " + first_line(exc)}
             row["matmul_tflops"] = matmul
             rows.append(row)
             print(describe(row), flush=True)
         del case
-    summary(rows)
+    print(f"\n{'T':>6} best first: variant ms (x old)", *best_first(rows, "old"), sep="\n")
     print(f"done in {time.perf_counter() - started:.0f} s")
-    if a.out:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_rows(a.out, rows)
     return 0
 
 

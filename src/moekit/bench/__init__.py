@@ -29,6 +29,10 @@ The studies (the subcommand, then its rows and report step)
     ablate_variants.py  the variants it times   ablate_plots.py       one figure per ablation
     ablate_bytes.py     Nsight Compute DRAM bytes (a child process under ncu)
 
+The backward's tile sweeps (scripts/wgrad_compare.py, scripts/swiglu_bwd_compare.py)
+    tile_sweep.py       their shared arguments, set-up, timing, best-first summary and rows
+    wgrad.py            the weight-gradient candidates and one T's case with the error rule
+
 Only the light modules are imported here; plotting pulls in matplotlib when it is used. The lab
 imports `moekit.kernels` first: on a machine without CUDA it switches Triton to its interpreter,
 which must happen before anything imports triton (Triton's own @jit helpers are made at its import).
