@@ -45,6 +45,7 @@ import torch
 from moekit.bench.kernel_work import KernelFlops, label_launches, triton_kernel_flops, triton_rows
 from moekit.bench.roofline import traffic, training_traffic
 from moekit.bench.runner import make_weights
+from moekit.bench.timing import sync, time_fn
 from moekit.experts import moe_experts
 from moekit.routing import route
 from moekit.shapes import PRESETS
@@ -78,42 +79,18 @@ def _call(backend: str, backward: bool, x, gate_up, down, w, ids, grad_out):
 
 def steady(fn, device: torch.device, isolated: int = 10, loop: int = 20) -> str:
     """'isolated a ms, back-to-back b ms a call, host c ms a call' of fn (see the module doc)."""
-    from moekit.bench.timing import CacheFlusher
-
-    flush = CacheFlusher(device) if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
-    alone = []
-    for _ in range(isolated):
-        flush()
-        _sync(device)
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            _sync(device)
-            alone.append(start.elapsed_time(end))
-        else:
-            fn()
-            alone.append((time.perf_counter() - t0) * 1e3)
-    _sync(device)
+    alone = time_fn(fn, warmup=3, rep=isolated, flush_l2=device.type == "cuda", device=device).median_ms
+    sync(device)
     host = []
     t_loop = time.perf_counter()
     for _ in range(loop):
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
-    _sync(device)
+    sync(device)
     per_call = (time.perf_counter() - t_loop) * 1e3 / loop
-    return (f"Steady: isolated {statistics.median(alone):.3f} ms, back-to-back {per_call:.3f} ms a call, "
+    return (f"Steady: isolated {alone:.3f} ms, back-to-back {per_call:.3f} ms a call, "
             f"host {statistics.median(host):.3f} ms a call.")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class KernelRow(NamedTuple):
@@ -153,14 +130,14 @@ def breakdown(fn, device: torch.device,
     useful FLOPs (`aggregate`)."""
     for _ in range(3):
         fn()
-    _sync(device)
+    sync(device)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         wall = (time.perf_counter() - t0) * 1e3
     if device.type == "cuda":
         events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
