@@ -208,16 +208,14 @@ def moe_wgrad_kernel(
         valid = pair < S
         if PADDING_ZERO:
             tok = tl.where(valid, pair // TOP_K, first_tok)
-            ra = tok if A_BY_TOKEN else rows
-            rb = tok if B_BY_TOKEN else rows
             a_mask = n_in[:, None] if A_BY_TOKEN else (rows < end)[None, :] & n_in[:, None]
             b_mask = c_in[None, :] if B_BY_TOKEN else (rows < end)[:, None] & c_in[None, :]
         else:
             tok = pair // TOP_K
-            ra = tok if A_BY_TOKEN else rows
-            rb = tok if B_BY_TOKEN else rows
             a_mask = valid[None, :] & n_in[:, None]
             b_mask = valid[:, None] & c_in[None, :]
+        ra = tok if A_BY_TOKEN else rows
+        rb = tok if B_BY_TOKEN else rows
         a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
         b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
         if SCALE:
