@@ -178,7 +178,6 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
         ids.append(torch.rand(num_tokens, e, generator=gen).argsort(1)[:, :k].to(dev, torch.int32))
         ws.append(torch.softmax(torch.randn(num_tokens, k, generator=gen), -1).to(dev))
     records: list[dict] = []
-    best_total, best_cfg = float("inf"), None
     winners_by_bm: list[tuple[float, ExpertsConfig]] = []    # each block_m's whole path
     for bm in block_m_candidates(shape, num_tokens):
         base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
@@ -213,13 +212,13 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
         records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         winners_by_bm.append((total, cfg))
-        if total < best_total:
-            best_total, best_cfg = total, cfg
-    if best_cfg is None:
+    if not winners_by_bm:
         raise RuntimeError(f"no candidate config ran at T={num_tokens}")
+    winners_by_bm.sort(key=lambda tc: tc[0])
+    best_total, best_cfg = winners_by_bm[0]
     # The switches on every block_m's tiles within SWITCH_SPAN of the fastest path, fastest first: a
     # switch can turn the order of two block_m around (paired tiles suit block_m 64, not 128).
-    near = [c for t, c in sorted(winners_by_bm, key=lambda tc: tc[0]) if t <= SWITCH_SPAN * best_total]
+    near = [c for t, c in winners_by_bm if t <= SWITCH_SPAN * best_total]
     for cfg in [v for c in near for v in switch_variants(c, gate_up, down)[1:]] if switches else ():
         label = variant_label(cfg)
         try:
@@ -272,9 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$MOEKIT_CONFIG_DIR when set, else in --out, else in ./moekit-results/; never the "
                         "installed package's); an existing file must be a valid table")
     p.add_argument("--switches", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the fastest tiles (each block_m's within 1.25x of the fastest path) "
-                        "with paired tiles, TMA weights and persistent GEMMs, alone and combined "
-                        "(default: on)")
+                   help=f"also time the fastest tiles (each block_m's within {SWITCH_SPAN:g}x of the "
+                        "fastest path) with paired tiles, TMA weights and persistent GEMMs, alone and "
+                        "combined (default: on)")
     p.add_argument("--records", type=arg_types.out_file, default=None,
                    help="also write every timing as JSON lines (results.csv holds them too)")
 
