@@ -24,6 +24,7 @@ import moekit.experts.triton as triton_experts
 from helpers import aot_compile_check, distinct_topk_ids, rel_err
 from moekit import PRESETS, ExpertsConfig, align_block_size, moe_experts
 from moekit._workspace import poisoning
+from moekit.align import Alignment
 from moekit.grouped_gemm import (
     _placed_rows,
     gemm1_swiglu_torch,
@@ -336,6 +337,18 @@ def test_backward_is_bitwise_reproducible():
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     second = torch.autograd.grad(out, leaves, dout)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_both_weight_gradients_share_one_row_starts(monkeypatch):
+    """A backward computes the experts' first rows once (host work: a few torch ops) and hands them
+    to both weight-gradient launches."""
+    calls = []
+    real = Alignment.row_starts
+    monkeypatch.setattr(Alignment, "row_starts", lambda self: calls.append(1) or real(self))
+    x, gate_up, down, w, ids, dout = make(30, 4, 48, 24, 3, "sentinels")
+    leaves = [t.requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts(*leaves, ids, backend="triton", config=CFG, ignore_invalid_ids=True).backward(dout)
+    assert len(calls) == 1 and all(t.grad is not None for t in leaves)
 
 
 @pytest.mark.parametrize("trainable,saves_pre", [
