@@ -75,6 +75,17 @@ def _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an):
 
 
 @triton.jit
+def _pre_f32(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an, a_early, b_early,
+             PRE_FIRST: tl.constexpr):
+    """(a, b) fp32 [BM, BN]: the tiles loaded before the loop (PRE_FIRST), else loaded now."""
+    if PRE_FIRST:
+        a, b = a_early, b_early
+    else:
+        a, b = _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an)
+    return a.to(tl.float32), b.to(tl.float32)
+
+
+@triton.jit
 def moe_swiglu_bwd_kernel(
     x_ptr, dout_ptr, w1_ptr, w2_ptr, pre_ptr, topk_weights_ptr, dpre_ptr, h_ptr, part_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -114,6 +125,10 @@ def moe_swiglu_bwd_kernel(
 
         d_ptrs = dout_ptr + tok[:, None] * stride_dt + rk[None, :] * stride_dk            # [BM, BK]
         v_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2k + rn64[None, :] * stride_w2n  # [BK, BN]
+        a_early = None          # the pre-activation tiles loaded before the loop (PRE_FIRST)
+        b_early = None
+        a_early_hi = None
+        b_early_hi = None
         if not RECOMPUTE:
             if PRE_FIRST:   # issued before the loop: the loads land while the GEMM runs
                 a_early, b_early = _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an)
@@ -162,25 +177,16 @@ def moe_swiglu_bwd_kernel(
         if RECOMPUTE:
             a = acc_a
             b = acc_b
-        elif PRE_FIRST:
-            a = a_early.to(tl.float32)
-            b = b_early.to(tl.float32)
         else:
-            a, b = _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+            a, b = _pre_f32(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an, a_early, b_early,
+                            PRE_FIRST)
         wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]  # [BM, 1]
         _swiglu_bwd_epilogue(acc_g, a, b, wt, rows64, rn64, n_in, HALVES * pid_n, num_part_cols, N,
                              dpre_ptr, h_ptr, part_ptr, stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
                              STORE_DPRE, STORE_H, STORE_PART)
         if HALVES == 2:
-            if PRE_FIRST:
-                a_hi = a_early_hi.to(tl.float32)
-                b_hi = b_early_hi.to(tl.float32)
-            else:
-                a_hi, b_hi = _load_pre(pre_ptr, rows64, rn64_hi, valid, n_in_hi, N, stride_am, stride_an)
-                a_hi = a_hi.to(tl.float32)
-                b_hi = b_hi.to(tl.float32)
+            a_hi, b_hi = _pre_f32(pre_ptr, rows64, rn64_hi, valid, n_in_hi, N, stride_am, stride_an,
+                                  a_early_hi, b_early_hi, PRE_FIRST)
             _swiglu_bwd_epilogue(acc_hi, a_hi, b_hi, wt, rows64, rn64_hi, n_in_hi, 2 * pid_n + 1,
                                  num_part_cols, N, dpre_ptr, h_ptr, part_ptr, stride_pm, stride_pn,
                                  stride_hm, stride_hn, stride_qm, STORE_DPRE, STORE_H, STORE_PART)
