@@ -210,8 +210,10 @@ def resource_usage(cubin: bytes) -> str:
         out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
                              text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", out)
-    local = re.search(r"LOCAL:(\d+)", out)
-    spills = f" local {local.group(1)}B" if local and local.group(1) != "0" else ""
+    # Spilled registers live in local memory, which cuobjdump reports as the kernel's STACK frame
+    # (LOCAL counts other local variables): either, when nonzero, is a spill.
+    local = sum(int(m) for m in re.findall(r"(?:LOCAL|STACK):(\d+)", out))
+    spills = f" local {local}B" if local else ""
     return f"{regs.group(1) if regs else '?'}r{spills}"
 
 
@@ -282,16 +284,18 @@ def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, reg
         cfg = TILES[key]
         align = align_block_size(inp.ids, inp.gate_up.shape[0], cfg.block_m, backend="torch")
         pre = torch.empty(align.sorted_ids.numel(), inp.gate_up.shape[1], dtype=inp.x.dtype)
-        for mode in ("saved", "recompute"):
+        for mode in ("saved", "saved_h2", "recompute"):
             total += 1
             started = time.perf_counter()
             fit = BackwardTiles.fit(cfg, inp.x.element_size(), recompute=mode == "recompute")
+            if mode == "saved_h2":      # two halves a program (BackwardTiles.halves)
+                fit = dataclasses.replace(fit, halves=2, pre_first=False)
             name = f"backward.{key}.{mode}"
-            saved = pre if mode == "saved" else None
+            saved = None if mode == "recompute" else pre
             try:
                 launches = capture_launches(
-                    lambda c=cfg, a=align, s=saved: swiglu_backward(
-                        inp.x, inp.gate_up, inp.down, inp.x, inp.w, a, top_k, c, pre=s),
+                    lambda c=cfg, a=align, s=saved, t=fit: swiglu_backward(
+                        inp.x, inp.gate_up, inp.down, inp.x, inp.w, a, top_k, c, pre=s, tiles=t),
                     (moe_swiglu_bwd_kernel, moe_tile_sum_kernel))
                 for kernel, _, kwargs in launches:
                     if kernel is moe_swiglu_bwd_kernel and kwargs["RECOMPUTE"] is not (mode == "recompute"):
@@ -302,7 +306,7 @@ def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, reg
                 failed += 1
                 text = str(exc).strip().splitlines()
                 status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
-            label = f"m{cfg.block_m} n{fit.block_n} k{fit.block_k} s{fit.stages} w{cfg.warps1}"
+            label = f"m{cfg.block_m} {fit.label()}"
             print(f"{name:<28} {status}  [{label}]  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{total - failed}/{total} backward variants compile" + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0

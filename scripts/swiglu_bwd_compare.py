@@ -48,11 +48,15 @@ from moekit.tuning import get_config, shared_memory_limit
 OUTPUTS = ("dpre_w", "h_w", "topk_weights")
 GPU_TOKENS = "4096,16384"
 # The fastest of a first sweep (block_n, block_k in 64/128, 3-5 stages, 4/8 warps; H200,
-# 2026-11-30), each with the saved pre-activations loaded after the loop and before it (pre_first).
+# 2026-11-30), each with the saved pre-activations loaded after the loop and before it (pre_first);
+# then two 64-column halves a program (halves=2), which may spill at 128 rows (aot_compile_check).
 GPU_CANDIDATES = tuple(BackwardTiles(n, k, s, False, 8, first) for (n, k, s), first in itertools.product(
     ((64, 64, 5), (64, 64, 4), (64, 128, 4), (64, 128, 3), (128, 64, 5), (128, 64, 4), (128, 128, 4),
-     (128, 128, 3), (64, 64, 3)), (False, True)))
-CPU_CANDIDATES = (BackwardTiles(16, 16, 2, False, 4), BackwardTiles(32, 16, 3, False, 2, True))
+     (128, 128, 3), (64, 64, 3)), (False, True))) + tuple(
+    BackwardTiles(64, k, s, False, w, first, 2) for k, s, w, first in (
+        (64, 3, 8, False), (64, 4, 8, False), (64, 3, 8, True), (64, 3, 4, False), (32, 4, 8, False)))
+CPU_CANDIDATES = (BackwardTiles(16, 16, 2, False, 4), BackwardTiles(32, 16, 3, False, 2, True),
+                  BackwardTiles(16, 16, 2, False, 4, False, 2))
 
 
 def make_case(shape: moekit.MoEShape, tokens: int, dtype: torch.dtype, dev: torch.device, seed: int = 0):

@@ -15,6 +15,7 @@ Qwen3-30B-A3B within 2x the error of plain PyTorch in bf16, bitwise reproducible
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -191,11 +192,22 @@ def test_saved_pre_activations_give_the_recomputed_gradients(case):
         # pre loaded after the loop over H instead of before it (SAVED_TILES loads it first)
         late = swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, pre=pre,
                                tiles=dataclasses.replace(SAVED_TILES, pre_first=False))
+        # 16-column tiles, one a program or two halves a program (a second half past I included)
+        narrow = BackwardTiles(16, 16, 2, recompute=False, warps=4)
+        one = swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, pre=pre, tiles=narrow)
+        halves = [swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, pre=pre,
+                                  tiles=dataclasses.replace(narrow, halves=2, pre_first=first))
+                  for first in (False, True)]
     for name, got, want, other in zip(SwigluGrads._fields, saved, again, late):
         got, want, other = (got, want, other) if name == "topk_weights" else (
             got[:live], want[:live], other[:live])
         assert rel_err(got, want) <= 1e-5, name
         assert torch.equal(got, other), name                       # the same arithmetic, bit for bit
+    for name, want, ref, *twos in zip(SwigluGrads._fields, again, one, *halves):
+        if name != "topk_weights":
+            want, ref, twos = want[:live], ref[:live], [t[:live] for t in twos]
+        assert rel_err(ref, want) <= 1e-5, name
+        assert all(torch.equal(ref, t) for t in twos), name        # the same dots, column for column
     with pytest.raises(ValueError, match="tiles: recompute=False but pre is None"):
         swiglu_backward(x, gate_up, down, dout, w, align, top_k, CFG, tiles=SAVED_TILES)
     placed, pair, _ = _placed_rows(align)       # h_w is the forward's h times the routing weight
@@ -419,17 +431,24 @@ def test_backward_tiles_fit_shared_memory():
     assert saved == SAVED_TILES == BackwardTiles(64, 64, 4, False, 8, True)   # fits as it is
     assert BackwardTiles.fit(ExpertsConfig(block_m=64, block_n1=128, block_k1=128, stages1=4), 2) == \
         BackwardTiles(64, 64, 4, True)
+    halves = BackwardTiles(64, 64, 3, recompute=False, halves=2)      # two down tiles a step
+    assert halves.pipeline_bytes(128, 2) == 3 * 64 * (128 + 2 * 64) * 2
+    for bad in ({"halves": 3, "recompute": False}, {"halves": 2, "recompute": True}):
+        with pytest.raises(ValueError, match="BackwardTiles.halves must be 1, or 2 reading the saved"):
+            BackwardTiles(64, 64, 3, **bad)
 
 
 def test_swiglu_backward_compiles_for_sm90_without_spills():
     """The SwiGLU backward reading the saved pre-activations and recomputing them, with the tiles
     `BackwardTiles.fit` gives the smallest and the largest forward tiles, through ptxas for sm_90
-    (skipped where this Triton has no CUDA backend or ptxas)."""
+    (skipped where this Triton has no CUDA backend or ptxas); without spills, but for the opt-in
+    two-halves form (`BackwardTiles.halves`), which must compile (it may spill at 128 rows)."""
     out = aot_compile_check("--backward", "--tiles", "S,L", "--regs")
-    assert "4/4 backward variants compile" in out
+    assert "6/6 backward variants compile" in out
     lines = [line for line in out.splitlines() if line.startswith("backward.")]
-    assert len(lines) == 4 and all("r/" in line and " local " not in line for line in lines), lines
-    assert "backward.L.saved" in lines[2] and "n64" in lines[2]       # SAVED_TILES, reading pre
+    assert len(lines) == 6 and all(re.search(r"\d+r[ /]", line) for line in lines), lines
+    assert all(" local " not in line for line in lines if ".saved_h2 " not in line), lines
+    assert "backward.L.saved " in lines[3] and "n64" in lines[3]       # SAVED_TILES, reading pre
 
 
 # The weight gradients' own tiles (`WgradConfig`): small ones so every expert spans several N and C

@@ -83,6 +83,9 @@ class BackwardTiles:
         warps: num_warps, or None for the forward's GEMM1 warps.
         pre_first: reading the saved pre-activations, load them before the loop over H (their
             latency hidden behind the GEMM, held in registers through it) instead of after it.
+        halves: 2 (reading the saved pre-activations): a program computes 2 * block_n columns as
+            two halves with an accumulator each, loading each dout row tile once for both (the
+            kernel's HALVES), then the epilogue half by half.
     """
 
     block_n: int
@@ -91,17 +94,24 @@ class BackwardTiles:
     recompute: bool = True
     warps: int | None = None
     pre_first: bool = False
+    halves: int = 1
+
+    def __post_init__(self) -> None:
+        if self.halves not in (1, 2) or (self.halves == 2 and self.recompute):
+            raise ValueError(f"BackwardTiles.halves must be 1, or 2 reading the saved pre-activations "
+                             f"(recompute=False), got halves={self.halves!r}, recompute={self.recompute}")
 
     def label(self) -> str:
         """'n128 k64 s3 w8' ('w=' the forward's warps when None); 'r' ends a recomputing one."""
         warps = "=" if self.warps is None else self.warps
         return (f"n{self.block_n} k{self.block_k} s{self.stages} w{warps}" + (" r" if self.recompute else "")
-                + (" pf" if self.pre_first else ""))
+                + (" pf" if self.pre_first else "") + (" h2" if self.halves == 2 else ""))
 
     def pipeline_bytes(self, block_m: int, itemsize: int) -> int:
-        """Shared memory of the loop's streamed tiles: dout rows [BM, BK] and down columns [BK, BN],
-        and recomputing, x rows and gate and up columns too; `stages` buffers of each."""
-        rows, cols = (2, 3) if self.recompute else (1, 1)
+        """Shared memory of the loop's streamed tiles: dout rows [BM, BK] and down columns [BK, BN]
+        (one tile a half), and recomputing, x rows and gate and up columns too; `stages` buffers
+        of each."""
+        rows, cols = (2, 3) if self.recompute else (1, self.halves)
         return self.stages * (rows * block_m * self.block_k + cols * self.block_k * self.block_n) * itemsize
 
     @classmethod
@@ -156,21 +166,24 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
     elif tiles.recompute is not recompute:
         raise ValueError(f"tiles: recompute={tiles.recompute} but pre is {'None' if recompute else 'given'}")
-    n_tiles = cdiv(inter, tiles.block_n)
+    n_tiles = cdiv(inter, tiles.block_n)                  # part's columns: one per block_n columns
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
     dummy = x   # a pointer for the outputs (and pre) not given; their loads and stores are compiled out
-    moe_swiglu_bwd_kernel[(align.max_blocks * n_tiles,)](
+    grid_tiles = cdiv(inter, tiles.block_n * tiles.halves)   # each program's columns
+    moe_swiglu_bwd_kernel[(align.max_blocks * grid_tiles,)](
         x, dout, gate_up_proj, down_proj, dummy if recompute else pre, topk_weights.reshape(-1),
         dpre if want_dpre else dummy, h if want_h else dummy, part if want_topk_weights else dummy,
-        align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, inter, hidden, n_tiles,
+        align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, inter, hidden, grid_tiles,
+        n_tiles,
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), *gate_up_proj.stride(), *down_proj.stride(),
         *((0, 0) if recompute else pre.stride()), *(dpre.stride() if want_dpre else (0, 0)),
         *(h.stride() if want_h else (0, 0)), part.stride(0) if want_topk_weights else 0,
         TOP_K=top_k, BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % tiles.block_k == 0, RECOMPUTE=recompute, STORE_DPRE=want_dpre, STORE_H=want_h,
         STORE_PART=want_topk_weights, DOT_PRECISION=_dot_precision(dtype), PRE_FIRST=tiles.pre_first,
+        HALVES=tiles.halves,
         num_warps=tiles.warps or cfg.warps1, num_stages=tiles.stages,
     )
     dw = None

@@ -40,21 +40,72 @@ from moekit.kernels.grouped_gemm import _tile_ids
 
 
 @triton.jit
+def _swiglu_bwd_epilogue(acc_g, a, b, wt, rows64, rn64, n_in, col, num_part_cols, N,
+                         dpre_ptr, h_ptr, part_ptr, stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
+                         STORE_DPRE: tl.constexpr, STORE_H: tl.constexpr, STORE_PART: tl.constexpr):
+    """One column tile's outputs from g (acc_g) and a, b (fp32 [BM, BN]): part column `col` (if
+    it exists: a second half past N has none), h_w and dpre_w; wt [BM, 1] the routing weights."""
+    sig = tl.sigmoid(a)                                                # [BM, BN] fp32
+    silu = a * sig
+    h = silu * b
+    if STORE_PART:   # d topk_weights: the unscaled <g, h>
+        if col < num_part_cols:
+            part = tl.sum(acc_g * h, axis=1)                           # [BM]; masked columns are 0
+            tl.store(part_ptr + rows64 * stride_qm + col, part)
+    if STORE_H:
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + rn64[None, :] * stride_hn
+        tl.store(h_ptrs, (wt * h).to(h_ptr.dtype.element_ty), mask=n_in[None, :])
+    if STORE_DPRE:
+        gw = wt * acc_g                                                # dh = w_p g
+        d_gate = gw * b * sig * (1.0 + a * (1.0 - sig))                # silu'(a) = s (1 + a (1 - s))
+        d_up = gw * silu
+        p_ptrs = dpre_ptr + rows64[:, None] * stride_pm + rn64[None, :] * stride_pn      # gate half
+        tl.store(p_ptrs, d_gate.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+        tl.store(p_ptrs + N * stride_pn, d_up.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+
+
+@triton.jit
+def _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an):
+    """(a, b) [BM, BN] in the saved dtype: the gate and up pre-activations of these rows and
+    columns; padding rows and columns past N read 0 (whatever the buffer holds there)."""
+    pre_mask = valid[:, None] & n_in[None, :]
+    a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an         # gate half
+    return (tl.load(a_ptrs, mask=pre_mask, other=0.0),
+            tl.load(a_ptrs + N * stride_an, mask=pre_mask, other=0.0))                # up half
+
+
+@triton.jit
+def _pre_f32(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an, a_early, b_early,
+             PRE_FIRST: tl.constexpr):
+    """(a, b) fp32 [BM, BN]: the tiles loaded before the loop (PRE_FIRST), else loaded now."""
+    if PRE_FIRST:
+        a, b = a_early, b_early
+    else:
+        a, b = _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an)
+    return a.to(tl.float32), b.to(tl.float32)
+
+
+@triton.jit
 def moe_swiglu_bwd_kernel(
     x_ptr, dout_ptr, w1_ptr, w2_ptr, pre_ptr, topk_weights_ptr, dpre_ptr, h_ptr, part_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    S, N, K, num_n_tiles,
+    S, N, K, num_n_tiles, num_part_cols,
     stride_xt, stride_xk, stride_dt, stride_dk,
     stride_w1e, stride_w1n, stride_w1k, stride_w2e, stride_w2k, stride_w2n,
     stride_am, stride_an, stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, RECOMPUTE: tl.constexpr, STORE_DPRE: tl.constexpr,
     STORE_H: tl.constexpr, STORE_PART: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PRE_FIRST: tl.constexpr = False,
+    PRE_FIRST: tl.constexpr = False, HALVES: tl.constexpr = 1,
 ):
     # N = I, K = H. w1 = gate_up (E, 2I, H), w2 = down (E, H, I). RECOMPUTE: a, b from x and w1 in
     # the loop over H (pre_ptr unused); else from pre (L, 2I) [gate | up] at the sorted rows (x_ptr,
     # w1_ptr unused). topk_weights (S,) contiguous: w_p scales the stored dpre and h.
+    # HALVES 2 (reading pre only): a program owns 2 * BLOCK_N columns as two halves with an
+    # accumulator each, sharing every dout tile the loop loads (half the row-tile reads of two
+    # programs), then runs the epilogue half by half. part has num_part_cols = cdiv(N, BLOCK_N)
+    # columns either way; num_n_tiles counts the programs' column tiles.
+    tl.static_assert(HALVES == 1 or (HALVES == 2 and not RECOMPUTE), "HALVES 2 reads the saved pre")
     pid_m, pid_n, live = _tile_ids(num_padded_ptr, num_n_tiles, BLOCK_M, GROUP_M)
     if live:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # sorted rows [BM]
@@ -62,21 +113,31 @@ def moe_swiglu_bwd_kernel(
         valid = pair < S
         tok = (pair // TOP_K).to(tl.int64)
         e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+        rn = pid_n * (HALVES * BLOCK_N) + tl.arange(0, BLOCK_N)        # [BN], the first half
         n_in = rn < N
         rn64 = rn.to(tl.int64)
         rows64 = rows.to(tl.int64)
         rk = tl.arange(0, BLOCK_K)                                     # [BK]
+        if HALVES == 2:
+            rn_hi = rn + BLOCK_N
+            n_in_hi = rn_hi < N
+            rn64_hi = rn_hi.to(tl.int64)
 
         d_ptrs = dout_ptr + tok[:, None] * stride_dt + rk[None, :] * stride_dk            # [BM, BK]
         v_ptrs = w2_ptr + e * stride_w2e + rk[:, None] * stride_w2k + rn64[None, :] * stride_w2n  # [BK, BN]
+        a_early = None          # the pre-activation tiles loaded before the loop (PRE_FIRST)
+        b_early = None
+        a_early_hi = None
+        b_early_hi = None
         if not RECOMPUTE:
             if PRE_FIRST:   # issued before the loop: the loads land while the GEMM runs
-                pre_mask = valid[:, None] & n_in[None, :]
-                a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an     # gate half
-                a_early = tl.load(a_ptrs, mask=pre_mask, other=0.0)
-                b_early = tl.load(a_ptrs + N * stride_an, mask=pre_mask, other=0.0)      # up half
+                a_early, b_early = _load_pre(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an)
+                if HALVES == 2:
+                    a_early_hi, b_early_hi = _load_pre(pre_ptr, rows64, rn64_hi, valid, n_in_hi, N,
+                                                       stride_am, stride_an)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HALVES == 2:
+            acc_hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if RECOMPUTE:
             x_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk           # [BM, BK]
             g_ptrs = w1_ptr + e * stride_w1e + rn64[None, :] * stride_w1n + rk[:, None] * stride_w1k
@@ -87,10 +148,14 @@ def moe_swiglu_bwd_kernel(
             if EVEN_K:
                 row_mask = valid[:, None]
                 col_mask = n_in[None, :]
+                if HALVES == 2:
+                    col_mask_hi = n_in_hi[None, :]
             else:
                 k_in = rk + k0 < K
                 row_mask = valid[:, None] & k_in[None, :]
                 col_mask = k_in[:, None] & n_in[None, :]
+                if HALVES == 2:
+                    col_mask_hi = k_in[:, None] & n_in_hi[None, :]
             da = tl.load(d_ptrs, mask=row_mask, other=0.0)
             v = tl.load(v_ptrs, mask=col_mask, other=0.0)
             if RECOMPUTE:
@@ -103,37 +168,28 @@ def moe_swiglu_bwd_kernel(
                 g_ptrs += BLOCK_K * stride_w1k
                 u_ptrs += BLOCK_K * stride_w1k
             acc_g = tl.dot(da.to(v.dtype), v, acc_g, input_precision=DOT_PRECISION)
+            if HALVES == 2:
+                v_hi = tl.load(v_ptrs + BLOCK_N * stride_w2n, mask=col_mask_hi, other=0.0)
+                acc_hi = tl.dot(da.to(v_hi.dtype), v_hi, acc_hi, input_precision=DOT_PRECISION)
             d_ptrs += BLOCK_K * stride_dk
             v_ptrs += BLOCK_K * stride_w2k
 
         if RECOMPUTE:
             a = acc_a
             b = acc_b
-        elif PRE_FIRST:
-            a = a_early.to(tl.float32)
-            b = b_early.to(tl.float32)
-        else:   # padding rows and columns past N read 0 (whatever the buffer holds there)
-            pre_mask = valid[:, None] & n_in[None, :]
-            a_ptrs = pre_ptr + rows64[:, None] * stride_am + rn64[None, :] * stride_an     # gate half
-            a = tl.load(a_ptrs, mask=pre_mask, other=0.0).to(tl.float32)
-            b = tl.load(a_ptrs + N * stride_an, mask=pre_mask, other=0.0).to(tl.float32)  # up half
-        sig = tl.sigmoid(a)                                            # [BM, BN] fp32
-        silu = a * sig
-        h = silu * b
-        if STORE_PART:   # d topk_weights: the unscaled <g, h>
-            part = tl.sum(acc_g * h, axis=1)                           # [BM]; masked columns are 0
-            tl.store(part_ptr + rows64 * stride_qm + pid_n, part)
+        else:
+            a, b = _pre_f32(pre_ptr, rows64, rn64, valid, n_in, N, stride_am, stride_an, a_early, b_early,
+                            PRE_FIRST)
         wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]  # [BM, 1]
-        if STORE_H:
-            h_ptrs = h_ptr + rows64[:, None] * stride_hm + rn64[None, :] * stride_hn
-            tl.store(h_ptrs, (wt * h).to(h_ptr.dtype.element_ty), mask=n_in[None, :])
-        if STORE_DPRE:
-            gw = wt * acc_g                                            # dh = w_p g
-            d_gate = gw * b * sig * (1.0 + a * (1.0 - sig))            # silu'(a) = s (1 + a (1 - s))
-            d_up = gw * silu
-            p_ptrs = dpre_ptr + rows64[:, None] * stride_pm + rn64[None, :] * stride_pn      # gate half
-            tl.store(p_ptrs, d_gate.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
-            tl.store(p_ptrs + N * stride_pn, d_up.to(dpre_ptr.dtype.element_ty), mask=n_in[None, :])
+        _swiglu_bwd_epilogue(acc_g, a, b, wt, rows64, rn64, n_in, HALVES * pid_n, num_part_cols, N,
+                             dpre_ptr, h_ptr, part_ptr, stride_pm, stride_pn, stride_hm, stride_hn, stride_qm,
+                             STORE_DPRE, STORE_H, STORE_PART)
+        if HALVES == 2:
+            a_hi, b_hi = _pre_f32(pre_ptr, rows64, rn64_hi, valid, n_in_hi, N, stride_am, stride_an,
+                                  a_early_hi, b_early_hi, PRE_FIRST)
+            _swiglu_bwd_epilogue(acc_hi, a_hi, b_hi, wt, rows64, rn64_hi, n_in_hi, 2 * pid_n + 1,
+                                 num_part_cols, N, dpre_ptr, h_ptr, part_ptr, stride_pm, stride_pn,
+                                 stride_hm, stride_hn, stride_qm, STORE_DPRE, STORE_H, STORE_PART)
 
 
 @triton.jit
