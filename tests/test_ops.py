@@ -24,7 +24,7 @@ from helpers import (
     topk_softmax_fp32,
 )
 from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, _workspace, ops
-from moekit.align import unpack_alignment
+from moekit.align import packed_bound, packed_size, pre_rows_bound, unpack_alignment
 from moekit.experts import CONFIG_FIELDS, _config_of, get_backend
 from moekit.reference import moe_experts_ref
 
@@ -162,7 +162,12 @@ def test_experts_train_opcheck(monkeypatch, config):
     align = unpack_alignment(packed, 12, 4, block_m)
     counts = torch.bincount(ids[(ids >= 0) & (ids < 4)], minlength=4)
     assert torch.equal(align.tokens_per_expert, counts.int())
-    assert pre.shape == (align.sorted_ids.numel(), 32)
+    # Given a config: L rows and the packed length of its block_m; without one, bounds over every
+    # block_m up to BLOCK_M_BOUND (sizes that follow T alone, under torch.compile too).
+    rows, length = ((pre_rows_bound(12, 4), packed_bound(12, 4)) if config is None else
+                    (align.sorted_ids.numel(), packed_size(12, 4, config.block_m)))
+    assert pre.shape == (rows, 32) and packed.shape == (length,)
+    assert rows >= align.sorted_ids.numel() and length >= packed_size(12, 4, block_m)
     dout = torch.randn(6, 32)
     for needs in ([True, True, True, True], [False, False, True, True]):
         args = (dout, *(t.detach() for t in leaves), ids, "triton", cfg, needs, pre, packed)

@@ -15,8 +15,9 @@ the same dispatch: one opaque node whose fake implementation derives the output 
 inputs alone, so one graph serves every token count. A call that needs gradients (known at trace
 time) on backend="triton" calls `moekit::experts_train` instead: the same forward, which also returns
 what the eager autograd saves (the (L, 2I) SwiGLU pre-activations GEMM1 stores beside h, and the
-alignment packed in one int32 buffer; L from (T, K, E, block_m), an unbacked size under dynamic
-shapes when no config is given); its autograd saves them with the inputs and calls
+alignment packed in one int32 buffer; sizes from (T, K, E, block_m) with a config, else bounds
+over every block_m up to `moekit.align.BLOCK_M_BOUND`, so they follow T alone, symbolic or not);
+its autograd saves them with the inputs and calls
 `moekit::experts_backward`, another opaque op, which runs the triton backward kernels on them (no
 align, the SwiGLU backward reads a and b: one GEMM, not three). Inference calls `moekit::experts`
 (no store, no extra memory). `moekit::experts` itself stays differentiable for direct callers (its
@@ -46,7 +47,7 @@ from moekit._validation import (
     needs_grad,
 )
 from moekit.activation import SWIGLU, GatedActivation, as_activation
-from moekit.align import pack_alignment, packed_size, padded_length
+from moekit.align import pack_alignment, packed_bound, packed_size, padded_length, pre_rows_bound
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
@@ -59,7 +60,7 @@ from moekit.experts.registry import (
     get_backend,
     register_backend,
 )
-from moekit.experts.triton import auto_config, experts_triton, experts_triton_grads, experts_triton_train
+from moekit.experts.triton import experts_triton, experts_triton_grads, experts_triton_train
 from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
@@ -340,11 +341,16 @@ def _experts_train_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, d
     _check_op_backward(backend, "moekit::experts_train")
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
+    num_pairs, num_experts = topk_ids.numel(), gate_up_proj.shape[0]
+    bounded = config is None     # sizes from bounds: the fake cannot know the tuned block_m
+    pre_rows = pre_rows_bound(num_pairs, num_experts) if bounded and store_pre else None
     out, pre, align = experts_triton_train(hidden_states.contiguous(), gate_up_proj, down_proj, topk_weights,
-                                           topk_ids, config=_config_of(config), store_pre=store_pre)
+                                           topk_ids, config=_config_of(config), store_pre=store_pre,
+                                           pre_rows=pre_rows)
     if pre is None:
         pre = hidden_states.new_empty(0, gate_up_proj.shape[1])
-    return out, pre, pack_alignment(align, gate_up_proj.shape[0])
+    capacity = packed_bound(num_pairs, num_experts) if bounded else None
+    return out, pre, pack_alignment(align, num_experts, capacity)
 
 
 @_experts_train_op.register_fake
@@ -360,19 +366,19 @@ def _experts_train_fake(hidden_states, gate_up_proj, down_proj, topk_weights, to
 
 
 def _saved_sizes(hidden_states, gate_up_proj, topk_ids, config, store_pre):
-    """(pre's rows: L, or 0 without store_pre; the packed alignment's length) as `moekit::experts_train`
-    allocates them, from (T, K, E, block_m) (`moekit.align`), no device data read. block_m is the
-    given config's, else the tuned config's for (T, K, E, H, I), which only concrete sizes tell: with
-    symbolic ones and no config (torch.compile with dynamic tokens) the sizes are unbacked symbols,
-    bound to the real sizes when the op runs."""
+    """(pre's rows, or 0 without store_pre; the packed alignment's length) as `moekit::experts_train`
+    allocates them, from (T, K, E) and the config, no device data read. Given a config: L and the
+    packed length of its block_m. Without one the tuned block_m is picked when the op runs (it
+    follows T, which torch.compile may keep symbolic), so both are bounds over every block_m up to
+    `moekit.align.BLOCK_M_BOUND` (`pre_rows_bound`, `packed_bound`): expressions of T, never unbacked
+    sizes (an op with unbacked output sizes broke CUDA-graph trees under mode="reduce-overhead")."""
     num_tokens, top_k = topk_ids.shape
+    num_pairs, num_experts = num_tokens * top_k, gate_up_proj.shape[0]
     cfg = _config_of(config)
-    if cfg is None and all(isinstance(n, int) for n in (num_tokens, top_k, *gate_up_proj.shape)):
-        cfg = auto_config(num_tokens, gate_up_proj, top_k, hidden_states.dtype, hidden_states.device)
     if cfg is None:
-        ctx = torch.library.get_ctx()
-        return ctx.new_dynamic_size() if store_pre else 0, ctx.new_dynamic_size()
-    sizes = (num_tokens * top_k, gate_up_proj.shape[0], cfg.block_m)
+        rows = pre_rows_bound(num_pairs, num_experts) if store_pre else 0
+        return rows, packed_bound(num_pairs, num_experts)
+    sizes = (num_pairs, num_experts, cfg.block_m)
     return padded_length(*sizes) if store_pre else 0, packed_size(*sizes)
 
 

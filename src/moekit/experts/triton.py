@@ -57,7 +57,7 @@ from torch.autograd.function import once_differentiable
 from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
-from moekit.align import Alignment, align_block_size, unpack_alignment
+from moekit.align import BLOCK_M_BOUND, Alignment, align_block_size, padded_length, unpack_alignment
 from moekit.decode import experts_decode, use_decode_direct
 from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
@@ -80,14 +80,14 @@ def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
              topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor, *,
              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
              activation: GatedActivation = SWIGLU, interleaved: bool = False,
-             store_pre: bool = False) -> tuple[Alignment, torch.Tensor | None]:
+             store_pre: bool = False, pre_rows: int | None = None) -> tuple[Alignment, torch.Tensor | None]:
     """(alignment, pre): pre the (L, 2I) pre-activations GEMM1 stored when store_pre (plain SwiGLU
     only), else None."""
     align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
     top_k = topk_ids.shape[1]
     pre = None
     if store_pre:
-        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config)
+        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config, pre_rows=pre_rows)
     else:
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config, bias=gate_up_bias, activation=activation,
                          interleaved=interleaved)
@@ -233,17 +233,23 @@ def experts_triton(
 def experts_triton_train(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                          config: ExpertsConfig | None = None, store_pre: bool = True,
+                         pre_rows: int | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor | None, Alignment]:
     """The forward of `_TritonExperts` below autograd, for the `moekit::experts_train` custom op:
-    (out, pre or None, alignment), pre the (L, 2I) pre-activations GEMM1 stored when store_pre.
-    Plain SwiGLU; no decode-direct path (a call that needs gradients never takes it)."""
+    (out, pre or None, alignment), pre the (L, 2I) pre-activations GEMM1 stored when store_pre,
+    with pre_rows rows when given (>= L: a size fixed before the config was known). Plain SwiGLU;
+    no decode-direct path (a call that needs gradients never takes it)."""
     config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
     out = _workspace.empty_like(hidden_states)
+    if pre_rows is not None and padded_length(ids.numel(), gate_up_proj.shape[0], config.block_m) > pre_rows:
+        raise RuntimeError(f"moekit::experts_train: the config's block_m {config.block_m} pads to more rows "
+                           f"than the {pre_rows} its sizes allow (block_m up to {BLOCK_M_BOUND} without a "
+                           "config); pass config=")
     if hidden_states.shape[0] == 0:
-        pre = hidden_states.new_empty(0, gate_up_proj.shape[1]) if store_pre else None
+        pre = hidden_states.new_empty(pre_rows or 0, gate_up_proj.shape[1]) if store_pre else None
         return out, pre, align_pairs(ids, gate_up_proj.shape[0], config)
     align, pre = _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out,
-                          store_pre=store_pre)
+                          store_pre=store_pre, pre_rows=pre_rows)
     return out, pre, align
 
 
