@@ -132,6 +132,38 @@ def same_dtype_bound(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     return 2 * base_err
 
 
+def experts_plain(x, gate_up, down, w, ids):
+    """Plain PyTorch in x's dtype, differentiated by autograd: the baseline of the 2x rule."""
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a = x[tok] @ gate_up[e].T
+        y = (F.silu(a[:, :inter]) * a[:, inter:]) @ down[e].T
+        out = out.index_add(0, tok, (y.float() * w[tok, slot, None]).to(x.dtype))
+    return out
+
+
+def check_exact_zeros(grads, ids, num_experts):
+    """Experts without pairs: exactly 0 weight grads; slots outside [0, E): exactly 0 weight grad;
+    tokens with no valid slot: exactly 0 dx."""
+    valid = (ids >= 0) & (ids < num_experts)
+    used = torch.zeros(num_experts, dtype=torch.bool)
+    used[ids[valid]] = True
+    dx, d_gu, d_down, d_w = grads
+    assert not used.all(), "every case must leave an expert without pairs"
+    for g in (d_gu, d_down):
+        if g is not None:
+            assert torch.equal(g[~used], torch.zeros_like(g[~used]))
+    if d_w is not None:
+        assert torch.equal(d_w[~valid], torch.zeros_like(d_w[~valid]))
+    if dx is not None:
+        dead = ~valid.any(1)
+        assert torch.equal(dx[dead], torch.zeros_like(dx[dead]))
+
+
 def topk_softmax_fp32(logits: torch.Tensor, top_k: int,
                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent fp32 router reference: (weights float32 (T, K), ids int32 (T, K)).

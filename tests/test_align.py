@@ -89,3 +89,18 @@ def test_experts_above_the_triton_limit():
         align_block_size(ids, num_experts, 16, backend="triton")
     a = align_block_size(ids, num_experts, 16)            # auto takes the torch path: still right
     assert_alignment_equals(a, align_ref(ids, num_experts, 16))
+
+
+def test_size_bounds_hold_for_every_block_m():
+    """pre_rows_bound and packed_bound: at least L and packed_size for every power-of-two block_m up
+    to BLOCK_M_BOUND (the sizes moekit::experts_train gives when no config fixes block_m)."""
+    from moekit.align import BLOCK_M_BOUND, packed_bound, packed_size, padded_length, pre_rows_bound
+
+    for num_pairs in (0, 1, 2, 7, 16, 100, 1023, 131072):
+        for num_experts in (1, 3, 8, 128, 256):
+            for block_m in (2**i for i in range(BLOCK_M_BOUND.bit_length())):
+                sizes = (num_pairs, num_experts, block_m)
+                assert pre_rows_bound(num_pairs, num_experts) >= padded_length(*sizes)
+                assert packed_bound(num_pairs, num_experts) >= packed_size(*sizes)
+            top = padded_length(num_pairs, num_experts, BLOCK_M_BOUND)
+            assert pre_rows_bound(num_pairs, num_experts) == top

@@ -19,10 +19,9 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moekit.experts.triton as triton_experts
-from helpers import aot_compile_check, distinct_topk_ids, rel_err
+from helpers import aot_compile_check, check_exact_zeros, distinct_topk_ids, experts_plain, rel_err
 from moekit import PRESETS, ExpertsConfig, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.align import Alignment
@@ -116,24 +115,6 @@ def ref_grads(x, gate_up, down, w, ids, dout):
     leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
     moe_experts_ref(*leaves, ids).backward(dout.float())
     return [t.grad for t in leaves]
-
-
-def check_exact_zeros(grads, ids, num_experts):
-    """Experts without pairs: exactly 0 weight grads; slots outside [0, E): exactly 0 weight grad;
-    tokens with no valid slot: exactly 0 dx."""
-    valid = (ids >= 0) & (ids < num_experts)
-    used = torch.zeros(num_experts, dtype=torch.bool)
-    used[ids[valid]] = True
-    dx, d_gu, d_down, d_w = grads
-    assert not used.all(), "every case must leave an expert without pairs"
-    for g in (d_gu, d_down):
-        if g is not None:
-            assert torch.equal(g[~used], torch.zeros_like(g[~used]))
-    if d_w is not None:
-        assert torch.equal(d_w[~valid], torch.zeros_like(d_w[~valid]))
-    if dx is not None:
-        dead = ~valid.any(1)
-        assert torch.equal(dx[dead], torch.zeros_like(dx[dead]))
 
 
 def padding_rows(align):
@@ -524,20 +505,6 @@ def test_float16_gradients_within_twice_plain_pytorch(num_tokens):
 
 
 # GPU: bf16 at the Qwen3-30B-A3B shape (run on the H200: pytest -m gpu tests/test_grouped_gemm_backward.py).
-
-def experts_plain(x, gate_up, down, w, ids):
-    """Plain PyTorch in x's dtype, differentiated by autograd: the baseline of the 2x rule."""
-    inter = gate_up.shape[1] // 2
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        a = x[tok] @ gate_up[e].T
-        y = (F.silu(a[:, :inter]) * a[:, inter:]) @ down[e].T
-        out = out.index_add(0, tok, (y.float() * w[tok, slot, None]).to(x.dtype))
-    return out
-
 
 def qwen_case(num_tokens, dtype=torch.bfloat16, seed=0):
     shape = PRESETS["qwen3-30b-a3b"]

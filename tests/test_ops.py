@@ -13,8 +13,18 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from helpers import distinct_topk_ids, layer_ref, rel_err, same_dtype_bound, topk_softmax_fp32
-from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, ops
+import moekit.experts.triton as triton_experts
+from helpers import (
+    check_exact_zeros,
+    distinct_topk_ids,
+    experts_plain,
+    layer_ref,
+    rel_err,
+    same_dtype_bound,
+    topk_softmax_fp32,
+)
+from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, _workspace, ops
+from moekit.align import packed_bound, packed_size, pre_rows_bound, unpack_alignment
 from moekit.experts import CONFIG_FIELDS, _config_of, get_backend
 from moekit.reference import moe_experts_ref
 
@@ -126,6 +136,134 @@ def test_experts_op_autograd_other_backends_raise_before_running():
     x, gate_up, down, w, ids = make_case(5, 4, 32, 16, 2)
     with pytest.raises(RuntimeError, match="differentiates backend \\['triton'\\] only"):
         torch.ops.moekit.experts(x, gate_up.requires_grad_(True), down, w, ids, "loop", None)
+    with pytest.raises(RuntimeError, match="experts_train differentiates backend \\['triton'\\] only"):
+        torch.ops.moekit.experts_train(x, gate_up, down, w, ids, "grouped_mm", None, True)
+
+
+@pytest.mark.parametrize("config", [SMALL, None], ids=["config", "tuned"])
+def test_experts_train_opcheck(monkeypatch, config):
+    """moekit::experts_train (the compiled training forward) and the backward op fed what it saved:
+    schema, fake sizes equal to the real ones (L and the packed alignment from (T, K, E, block_m),
+    the tuned block_m when no config is given), AOT dispatch with dynamic shapes, autograd."""
+    # Rows of pre past num_padded and the gaps between the packed alignment's parts are never written
+    # (unspecified, as torch.empty's): zero-filled workspaces make the runs opcheck compares agree.
+    monkeypatch.setattr(_workspace, "empty", lambda *shape, dtype, device: torch.zeros(shape, dtype=dtype,
+                                                                                       device=device))
+    x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2, id_dtype=torch.int64)
+    ids = with_sentinels(ids, 4)
+    cfg = None if config is None else [getattr(config, f) for f in CONFIG_FIELDS]
+    leaves = [t.requires_grad_(True) for t in (x, gate_up, down, w)]
+    for store_pre in (True, False):
+        args = (*leaves, ids, "triton", cfg, store_pre)
+        torch.library.opcheck(torch.ops.moekit.experts_train.default, args)
+    out, pre, packed = torch.ops.moekit.experts_train(*(t.detach() for t in leaves), ids, "triton", cfg, True)
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, torch.where(ids < 4, ids, -1))) <= 1e-5
+    block_m = (config or triton_experts.auto_config(6, gate_up, 2, x.dtype, x.device)).block_m
+    align = unpack_alignment(packed, 12, 4, block_m)
+    counts = torch.bincount(ids[(ids >= 0) & (ids < 4)], minlength=4)
+    assert torch.equal(align.tokens_per_expert, counts.int())
+    # Given a config: L rows and the packed length of its block_m; without one, bounds over every
+    # block_m up to BLOCK_M_BOUND (sizes that follow T alone, under torch.compile too).
+    rows, length = ((pre_rows_bound(12, 4), packed_bound(12, 4)) if config is None else
+                    (align.sorted_ids.numel(), packed_size(12, 4, config.block_m)))
+    assert pre.shape == (rows, 32) and packed.shape == (length,)
+    assert rows >= align.sorted_ids.numel() and length >= packed_size(12, 4, block_m)
+    dout = torch.randn(6, 32)
+    for needs in ([True, True, True, True], [False, False, True, True]):
+        args = (dout, *(t.detach() for t in leaves), ids, "triton", cfg, needs, pre, packed)
+        torch.library.opcheck(torch.ops.moekit.experts_backward.default, args)
+    grads = torch.ops.moekit.experts_backward(dout, *(t.detach() for t in leaves), ids, "triton", cfg,
+                                              [True] * 4, pre, packed)
+    want = _ref_grads(x, gate_up, down, w, torch.where(ids < 4, ids, -1), dout)
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, want))
+    # No tokens: the sizes still follow from (T, K, E, block_m), L = 0.
+    empty = torch.ops.moekit.experts_train(x[:0], gate_up, down, w[:0], ids[:0], "triton", cfg, True)
+    assert empty[0].shape == (0, 32) and empty[1].shape == (0, 32)
+    args = (x[:0], gate_up, down, w[:0], ids[:0], "triton", cfg, True)
+    torch.library.opcheck(torch.ops.moekit.experts_train.default, args)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """{launcher: calls} of the triton backend's forward GEMM1 (with and without the store), its
+    align, and {"pre": [...]}: what the SwiGLU backward was given as pre-activations."""
+    calls = {"gemm1_swiglu_with_pre": 0, "gemm1_swiglu": 0, "align_pairs": 0, "pre": []}
+    for name in ("gemm1_swiglu_with_pre", "gemm1_swiglu", "align_pairs"):
+        real = getattr(triton_experts, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(triton_experts, name, spy)
+    swiglu_backward = triton_experts.swiglu_backward
+    monkeypatch.setattr(triton_experts, "swiglu_backward",
+                        lambda *a, **k: calls["pre"].append(k["pre"]) or swiglu_backward(*a, **k))
+    return calls
+
+
+TRAIN_CASES = [  # (E, H, I, K): expert E-1 gets no pair, sentinels (E and -1) in several slots
+    pytest.param((5, 36, 20, 2), id="K2"),
+    pytest.param((4, 32, 16, 1), id="K1"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_compiled_training_reuses_the_saved_pre_activations(launches, dtype, case):
+    """torch.compile(aot_eager, fullgraph, dynamic, the tuned config: its block_m changes with T) of a
+    training call: the forward runs GEMM1 with the store once (moekit::experts_train), the backward
+    reads those pre-activations and that alignment (no GEMM1, no align, RECOMPUTE off). Gradients of
+    x, gate_up_proj, down_proj and topk_weights match fp32 autograd of the reference (fp32: 1e-5;
+    fp16: <= 2x plain PyTorch's); the idle expert and the sentinel slots get exactly 0."""
+    num_experts, hidden, inter, top_k = case
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda *t: ops.experts(*t, backend="triton"), fullgraph=True, dynamic=True,
+                             backend=counter)
+    for num_tokens in (9, 50):      # 16 and 32 rows a block (default_config), one graph
+        x, gate_up, down, w, ids = (t.to(dtype) if t.is_floating_point() else t for t in
+                                    make_case(num_tokens, num_experts, hidden, inter, top_k, seed=num_tokens))
+        ids = with_sentinels(ids, num_experts)
+        dout = torch.randn(num_tokens, hidden, dtype=dtype)
+        leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+        out = compiled(*leaves, ids)
+        counts = ("gemm1_swiglu_with_pre", "gemm1_swiglu", "align_pairs")
+        assert [launches[n] for n in counts] == [1, 0, 1]        # the forward: GEMM1 with the store
+        out.backward(dout)
+        assert [launches[n] for n in counts] == [1, 0, 1]        # the backward: neither again
+        assert len(launches["pre"]) == 1 and launches["pre"][0] is not None
+        launches.update(gemm1_swiglu_with_pre=0, align_pairs=0, pre=[])
+        masked = torch.where((ids >= 0) & (ids < num_experts), ids, -1)
+        want = _ref_grads(x, gate_up, down, w, masked, dout)
+        base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+        experts_plain(*base, masked).backward(dout)
+        for name, t, b, ref in zip(("x", "gate_up", "down", "w"), leaves, base, want):
+            assert t.grad.dtype == t.dtype, name
+            bound = 1e-5 if dtype == torch.float32 else 2 * rel_err(b.grad, ref)
+            assert rel_err(t.grad, ref) <= bound, (num_tokens, name)
+        check_exact_zeros([t.grad for t in leaves], ids.long(), num_experts)
+    assert counter.frame_count == 1
+    assert "moekit.experts_train" in counter.graphs[0].code
+
+
+def test_compiled_frozen_experts_and_inference_store_nothing(launches):
+    """Compiled, only down_proj trains: nothing stored, the backward recomputes h by GEMM1 (as the
+    eager autograd). Under torch.no_grad: moekit::experts, no store."""
+    x, gate_up, down, w, ids = make_case(9, 5, 36, 20, 2)
+    ids = with_sentinels(ids, 5)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda *t: ops.experts(*t, backend="triton", config=SMALL), fullgraph=True,
+                             backend=counter)
+    trained = down.clone().requires_grad_(True)
+    compiled(x, gate_up, trained, w, ids).backward(torch.ones(9, 36))
+    assert (launches["gemm1_swiglu_with_pre"], launches["gemm1_swiglu"], launches["pre"]) == (0, 2, [])
+    want = _ref_grads(x, gate_up, down, w, torch.where((ids >= 0) & (ids < 5), ids, -1), torch.ones(9, 36))
+    assert rel_err(trained.grad, want[2]) <= 1e-5
+    with torch.no_grad():
+        out = compiled(x, gate_up, down, w, ids)
+    masked = torch.where((ids >= 0) & (ids < 5), ids, -1)
+    assert rel_err(out, moe_experts_ref(x, gate_up, down, w, masked)) <= 1e-5
+    assert launches["gemm1_swiglu_with_pre"] == 0
+    assert "experts_train" in counter.graphs[0].code and "experts_train" not in counter.graphs[-1].code
 
 
 def test_compiled_triton_backward_with_dynamic_tokens():
@@ -259,3 +397,37 @@ def test_ops_on_cuda_opcheck_and_compile_gpu():
         assert rel_err(compiled(xs), ref) <= bound
         frames.append(counter.frame_count)
     assert frames[-1] == frames[0]
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_training_gpu_matches_eager_autograd(mode):
+    """Qwen3-30B-A3B's shape in bf16: forward + backward under torch.compile (inductor, dynamic T;
+    the pre-activations saved by `moekit::experts_train`) gives the eager autograd path's gradients
+    bit for bit (the same kernels and tiles), within twice plain bf16 PyTorch's error against fp32."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    e, h, i, k = 128, 2048, 768, 8
+    gate_up = (torch.randn(e, 2 * i, h, device=dev, generator=gen) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, i, device=dev, generator=gen) / i**0.5).bfloat16()
+
+    def step(x, gate_up, down, w, ids):
+        return ops.experts(x, gate_up, down, w, ids)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, mode=mode)
+    for num_tokens in (300, 1024):
+        x = torch.randn(num_tokens, h, device=dev, generator=gen).bfloat16()
+        w, ids = torch.randn(num_tokens, e, device=dev, generator=gen).softmax(-1).topk(k, -1)
+        w, ids = w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+        dout = torch.randn(num_tokens, h, device=dev, generator=gen).bfloat16()
+        grads = []
+        for fn in (step, compiled, experts_plain):
+            leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+            fn(*leaves, ids).backward(dout)
+            grads.append([t.grad for t in leaves])
+        eager, mine, plain = grads
+        ref = _ref_grads(x, gate_up, down, w, ids, dout)
+        for a, b, base, want in zip(eager, mine, plain, ref):
+            assert torch.equal(a, b)
+            assert rel_err(b, want) <= 2 * rel_err(base, want), (num_tokens, rel_err(b, want))

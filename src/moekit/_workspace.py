@@ -37,11 +37,27 @@ def empty_parts(sizes: tuple[int, ...], *, dtype: torch.dtype,
     """1-D buffers of these lengths carved out of one allocation (one torch.empty and one split in
     place of an allocation each: on a GPU each is host work). They never overlap, and each starts on
     an ALIGN_BYTES boundary, as a buffer of its own does (so the kernels specialise alike)."""
+    return split_parts(empty(parts_size(sizes, dtype), dtype=dtype, device=device), sizes)
+
+
+def _pieces(sizes: tuple, dtype: torch.dtype) -> list:
+    """Each part's length, then the padding that takes the next one to an ALIGN_BYTES boundary.
+    Plain arithmetic: the sizes may be symbolic (torch.compile's fake tensors)."""
     unit = max(1, ALIGN_BYTES // dtype.itemsize)
     pieces = []
     for n in sizes:
         pieces += (n, -n % unit)
-    return list(empty(sum(pieces), dtype=dtype, device=device).split(pieces)[::2])
+    return pieces
+
+
+def parts_size(sizes: tuple, dtype: torch.dtype) -> int:
+    """Elements of the one allocation `empty_parts` carves these parts from."""
+    return sum(_pieces(sizes, dtype))
+
+
+def split_parts(buffer: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """The parts of an `empty_parts` allocation (1-D, `parts_size` long), as views of it."""
+    return list(buffer.split(_pieces(sizes, buffer.dtype))[::2])
 
 
 @contextlib.contextmanager

@@ -67,7 +67,78 @@ class Alignment:
 
 
 def padded_length(num_pairs: int, num_experts: int, block_m: int) -> int:
-    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    """L; symbolic sizes stay symbolic (torch.sym_min: no guard under torch.compile)."""
+    return num_pairs + torch.sym_min(num_experts, num_pairs) * (block_m - 1)
+
+
+def part_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple:
+    """The lengths of sorted_ids, expert_ids, block_codes, tokens_per_expert and num_padded, in the
+    order the triton aligner carves them from one allocation (`moekit._workspace.empty_parts`)."""
+    length = padded_length(num_pairs, num_experts, block_m)
+    max_blocks = cdiv(length, block_m)
+    return length, max_blocks, max_blocks, num_experts, 1
+
+
+def packed_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Elements of `pack_alignment`'s buffer; from the sizes alone (symbolic ones too)."""
+    return _workspace.parts_size(part_sizes(num_pairs, num_experts, block_m), torch.int32)
+
+
+BLOCK_M_BOUND = 128   # the largest block_m `packed_bound` and `pre_rows_bound` allow (the tuner's largest)
+
+
+def pre_rows_bound(num_pairs: int, num_experts: int) -> int:
+    """L at block_m = BLOCK_M_BOUND: no block_m up to it pads to more rows (symbolic sizes too)."""
+    return padded_length(num_pairs, num_experts, BLOCK_M_BOUND)
+
+
+def packed_bound(num_pairs: int, num_experts: int) -> int:
+    """At least `packed_size` for every block_m in [1, BLOCK_M_BOUND], from the sizes alone
+    (symbolic ones too): the longest sorted_ids (`pre_rows_bound`) and the most blocks, S + min(E, S)
+    (cdiv(S + m (b - 1), b) <= S + m for every b >= 1), each part rounded up as `packed_size` does."""
+    blocks = num_pairs + torch.sym_min(num_experts, num_pairs)
+    sizes = (pre_rows_bound(num_pairs, num_experts), blocks, blocks, num_experts, 1)
+    return _workspace.parts_size(sizes, torch.int32)
+
+
+def _parts(align: Alignment) -> tuple[torch.Tensor, ...]:
+    return (align.sorted_ids, align.expert_ids, align.block_codes, align.tokens_per_expert,
+            align.num_padded.view(1))
+
+
+def pack_alignment(align: Alignment, num_experts: int, capacity: int | None = None) -> torch.Tensor:
+    """The alignment's int32 tensors as one flat buffer (`unpack_alignment` inverts it), `packed_size`
+    long, or `capacity` long (>= it; the parts at its start, the rest unwritten): the triton
+    aligner's own allocation when it has that length and the parts are its views (no copy), else a
+    copy of them. For the `moekit::experts_train` op, which must return tensors that alias nothing
+    else it returns, of sizes its fake function knows (`packed_bound` when no config is given)."""
+    sizes = part_sizes(align.num_pairs, num_experts, align.block_m)
+    total = _workspace.parts_size(sizes, torch.int32)
+    capacity = total if capacity is None else capacity
+    if capacity < total:
+        raise ValueError(f"capacity {capacity} < the {total} elements of the alignment's parts")
+    base = align.sorted_ids._base
+    if (base is not None and base.dim() == 1 and base.numel() == total == capacity
+            and [p.data_ptr() for p in _parts(align)]
+            == [v.data_ptr() for v in _workspace.split_parts(base, sizes)]):
+        return base
+    buffer = _workspace.empty(capacity, dtype=torch.int32, device=align.sorted_ids.device)
+    for view, part in zip(_workspace.split_parts(buffer[:total], sizes), _parts(align)):
+        view.copy_(part)
+    return buffer
+
+
+def unpack_alignment(buffer: torch.Tensor, num_pairs: int, num_experts: int, block_m: int) -> Alignment:
+    """The `Alignment` that `pack_alignment` packed into buffer (views of its start, no copy)."""
+    sizes = part_sizes(num_pairs, num_experts, block_m)
+    total = _workspace.parts_size(sizes, torch.int32)
+    if buffer.numel() < total:
+        raise ValueError(f"alignment buffer of {buffer.numel()} elements, expected at least {total} for "
+                         f"{num_pairs} pairs, {num_experts} experts and block_m {block_m}")
+    sorted_ids, expert_ids, block_codes, tokens_per_expert, num_padded = _workspace.split_parts(
+        buffer[:total], sizes)
+    return Alignment(sorted_ids, expert_ids, num_padded.view(()), tokens_per_expert, block_m, num_pairs,
+                     block_codes)
 
 
 def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
@@ -159,10 +230,10 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.reshape(-1).contiguous()
     num_pairs = ids.numel()
     dev = ids.device
-    length = padded_length(num_pairs, num_experts, block_m)
-    max_blocks = cdiv(length, block_m)
+    sizes = part_sizes(num_pairs, num_experts, block_m)
+    length, max_blocks = sizes[:2]
     sorted_ids, expert_ids, block_codes, tokens_per_expert, num_padded = _workspace.empty_parts(
-        (length, max_blocks, max_blocks, num_experts, 1), device=dev, dtype=torch.int32)
+        sizes, device=dev, dtype=torch.int32)
     num_padded = num_padded.view(())
     out = Alignment(sorted_ids, expert_ids, num_padded, tokens_per_expert, block_m, num_pairs, block_codes)
     if num_pairs == 0:

@@ -211,20 +211,24 @@ def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, 
 
 
 def gemm1_swiglu_with_pre(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
-                          cfg: ExpertsConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                          cfg: ExpertsConfig, pre_rows: int | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 of a forward that a backward follows (plain SwiGLU): (h (L, I), pre (L, 2I)), pre the
     [gate | up] pre-activations x_tok @ gate_up_e^T rounded from fp32 to x's dtype at each sorted
     row (the layout swiglu=False gives h; padding rows 0), stored by the same launch (STORE_PRE).
-    Both are fresh allocations (`moekit._workspace.empty`), so pre can be saved for the backward."""
+    Both are fresh allocations (`moekit._workspace.empty`), so pre can be saved for the backward.
+    pre_rows (>= L): pre gets that many rows, those past L never written (a size fixed before the
+    config is known: `moekit.align.pre_rows_bound`)."""
     h, pre = _gemm1(x, gate_up_proj, align, top_k, cfg, swiglu=True, bias=None, activation=SWIGLU,
-                    interleaved=False, store_pre=True)
+                    interleaved=False, store_pre=True, pre_rows=pre_rows)
     return h, pre
 
 
 def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
            swiglu: bool, bias: torch.Tensor | None, activation: GatedActivation, interleaved: bool,
-           store_pre: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(h, pre or None): `moe_gemm1_swiglu_kernel`, with STORE_PRE when store_pre (plain SwiGLU)."""
+           store_pre: bool, pre_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h, pre or None): `moe_gemm1_swiglu_kernel`, with STORE_PRE when store_pre (plain SwiGLU);
+    pre has max(L, pre_rows) rows."""
     if store_pre and (not swiglu or bias is not None or not activation.is_swiglu or interleaved):
         raise ValueError("GEMM1 stores the pre-activations for plain SwiGLU only (the fused SiLU epilogue, "
                          "no bias, not interleaved)")
@@ -232,7 +236,10 @@ def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k:
     inter = two_i // 2
     rows = align.sorted_ids.numel()
     h = _workspace.empty(rows, inter * (1 if swiglu else 2), dtype=x.dtype, device=x.device)
-    pre = _workspace.empty(rows, two_i, dtype=x.dtype, device=x.device) if store_pre else None
+    if store_pre and pre_rows is not None and pre_rows < rows:
+        raise ValueError(f"pre_rows {pre_rows} < the alignment's {rows} rows")
+    pre_len = rows if pre_rows is None else pre_rows
+    pre = _workspace.empty(pre_len, two_i, dtype=x.dtype, device=x.device) if store_pre else None
     n_tiles = cdiv(inter, cfg.block_n1)
     w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
     args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,

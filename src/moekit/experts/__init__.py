@@ -12,10 +12,17 @@
 capabilities, `out=`, and the ids where that costs no host sync), then runs the backend's entry in
 `registry`. Inside torch.compile it calls the `moekit::experts` custom op instead, whose body is
 the same dispatch: one opaque node whose fake implementation derives the output size from the
-inputs alone, so one graph serves every token count. For backend="triton" the op is differentiable:
-its autograd saves the inputs and calls `moekit::experts_backward`, another opaque op, which runs the
-triton backward kernels (recomputing the alignment); a call that needs gradients on another backend
-is traced by torch.compile as in eager mode.
+inputs alone, so one graph serves every token count. A call that needs gradients (known at trace
+time) on backend="triton" calls `moekit::experts_train` instead: the same forward, which also returns
+what the eager autograd saves (the (L, 2I) SwiGLU pre-activations GEMM1 stores beside h, and the
+alignment packed in one int32 buffer; sizes from (T, K, E, block_m) with a config, else bounds
+over every block_m up to `moekit.align.BLOCK_M_BOUND`, so they follow T alone, symbolic or not);
+its autograd saves them with the inputs and calls
+`moekit::experts_backward`, another opaque op, which runs the triton backward kernels on them (no
+align, the SwiGLU backward reads a and b: one GEMM, not three). Inference calls `moekit::experts`
+(no store, no extra memory). `moekit::experts` itself stays differentiable for direct callers (its
+backward recomputes the alignment and the pre-activations). A call that needs gradients on another
+backend is traced by torch.compile as in eager mode.
 
 Expert math beyond SwiGLU (`moekit.activation`): per-expert biases on both projections, the gpt_oss
 activation and interleaved gate/up rows, on every backend but masked (fused in the triton kernels'
@@ -40,6 +47,7 @@ from moekit._validation import (
     needs_grad,
 )
 from moekit.activation import SWIGLU, GatedActivation, as_activation
+from moekit.align import pack_alignment, packed_bound, packed_size, padded_length, pre_rows_bound
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
@@ -52,7 +60,7 @@ from moekit.experts.registry import (
     get_backend,
     register_backend,
 )
-from moekit.experts.triton import experts_triton, experts_triton_grads
+from moekit.experts.triton import experts_triton, experts_triton_grads, experts_triton_train
 from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
@@ -237,6 +245,10 @@ def moe_experts(
         # The math only when given: Python floats make Dynamo restart its analysis once.
         math_args = () if not (biases or options.activation or interleaved) else (
             gate_up_bias, down_bias, act.name, act.alpha, act.limit, interleaved)
+        if grad:    # known at trace time: the op that also returns what its backward reads
+            store_pre = any(t.requires_grad for t in (hidden_states, gate_up_proj, topk_weights))
+            return torch.ops.moekit.experts_train(hidden_states, gate_up_proj, down_proj, topk_weights,
+                                                  topk_ids, name, cfg, store_pre)[0]
         result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                           name, cfg, *math_args)
         return _into(out, result)
@@ -314,28 +326,98 @@ def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids
 
 
 @torch.library.custom_op(
+    "moekit::experts_train", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, Tensor topk_weights, "
+           "Tensor topk_ids, str backend, int[]? config, bool store_pre) -> (Tensor, Tensor, Tensor)",
+)
+def _experts_train_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str,
+                      config: list[int] | None, store_pre: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moekit::experts` (plain SwiGLU) for a call that needs gradients: (out, pre, alignment), what
+    the eager autograd saves. pre: the (L, 2I) SwiGLU pre-activations GEMM1 stored beside h when
+    store_pre (else (0, 2I)); alignment: the forward's `Alignment`, packed into one int32 buffer
+    (`moekit.align.pack_alignment`). Both are non-differentiable; the backward reads them."""
+    _check_op_backward(backend, "moekit::experts_train")
+    check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                       top_k_at_most_experts=False)
+    num_pairs, num_experts = topk_ids.numel(), gate_up_proj.shape[0]
+    bounded = config is None     # sizes from bounds: the fake cannot know the tuned block_m
+    pre_rows = pre_rows_bound(num_pairs, num_experts) if bounded and store_pre else None
+    out, pre, align = experts_triton_train(hidden_states.contiguous(), gate_up_proj, down_proj, topk_weights,
+                                           topk_ids, config=_config_of(config), store_pre=store_pre,
+                                           pre_rows=pre_rows)
+    if pre is None:
+        pre = hidden_states.new_empty(0, gate_up_proj.shape[1])
+    capacity = packed_bound(num_pairs, num_experts) if bounded else None
+    return out, pre, pack_alignment(align, num_experts, capacity)
+
+
+@_experts_train_op.register_fake
+def _experts_train_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config,
+                        store_pre):
+    _check_op_backward(backend, "moekit::experts_train")
+    check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                       top_k_at_most_experts=False)
+    rows, packed = _saved_sizes(hidden_states, gate_up_proj, topk_ids, config, store_pre)
+    pre = hidden_states.new_empty(rows, gate_up_proj.shape[1])
+    return (hidden_states.new_empty(hidden_states.shape), pre,
+            hidden_states.new_empty(packed, dtype=torch.int32))
+
+
+def _saved_sizes(hidden_states, gate_up_proj, topk_ids, config, store_pre):
+    """(pre's rows, or 0 without store_pre; the packed alignment's length) as `moekit::experts_train`
+    allocates them, from (T, K, E) and the config, no device data read. Given a config: L and the
+    packed length of its block_m. Without one the tuned block_m is picked when the op runs (it
+    follows T, which torch.compile may keep symbolic), so both are bounds over every block_m up to
+    `moekit.align.BLOCK_M_BOUND` (`pre_rows_bound`, `packed_bound`): expressions of T, never unbacked
+    sizes (an op with unbacked output sizes broke CUDA-graph trees under mode="reduce-overhead")."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs, num_experts = num_tokens * top_k, gate_up_proj.shape[0]
+    cfg = _config_of(config)
+    if cfg is None:
+        rows = pre_rows_bound(num_pairs, num_experts) if store_pre else 0
+        return rows, packed_bound(num_pairs, num_experts)
+    sizes = (num_pairs, num_experts, cfg.block_m)
+    return padded_length(*sizes) if store_pre else 0, packed_size(*sizes)
+
+
+def _check_op_backward(backend: str, op: str) -> None:
+    if backend not in OP_BACKWARD_BACKENDS:      # the forward would otherwise return a dead end
+        raise RuntimeError(f"{op} differentiates backend {sorted(OP_BACKWARD_BACKENDS)} only, "
+                           f"got backend={backend!r} with inputs that need gradients; call "
+                           "moekit.moe_experts, which picks a differentiable path")
+
+
+@torch.library.custom_op(
     "moekit::experts_backward", mutates_args=(),
     schema="(Tensor grad_out, Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, "
-           "Tensor topk_weights, Tensor topk_ids, str backend, int[]? config, bool[] needs) -> Tensor[]",
+           "Tensor topk_weights, Tensor topk_ids, str backend, int[]? config, bool[] needs, "
+           "Tensor? pre=None, Tensor? alignment=None) -> Tensor[]",
 )
 def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, gate_up_proj: torch.Tensor,
                          down_proj: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         backend: str, config: list[int] | None, needs: list[bool]) -> list[torch.Tensor]:
-    """Gradients of `moekit::experts` for the inputs `needs` marks, an empty tensor for the others."""
+                         backend: str, config: list[int] | None, needs: list[bool],
+                         pre: torch.Tensor | None = None, alignment: torch.Tensor | None = None,
+                         ) -> list[torch.Tensor]:
+    """Gradients of `moekit::experts` / `moekit::experts_train` for the inputs `needs` marks, an
+    empty tensor for the others. pre, alignment: what `moekit::experts_train` saved (the SwiGLU
+    backward then reads a, b and skips the align); None (the autograd of `moekit::experts`):
+    recomputed."""
     inputs = [hidden_states, gate_up_proj, down_proj, topk_weights]
-    cfg = _config_of(config)
     if backend not in OP_BACKWARD_BACKENDS:
         raise RuntimeError(f"moekit::experts has no backward for backend={backend!r}")
     if hidden_states.shape[0] == 0:
         grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
     else:
-        grads = list(experts_triton_grads(grad_out, *inputs, topk_ids, tuple(needs), config=cfg))
+        grads = list(experts_triton_grads(grad_out, *inputs, topk_ids, tuple(needs),
+                                          config=_config_of(config), alignment=alignment, pre=pre))
     return [g.contiguous() if g is not None else t.new_empty(0) for g, t in zip(grads, inputs)]
 
 
 @_experts_backward_op.register_fake
 def _experts_backward_fake(grad_out, hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend,
-                           config, needs):
+                           config, needs, pre=None, alignment=None):
     inputs = [hidden_states, gate_up_proj, down_proj, topk_weights]
     return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(inputs, needs)]
 
@@ -343,10 +425,7 @@ def _experts_backward_fake(grad_out, hidden_states, gate_up_proj, down_proj, top
 def _experts_setup_context(ctx, inputs, output):
     hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config, *math = inputs
     gate_up_bias, down_bias, activation, _, _, interleaved = (math + [None, None, "swiglu", 0, 0, False])[:6]
-    if backend not in OP_BACKWARD_BACKENDS:      # the forward would otherwise return a dead end
-        raise RuntimeError(f"moekit::experts differentiates backend {sorted(OP_BACKWARD_BACKENDS)} only, "
-                           f"got backend={backend!r} with inputs that need gradients; call "
-                           "moekit.moe_experts, which picks a differentiable path")
+    _check_op_backward(backend, "moekit::experts")
     if gate_up_bias is not None or down_bias is not None or activation != "swiglu" or interleaved:
         raise RuntimeError("moekit::experts differentiates SwiGLU experts without biases only (the triton "
                            "backward), got expert biases, another activation or interleaved rows with inputs "
@@ -357,9 +436,31 @@ def _experts_setup_context(ctx, inputs, output):
 
 
 def _experts_backward(ctx, grad_out):
+    return _call_backward(ctx, grad_out, *ctx.saved_tensors)
+
+
+def _call_backward(ctx, grad_out, *saved):
+    """The op's grads of the four differentiable inputs, None for the rest of its inputs."""
     needs = list(ctx.needs_input_grad[:4])
-    grads = torch.ops.moekit.experts_backward(grad_out, *ctx.saved_tensors, ctx.backend, ctx.config, needs)
+    grads = torch.ops.moekit.experts_backward(grad_out, *saved[:5], ctx.backend, ctx.config, needs,
+                                              *saved[5:])
     return (*(g if need else None for g, need in zip(grads, needs)), *[None] * (ctx.num_inputs - 4))
 
 
+def _experts_train_setup_context(ctx, inputs, output):
+    hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config, store_pre = inputs
+    _, pre, alignment = output
+    ctx.mark_non_differentiable(pre, alignment)
+    ctx.save_for_backward(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, pre, alignment)
+    ctx.backend, ctx.config, ctx.store_pre = backend, config, store_pre
+    ctx.num_inputs = len(inputs)
+
+
+def _experts_train_backward(ctx, grad_out, _grad_pre, _grad_alignment):
+    *inputs, pre, alignment = ctx.saved_tensors
+    return _call_backward(ctx, grad_out, *inputs, pre if ctx.store_pre else None, alignment)
+
+
 torch.library.register_autograd("moekit::experts", _experts_backward, setup_context=_experts_setup_context)
+torch.library.register_autograd("moekit::experts_train", _experts_train_backward,
+                                setup_context=_experts_train_setup_context)

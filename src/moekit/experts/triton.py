@@ -27,9 +27,13 @@ dpre_w and h_w carry the routing weight (`moekit.grouped_gemm_backward`), so dx 
 gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
 Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
 per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). Deterministic (no
-atomics), no host sync. Not twice differentiable. The `moekit::experts` custom op's backward
-(`experts_triton_grads`) has the inputs alone: it recomputes a and b inside the SwiGLU backward (the
-same loop over H as g: two more GEMMs, no extra launch).
+atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
+`moekit::experts_train` custom op (`experts_triton_train`): it saves the same things as the eager
+autograd (the alignment, packed into one buffer, and the pre-activations under the same rule), and
+its backward (`experts_triton_grads` with them) runs the launches above. Only a direct call of the
+`moekit::experts` op with inputs that need gradients has the inputs alone: its backward re-aligns
+and recomputes a and b inside the SwiGLU backward (the same loop over H as g: two more GEMMs, no
+extra launch).
 
 Expert biases, the gpt_oss activation and interleaved gate/up rows (`moekit.activation`) run in the
 forward kernels' epilogues; the backward kernels compute SwiGLU without biases only, so a call with
@@ -53,7 +57,7 @@ from torch.autograd.function import once_differentiable
 from moekit import _workspace
 from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
-from moekit.align import Alignment, align_block_size
+from moekit.align import BLOCK_M_BOUND, Alignment, align_block_size, padded_length, unpack_alignment
 from moekit.decode import experts_decode, use_decode_direct
 from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum, resolve_tma
 from moekit.grouped_gemm_backward import (
@@ -76,14 +80,14 @@ def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
              topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor, *,
              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
              activation: GatedActivation = SWIGLU, interleaved: bool = False,
-             store_pre: bool = False) -> tuple[Alignment, torch.Tensor | None]:
+             store_pre: bool = False, pre_rows: int | None = None) -> tuple[Alignment, torch.Tensor | None]:
     """(alignment, pre): pre the (L, 2I) pre-activations GEMM1 stored when store_pre (plain SwiGLU
     only), else None."""
     align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
     top_k = topk_ids.shape[1]
     pre = None
     if store_pre:
-        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config)
+        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config, pre_rows=pre_rows)
     else:
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config, bias=gate_up_bias, activation=activation,
                          interleaved=interleaved)
@@ -226,6 +230,29 @@ def experts_triton(
     return out
 
 
+def experts_triton_train(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                         config: ExpertsConfig | None = None, store_pre: bool = True,
+                         pre_rows: int | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, Alignment]:
+    """The forward of `_TritonExperts` below autograd, for the `moekit::experts_train` custom op:
+    (out, pre or None, alignment), pre the (L, 2I) pre-activations GEMM1 stored when store_pre,
+    with pre_rows rows when given (>= L: a size fixed before the config was known). Plain SwiGLU;
+    no decode-direct path (a call that needs gradients never takes it)."""
+    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
+    out = _workspace.empty_like(hidden_states)
+    if pre_rows is not None and padded_length(ids.numel(), gate_up_proj.shape[0], config.block_m) > pre_rows:
+        raise RuntimeError(f"moekit::experts_train: the config's block_m {config.block_m} pads to more rows "
+                           f"than the {pre_rows} its sizes allow (block_m up to {BLOCK_M_BOUND} without a "
+                           "config); pass config=")
+    if hidden_states.shape[0] == 0:
+        pre = hidden_states.new_empty(pre_rows or 0, gate_up_proj.shape[1]) if store_pre else None
+        return out, pre, align_pairs(ids, gate_up_proj.shape[0], config)
+    align, pre = _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out,
+                          store_pre=store_pre, pre_rows=pre_rows)
+    return out, pre, align
+
+
 def experts_triton_grads(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
@@ -236,10 +263,19 @@ def experts_triton_grads(
     needs: tuple[bool, bool, bool, bool],
     *,
     config: ExpertsConfig | None = None,
+    alignment: torch.Tensor | None = None,
+    pre: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """The backward from the inputs alone (the alignment is recomputed: one small launch), for the
-    `moekit::experts` custom op, whose autograd saves only the inputs. T must be > 0."""
+    """The backward of the custom ops (`moekit::experts_backward`). `moekit::experts_train` saved
+    its forward's alignment (packed, `moekit.align.pack_alignment`) and pre-activations: the SwiGLU
+    backward reads them (one GEMM). Without them (the autograd of `moekit::experts`, which saves only
+    the inputs) the alignment is recomputed (one small launch), and pre None recomputes a and b in the
+    SwiGLU backward. config None: the tuned config of the forward, picked again. T must be > 0."""
     config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
-    align = align_pairs(ids, gate_up_proj.shape[0], config)
+    num_experts = gate_up_proj.shape[0]
+    if alignment is None:
+        align = align_pairs(ids, num_experts, config)
+    else:
+        align = unpack_alignment(alignment, ids.numel(), num_experts, config.block_m)
     return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,
-                                   config, needs)
+                                   config, needs, pre=pre)
