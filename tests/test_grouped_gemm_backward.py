@@ -483,6 +483,33 @@ def test_wgrad_tiles_from_the_environment(monkeypatch):
         tiles = wgrad_config(itemsize)
         assert tiles.pipeline_bytes(itemsize) <= shared_memory_budget(None), tiles
     assert wgrad_config(2) == WgradConfig()
+    # Many rows an expert: the wide tiles, fitted to the budget; the environment still wins.
+    from moekit.tuning import WIDE_WGRAD, WIDE_WGRAD_ROWS
+
+    for itemsize in (2, 4):
+        wide = wgrad_config(itemsize, rows_per_expert=WIDE_WGRAD_ROWS)
+        assert wide == WIDE_WGRAD.fit(itemsize, shared_memory_budget(None))
+        assert wide.pipeline_bytes(itemsize) <= shared_memory_budget(None)
+    assert wgrad_config(2, rows_per_expert=WIDE_WGRAD_ROWS) == WIDE_WGRAD      # fits as it is in bf16
+    assert wgrad_config(2, rows_per_expert=WIDE_WGRAD_ROWS - 1) == WgradConfig()
+    monkeypatch.setenv(WGRAD_ENV, "block_n=32")
+    assert wgrad_config(2, rows_per_expert=10**6) == WgradConfig(block_n=32)
+
+
+def test_wgrad_picks_its_tiles_by_rows_per_expert(monkeypatch):
+    """`wgrad` without tiles asks for the tiles of its call's rows per expert (S / E)."""
+    import moekit.grouped_gemm_backward as gb
+
+    asked = []
+    real = gb.wgrad_config
+    monkeypatch.setattr(gb, "wgrad_config",
+                        lambda *a, **k: asked.append(k["rows_per_expert"]) or real(*a, **k))
+    x, gate_up, down, w, ids, dout = make(*CASES[3])
+    num_experts = gate_up.shape[0]
+    align = align_block_size(ids, num_experts, CFG.block_m, backend="torch")
+    sw = swiglu_backward_torch(x, gate_up, down, dout, w, align, ids.shape[1])
+    gate_up_proj_grad(sw.dpre_w, x, None, align, ids.shape[1], torch.float32)
+    assert asked == [ids.numel() / num_experts]
 
 
 @pytest.mark.parametrize("num_tokens", [3, 40])

@@ -221,7 +221,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     row_starts: `align.row_starts()`, when the caller has it (a backward's two launches share one)."""
     if padding_zero and a_by_token == b_by_token:
         raise ValueError("padding_zero needs exactly one operand gathered by token")
-    tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device)
+    tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device,
+                                  rows_per_expert=align.num_pairs / shape[0])
     num_experts, n, c = shape
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
     n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
