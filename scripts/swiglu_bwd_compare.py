@@ -5,7 +5,7 @@ picked) and the block size of the forward's config at T (`moekit.tuning.get_conf
 training step runs (`moekit.grouped_gemm_backward.swiglu_backward` with `pre` from the forward's
 GEMM1, all three outputs) runs with
 
-    default    `BackwardTiles.fit` (what training runs now: `SAVED_TILES` as they fit)
+    default    `BackwardTiles.fit` (what training runs now: `saved_tiles(block_m)` as they fit)
     n.. k..    candidates: block_n x block_k, stages, warps (those over the device's shared memory
                left out)
 

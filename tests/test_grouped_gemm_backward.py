@@ -34,6 +34,7 @@ from moekit.grouped_gemm import (
 )
 from moekit.grouped_gemm_backward import (
     SAVED_TILES,
+    SAVED_TILES_64,
     BackwardTiles,
     SwigluGrads,
     down_proj_grad,
@@ -42,6 +43,7 @@ from moekit.grouped_gemm_backward import (
     gate_up_proj_grad_torch,
     hidden_states_grad,
     hidden_states_grad_torch,
+    saved_tiles,
     swiglu_backward,
     swiglu_backward_torch,
     wgrad,
@@ -404,12 +406,17 @@ def test_backward_tiles_fit_shared_memory():
                 assert used * itemsize == tiles.pipeline_bytes(cfg.block_m, itemsize)
                 assert used * itemsize <= shared_memory_budget(None), (cfg, itemsize, tiles)
                 # Recomputing: GEMM1's tiles capped at 64; reading pre: tiles of its own.
+                own = saved_tiles(cfg.block_m)
                 n, k, stages = ((min(cfg.block_n1, 64), min(cfg.block_k1, 64), cfg.stages1) if recompute else
-                                (SAVED_TILES.block_n, SAVED_TILES.block_k, SAVED_TILES.stages))
+                                (own.block_n, own.block_k, own.stages))
                 assert tiles.block_n == n and tiles.block_k <= k and 1 <= tiles.stages <= stages
     saved = BackwardTiles.fit(ExpertsConfig(block_m=64, block_n1=128, block_k1=128, stages1=4), 2,
                               recompute=False)
-    assert saved == SAVED_TILES == BackwardTiles(64, 64, 4, False, 8, True)   # fits as it is
+    assert saved == SAVED_TILES_64 == BackwardTiles(128, 128, 4, False, 8, True)   # fits as it is
+    saved = BackwardTiles.fit(ExpertsConfig(block_m=128, block_n1=128, block_k1=64, stages1=4), 2,
+                              recompute=False)
+    assert saved == SAVED_TILES == BackwardTiles(64, 64, 5, False, 8, True)    # fits as it is
+    assert saved_tiles(16) == saved_tiles(64) == SAVED_TILES_64 and saved_tiles(256) == SAVED_TILES
     assert BackwardTiles.fit(ExpertsConfig(block_m=64, block_n1=128, block_k1=128, stages1=4), 2) == \
         BackwardTiles(64, 64, 4, True)
     halves = BackwardTiles(64, 64, 3, recompute=False, halves=2)      # two down tiles a step

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import load_script
-from moekit.grouped_gemm_backward import SAVED_TILES
+from moekit.grouped_gemm_backward import SAVED_TILES, SAVED_TILES_64, saved_tiles
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
@@ -19,7 +19,7 @@ def test_swiglu_bwd_compare_smoke_on_cpu(tmp_path, capsys):
     assert script.main(["--device", "cpu", "--tokens", "9", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["default"] + [t.label() for t in script.CPU_CANDIDATES]
-    assert rows[0]["tiles"] == SAVED_TILES.label()
+    assert rows[0]["tiles"] == saved_tiles(rows[0]["block_m"]).label()
     for r in rows:
         assert "error" not in r, r
         assert r["tokens"] == 9 and r["ms"] > 0
@@ -33,3 +33,4 @@ def test_gpu_candidates_are_distinct_saved_tiles():
     script = load_script("swiglu_bwd_compare")
     assert len(set(script.GPU_CANDIDATES)) == len(script.GPU_CANDIDATES)
     assert all(not t.recompute for t in script.GPU_CANDIDATES) and SAVED_TILES in script.GPU_CANDIDATES
+    assert SAVED_TILES_64 in script.GPU_CANDIDATES

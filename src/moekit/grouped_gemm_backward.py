@@ -39,7 +39,7 @@ rows. No atomics anywhere: results are bitwise reproducible.
 Tiles, until the backward has its own tuned table: dx reuses GEMM2 with the forward's GEMM2 tiles
 (same operand tiles, so it fits wherever the forward does), without the forward's TMA and
 persistent switches (dx reads gate_up_proj transposed). The SwiGLU backward (`BackwardTiles.fit`):
-reading the saved pre-activations, tiles of its own (`SAVED_TILES`, two streamed tiles a step:
+reading the saved pre-activations, tiles of its own by block_m (`saved_tiles`, two streamed tiles a step:
 dout rows, down columns); recomputing, GEMM1's tiles capped at 64 (five streamed tiles: x and dout
 rows, gate, up and down columns); then fewer stages, then halved block_k, until they fit the
 device's shared-memory budget. The weight gradients have tiles of their own, independent of the forward's
@@ -118,25 +118,33 @@ class BackwardTiles:
     def fit(cls, cfg: ExpertsConfig, itemsize: int, device: torch.device | str | None = None, *,
             recompute: bool = True) -> BackwardTiles:
         """Recomputing: GEMM1's block_n1 x block_k1 capped at 64, stages1 and its warps. Reading the
-        saved pre-activations: `SAVED_TILES` whatever the forward's tiles. Then stages dropped (down
+        saved pre-activations: `saved_tiles` for the forward's block_m. Then stages dropped (down
         to 2), then block_k halved (down to 16), until the loop fits the budget."""
         budget = shared_memory_budget(device)
         if recompute:
             cap = RECOMPUTE_TILE_CAP
             tiles = cls(min(cfg.block_n1, cap), min(cfg.block_k1, cap), cfg.stages1, recompute)
         else:
-            tiles = SAVED_TILES
+            tiles = saved_tiles(cfg.block_m)
         return shrink_to_fit(tiles, lambda t: t.pipeline_bytes(cfg.block_m, itemsize), budget,
                              (("stages", 2), ("block_k", 16)))
 
 
-# Reading the saved pre-activations (the training step's launch): the fastest of
-# `scripts/swiglu_bwd_compare.py` on an H200 at 4,096 and 16,384 tokens (Qwen3-30B-A3B, bf16,
-# 2026-11-30; block_m 64 and 128): 64 x 64, 4 stages, 8 warps, the pre-activations loaded before
-# the loop: 1.535 ms at 16,384 against 1.846 for GEMM1's 128 x 64 tiles (4 stages, its 8 warps).
-# Narrow columns win although each dout row tile is read I / 64 times: the epilogue's fp32 tiles
-# (g, a, b and what follows from them) stay small.
-SAVED_TILES = BackwardTiles(64, 64, 4, recompute=False, warps=8, pre_first=True)
+# Reading the saved pre-activations (the training step's launch), by the forward's block_m: the
+# fastest of `scripts/swiglu_bwd_compare.py` on an H200 (Qwen3-30B-A3B, bf16, 2026-12-01, the
+# restructured kernel): at 16,384 tokens (block_m 128) 64 x 64, 5 stages, 8 warps, the
+# pre-activations loaded before the loop: 1.425 ms against 1.522 with 4 stages; at 4,096 tokens
+# (block_m 64) 128 x 128, 4 stages: 0.404 ms against 0.641 for 64 x 64 (4 stages). At 128 rows
+# narrow columns win although each dout row tile is read I / 64 times: the epilogue's fp32 tiles
+# (g, a, b and what follows from them) stay small; at 64 rows the wider tile fits in registers.
+SAVED_TILES = BackwardTiles(64, 64, 5, recompute=False, warps=8, pre_first=True)
+SAVED_TILES_64 = BackwardTiles(128, 128, 4, recompute=False, warps=8, pre_first=True)
+
+
+def saved_tiles(block_m: int) -> BackwardTiles:
+    """The SwiGLU backward's tiles reading the saved pre-activations, for the forward's block_m:
+    `SAVED_TILES` from 128 rows, `SAVED_TILES_64` below (measured at 64)."""
+    return SAVED_TILES if block_m >= 128 else SAVED_TILES_64
 
 
 class SwigluGrads(NamedTuple):

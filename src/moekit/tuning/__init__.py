@@ -218,13 +218,14 @@ class WgradConfig:
 WGRAD_ENV = "MOEKIT_WGRAD_TILES"
 
 
-# Wider output tiles where each expert has many rows: 128 x 256, 64 rows a step, 8 warps, 5 stages
+# Wider output tiles where each expert has many rows: 128 x 256, 32 rows a step, 8 warps, 5 stages
 # (fewer operand bytes per FLOP: (128 + 256) / (128 * 256) against 2 / 128). On an H200 with both
-# launches unscaled and padding_zero (`scripts/wgrad_compare.py`, 2026-11-30, Qwen3-30B-A3B bf16):
-# 3.337 ms against 3.437 for the default at 16,384 tokens (1,024 rows an expert), 1.348 against
-# 1.239 at 4,096 (256 rows an expert).
-WIDE_WGRAD = WgradConfig(block_n=128, block_c=256, block_m=64, warps=8, stages=5)
-WIDE_WGRAD_ROWS = 1024   # rows per expert (on average) from which WIDE_WGRAD is used
+# launches unscaled and padding_zero (`scripts/wgrad_compare.py`, 2026-12-01, Qwen3-30B-A3B bf16):
+# 3.280 ms against 3.486 for the default at 16,384 tokens (1,024 rows an expert), 1.970 against
+# 2.053 at 8,192 (512 rows), 1.268 against 1.238 at 4,096 (256 rows); 64 rows a step: 3.446,
+# 2.060 and 1.341 ms.
+WIDE_WGRAD = WgradConfig(block_n=128, block_c=256, block_m=32, warps=8, stages=5)
+WIDE_WGRAD_ROWS = 512    # rows per expert (on average) from which WIDE_WGRAD is used
 
 
 def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,
