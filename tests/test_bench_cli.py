@@ -91,3 +91,21 @@ def test_the_command_runs_triton_interpreted_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = read_csv(tmp_path / "run" / "results.csv")
     assert row.status == "ok", row.reason
+
+
+def test_flush_choice_reaches_the_options_and_the_rows():
+    """--flush clean: the GPU's calls are timed after a clean flush and the rows say so; the CPU
+    keeps warm caches whatever is asked; a mode outside the choices is refused by the parser."""
+    from moekit.bench.sweep import CACHE_LABELS
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    for flush, want in (("write", "write"), ("clean", "clean")):
+        args = p.parse_args(["--flush", flush])
+        assert cli._options(args, torch.device("cuda")).flush_l2 == want
+        assert cli._options(args, torch.device("cpu")).flush_l2 is False
+    assert cli._options(p.parse_args([]), torch.device("cuda")).flush_l2 == "write"
+    assert [CACHE_LABELS[m] for m in ("write", "clean", False, True)] == [
+        "flushed", "flushed clean", "warm", "flushed"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--flush", "cold"])

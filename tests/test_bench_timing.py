@@ -106,6 +106,28 @@ def test_flush_runs_before_each_call():
     assert s.n == 3 and float(a[0]) == 5.0
 
 
+def test_clean_flush_writes_then_reads(monkeypatch):
+    """flush_l2="clean": the buffer written, then a second one as large read, before each call."""
+    from moekit.bench import timing
+
+    seen = []
+    real = timing.CacheFlusher.__call__
+
+    def spy(self):
+        seen.append(self.mode)
+        real(self)
+        assert self.clean is not None and self.clean.numel() * 8 == self.buffer.numel()
+
+    monkeypatch.setattr(timing.CacheFlusher, "__call__", spy)
+    a = torch.ones(4)
+    s = time_fn(lambda: a.add_(1), warmup=1, rep=3, flush_l2="clean", device="cpu")
+    assert s.n == 3 and float(a[0]) == 5.0 and seen == ["clean"] * 4
+    with pytest.raises(ValueError, match=r"flush_l2 must be True, False or one of \('write', 'clean'\)"):
+        time_fn(lambda: None, flush_l2="cold", device="cpu")
+    with pytest.raises(ValueError, match="CacheFlusher mode"):
+        timing.CacheFlusher(torch.device("cpu"), "cold")
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rep"):
         time_fn(lambda: None, rep=0, device="cpu")

@@ -49,6 +49,7 @@ from moekit.bench.study import (
     with_threads,
 )
 from moekit.bench.sweep import Plan, run_sweep
+from moekit.bench.timing import FLUSH_MODES
 from moekit.experts import BACKENDS, has_backward
 
 PROG = "moekit bench"
@@ -93,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_device(p)
     arg_types.add_threads(p)
     arg_types.add_seed(p, "the weights, tokens and router")
+    p.add_argument("--flush", choices=FLUSH_MODES, default="write",
+                   help="how the GPU's cache is flushed before each timed call: write a buffer larger than "
+                        "it (default; leaves dirty lines the call writes back), or clean: write it, then "
+                        "read another as large (see moekit.bench.timing); the CPU times warm caches")
     p.add_argument("--backward", action="store_true",
                    help="time forward + backward of the expert path (eager; gradients of x, both weights "
                         "and the routing weights, checked first) for each backend with a backward on the "
@@ -160,7 +165,8 @@ def _options(args: argparse.Namespace, device: torch.device) -> Options:
     # its time and spread two runs' medians up to 1.37x apart; without it within 1.12x
     # (benchmarks/results/cpu/2026-11-30/cpu_stability.txt).
     return replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
-                   rep=args.rep if args.rep is not None else base.rep, flush_l2=device.type == "cuda")
+                   rep=args.rep if args.rep is not None else base.rep,
+                   flush_l2=device.type == "cuda" and getattr(args, "flush", "write"))
 
 
 def _summary_table(rows: Sequence[ResultRow], title: str,

@@ -253,6 +253,10 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         "- every backend was checked against the fp32 reference before timing; one that failed is "
         "listed under *Not timed*, never timed.",
         *timing_notes(rows),
+        *(["- cache flushed clean before each timed call (`--flush clean`): a buffer larger than the "
+           "L2 written, then another read, so the call evicts no dirty lines (the default flush, a write "
+           "alone, leaves up to the L2's size of write-backs inside the timed window)."]
+          if r0.cache == "flushed clean" else []),
         "",
     ]
     if r0.device_type == "cpu":

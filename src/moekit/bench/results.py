@@ -77,7 +77,8 @@ class ResultRow(LayerRow):
     its bytes, FLOPs and floor those of `roofline.training_traffic`, max_err and tol those of the
     gradient closest to its budget); `peak_mib`, device memory one call took above what was held
     before (fwd+bwd rows on CUDA; NaN where not measured, e.g. on the CPU); `cache`, "flushed" (the
-    last-level cache written over before each timed call) or "warm" (no flush: `moekit bench`'s CPU
+    last-level cache written over before each timed call), "flushed clean" (written over, then
+    another buffer read: `moekit bench --flush clean`) or "warm" (no flush: `moekit bench`'s CPU
     default), empty in rows written before it; `rows_per_pair`, triton rows only (NaN elsewhere and
     before the column): the rows its GEMM tiles compute per valid pair, num_padded of its alignment
     over the pairs (1.24: 19% of the rows computed are padding; `moekit.bench.kernel_work`).

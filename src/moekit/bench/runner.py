@@ -62,7 +62,7 @@ class Options:
     warmup: int | None = None
     rep: int | None = None
     min_rep: int = MIN_REP
-    flush_l2: bool = True
+    flush_l2: bool | str = True      # True / "write", "clean" or False: `time_fn`'s flush_l2
     routing_draws: int = ROUTING_DRAWS
 
 
@@ -284,7 +284,8 @@ def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, option
     try:
         timing = time_fn(call, warmup=options.warmup, rep=options.rep, flush_l2=options.flush_l2,
                          device=work.device, min_rep=options.min_rep)
-        flush = CacheFlusher(work.device) if options.flush_l2 else None
+        flush = CacheFlusher(work.device, "write" if options.flush_l2 is True else options.flush_l2) \
+            if options.flush_l2 else None
         launches = profile_call(call, work.device, flush)
     except Exception as exc:  # e.g. out of memory on a later call: one row lost, not the sweep
         return Measurement("error", "while timing: " + _first_line(exc), **base)

@@ -34,6 +34,9 @@ from moekit.bench.runner import (
     run_case,
 )
 
+# ResultRow.cache for a run's flush_l2 (`Options`)
+CACHE_LABELS = {True: "flushed", "write": "flushed", "clean": "flushed clean", False: "warm"}
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -74,7 +77,7 @@ class Plan:
 
 
 def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measurement,
-           direction: str = "fwd", flushed: bool = True, rows_per_pair: float = math.nan) -> ResultRow:
+           direction: str = "fwd", flushed: bool | str = True, rows_per_pair: float = math.nan) -> ResultRow:
     s, t = work.shape, work.traffic
     timing, launches = m.timing, m.launches
     return ResultRow(
@@ -93,7 +96,7 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
         idle_pct=m.idle_pct,
         experts_hit=t.experts_hit, experts_hit_mean=work.experts_hit_mean,
         experts_expected=s.expected_distinct_experts(work.tokens),
-        direction=direction, peak_mib=m.peak_mib, cache="flushed" if flushed else "warm",
+        direction=direction, peak_mib=m.peak_mib, cache=CACHE_LABELS[flushed],
         rows_per_pair=rows_per_pair,
     )
 

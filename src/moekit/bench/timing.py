@@ -3,9 +3,16 @@
 Method (the article's Step 3): warm up first, then time every call on its own. Before each call the
 last-level cache is flushed by writing a buffer larger than it, and the device is synchronised, so
 the timed window starts with an idle GPU and a cold cache; the CPU's launch work therefore counts,
-as it does in a real forward pass. On CUDA the window is two CUDA events; on the CPU it is
-`time.perf_counter`. With `graph=True` the call is captured once in a CUDA graph and the replays
-are timed.
+as it does in a real forward pass.
+
+A written flush leaves the cache full of dirty lines: the timed call's first reads each evict one,
+and on a GPU that is a write-back to memory inside the timed window (up to the L2's size, 50 MB on
+an H100 / H200, beside a T = 1 decode call's 75 MB of weights). `flush_l2="clean"` instead writes
+the buffer and then reads a second one as large: the write-backs happen in the flush and the
+cache is left holding clean lines of no use to the call (cold, as after a layer that only read).
+
+On CUDA the window is two CUDA events; on the CPU it is `time.perf_counter`. With `graph=True` the
+call is captured once in a CUDA graph and the replays are timed.
 
 Repeat counts: the article took medians of 15 to 400 calls. By default `time_fn` spends about
 `TARGET_MS` of wall time (flushes included) on timed calls, never fewer than `MIN_REP` calls nor
@@ -62,20 +69,30 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-class CacheFlusher:
-    """Writes a buffer larger than the last-level cache, evicting whatever the last call left there."""
+FLUSH_MODES = ("write", "clean")
 
-    def __init__(self, device: torch.device):
+
+class CacheFlusher:
+    """Writes a buffer larger than the last-level cache, evicting whatever the last call left there;
+    mode "clean" then reads a second buffer as large, so the cache holds clean lines (see above)."""
+
+    def __init__(self, device: torch.device, mode: str = "write"):
+        if mode not in FLUSH_MODES:
+            raise ValueError(f"CacheFlusher mode must be one of {FLUSH_MODES}, got {mode!r}")
         self.device = device
+        self.mode = mode
         if device.type == "cuda":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
             nbytes = max(256 * 2**20, 4 * l2)
         else:
             nbytes = CPU_FLUSH_BYTES
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.clean = torch.zeros(nbytes // 8, dtype=torch.int64, device=device) if mode == "clean" else None
 
     def __call__(self) -> None:
         self.buffer.zero_()
+        if self.clean is not None:
+            self.clean.max()                  # a read of every line: the dirty ones are written back now
 
 
 def sync(device: torch.device) -> None:
@@ -109,7 +126,7 @@ def time_fn(
     graph: bool = False,
     warmup: int | None = None,
     rep: int | None = None,
-    flush_l2: bool = True,
+    flush_l2: bool | str = True,
     device: torch.device | str | None = None,
     min_rep: int = MIN_REP,
 ) -> TimingStats:
@@ -121,7 +138,8 @@ def time_fn(
             `NotCapturable` with the reason when capture fails).
         warmup: calls before timing; default: at least `MIN_WARMUP` and about `WARMUP_MS` of work.
         rep: timed calls; default: about `TARGET_MS` of calls, clamped to [`MIN_REP`, `MAX_REP`].
-        flush_l2: write a buffer larger than the last-level cache before every call.
+        flush_l2: write a buffer larger than the last-level cache before every call (True or
+            "write"); "clean": then read another as large (no dirty lines left); False: no flush.
         device: where `fn` runs (default: the current CUDA device, else the CPU).
         min_rep: the fewest timed calls when `rep` is None (the CPU demo lowers it: interpreted
             Triton takes 0.1 to 1 s a call).
@@ -136,7 +154,9 @@ def time_fn(
     if not 1 <= min_rep <= MAX_REP:
         raise ValueError(f"min_rep must be in [1, {MAX_REP}], got {min_rep}")
     dev = _resolve_device(device)
-    flush = CacheFlusher(dev) if flush_l2 else None
+    if flush_l2 is not False and flush_l2 is not True and flush_l2 not in FLUSH_MODES:
+        raise ValueError(f"flush_l2 must be True, False or one of {FLUSH_MODES}, got {flush_l2!r}")
+    flush = CacheFlusher(dev, "write" if flush_l2 is True else flush_l2) if flush_l2 else None
     call: Callable[[], object] = fn
     if graph:
         g, _ = capture_graph(fn, dev)
