@@ -103,27 +103,6 @@ def test_slot_groups_match_the_twin(case, slots):
     assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
 
 
-DOT = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, dot=True)
-
-
-@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
-def test_tensor_core_steps_match_the_twins(case, ids_dtype):
-    """DOT (both kernels): the row chunk broadcast over 16 rows through tl.dot, GEMV2 as one flat
-    (slot, k-step) loop; invalid ids (-1, E, 2**32 + 1) read nothing and add nothing; K and N
-    tails masked (prime sizes)."""
-    x, gate_up, down, w, ids = make(*case, ids_dtype=ids_dtype, invalid=True)
-    with poisoning():
-        h = decode_gemm1_swiglu(x, gate_up, ids, DOT)
-        out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), DOT)
-    assert rel_err(h, decode_gemm1_swiglu_torch(x, gate_up, ids)) <= 1e-5
-    assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
-    mixed = DecodeConfig(GemvTiles(block_n=16, block_k=32, dot=True), SMALL.gemv2)   # K tail at H = 37
-    assert rel_err(experts_decode(x, gate_up, down, w, ids, poisoned(x.shape, x.dtype, x.device), mixed),
-                   moe_experts_ref(x, gate_up, down, torch.where((ids >= 0) & (ids < case[1]), w, 0.0),
-                                   torch.where((ids >= 0) & (ids < case[1]), ids, 0).long())) <= 1e-5
-
-
 def test_unrolled_loops_compute_the_same():
     x, gate_up, down, w, ids = make(*CASES[1], invalid=True)
     unrolled = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, unroll=2)
@@ -267,10 +246,3 @@ def test_decode_config_rejects_bad_tiles():
     with pytest.raises(ValueError, match=r"DecodeConfig\.gemv1 must be a GemvTiles"):
         DecodeConfig(gemv1=(16, 256))
     assert DecodeConfig.both(8, 256, 4, 3).label() == "n8k256w4s3u1/n8k256w4s3u1"
-    with pytest.raises(ValueError, match=r"dot=True needs block_n >= 16"):
-        GemvTiles(block_n=8, dot=True)
-    with pytest.raises(ValueError, match=r"GemvTiles\.dot must be a bool"):
-        GemvTiles(dot=1)
-    with pytest.raises(ValueError, match=r"slots2 must be 1 when gemv2\.dot"):
-        DecodeConfig(gemv2=GemvTiles(dot=True), slots2=8)
-    assert DecodeConfig.both(16, 256, 4, 4, dot=True).label() == "n16k256w4s4u1d/n16k256w4s4u1d"

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit import _workspace
-from moekit._host import cdiv, next_power_of_2
-from moekit.grouped_gemm import _dot_precision
+from moekit._host import cdiv
 from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.tuning import check_tile
 
@@ -48,30 +47,20 @@ ENV_VAR = "MOEKIT_DECODE_DIRECT"
 class GemvTiles:
     """One decode kernel's tiles: block_n output columns and block_k reduction columns per step of
     a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the reduction
-    loop's unroll factor. dot: each step on the tensor cores (`moekit.kernels.decode`'s DOT: the
-    weight tiles software-pipelined through shared memory, `stages` in flight; block_n and
-    block_k at least 16, unroll 1)."""
+    loop's unroll factor."""
 
     block_n: int = 16
     block_k: int = 256
     warps: int = 4
     stages: int = 3
     unroll: int = 1
-    dot: bool = False
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
-            if name != "dot":
-                check_tile("GemvTiles", name, v, name.startswith("block_"))
-        if not isinstance(self.dot, bool):
-            raise ValueError(f"GemvTiles.dot must be a bool, got {self.dot!r}")
-        if self.dot and (self.block_n < 16 or self.block_k < 16 or self.unroll != 1):
-            raise ValueError(f"GemvTiles with dot=True needs block_n >= 16, block_k >= 16 and unroll 1, got "
-                             f"block_n={self.block_n}, block_k={self.block_k}, unroll={self.unroll}")
+            check_tile("GemvTiles", name, v, name.startswith("block_"))
 
     def label(self) -> str:
-        dot = "d" if self.dot else ""
-        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}{dot}"
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}"
 
 
 @dataclass(frozen=True)
@@ -89,14 +78,11 @@ class DecodeConfig:
             if not isinstance(getattr(self, name), GemvTiles):
                 raise ValueError(f"DecodeConfig.{name} must be a GemvTiles, got {getattr(self, name)!r}")
         check_tile("DecodeConfig", "slots2", self.slots2, True)
-        if self.gemv2.dot and self.slots2 != 1:
-            raise ValueError(f"DecodeConfig.slots2 must be 1 when gemv2.dot is set, got {self.slots2}")
 
     @classmethod
-    def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1,
-             dot: bool = False) -> DecodeConfig:
+    def both(cls, block_n: int, block_k: int, warps: int, stages: int, unroll: int = 1) -> DecodeConfig:
         """The same tiles for both kernels."""
-        tiles = GemvTiles(block_n, block_k, warps, stages, unroll, dot)
+        tiles = GemvTiles(block_n, block_k, warps, stages, unroll)
         return cls(tiles, tiles)
 
     def label(self) -> str:
@@ -120,16 +106,6 @@ DECODE_TILES = (
     DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
     SMALL_DECODE,
     DecodeConfig(gemv2=GemvTiles(block_n=16, block_k=128, warps=8), slots2=8),
-    # 2026-12-01: more programs at T = 1 (GEMV1 8 columns: 768 programs; GEMV2 4 columns: 512), and
-    # the tensor-core steps (DOT: weight tiles pipelined through shared memory, 4-6 in flight).
-    DecodeConfig(GemvTiles(block_n=8, block_k=256), GemvTiles(block_n=4, block_k=256), slots2=8),
-    DecodeConfig(GemvTiles(block_n=8, block_k=256), GemvTiles(block_n=8, block_k=128), slots2=8),
-    DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=4, dot=True),
-    DecodeConfig.both(block_n=16, block_k=128, warps=4, stages=6, dot=True),
-    DecodeConfig(GemvTiles(block_n=16, block_k=256, stages=4, dot=True), GemvTiles(block_n=8, block_k=128),
-                 slots2=8),
-    DecodeConfig(GemvTiles(block_n=32, block_k=256, stages=3, dot=True),
-                 GemvTiles(block_n=16, block_k=512, stages=3, dot=True)),
 )
 
 
@@ -162,8 +138,8 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll, DOT=tiles.dot,
-            DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
+            EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll, num_warps=tiles.warps,
+            num_stages=tiles.stages)
     return h
 
 
@@ -181,9 +157,8 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2, DOT=tiles.dot,
-            SLOTS_P2=next_power_of_2(top_k),
-            DOT_PRECISION=_dot_precision(h.dtype), num_warps=tiles.warps, num_stages=tiles.stages)
+            EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2, num_warps=tiles.warps,
+            num_stages=tiles.stages)
     return out
 
 

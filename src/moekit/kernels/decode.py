@@ -17,14 +17,6 @@ GEMV2's SLOTS computes that many of a token's slots together ([SLOTS, BN, BK] st
 still added in ascending order). UNROLL unrolls the reduction loop (`tl.range(loop_unroll_factor=...)`).
 Both put more weight bytes in flight per program: the loads are not software-pipelined through
 shared memory (only registers carry them), and at T = 1 GEMV2 has only H / BN programs.
-DOT (both kernels) computes each step as a tensor-core product instead: the row chunk broadcast to
-16 identical rows times the [BK, BN] weight tile (`tl.dot`, BN and BK at least 16), row 0 of the
-[16, BN] fp32 accumulator kept. The wasted rows cost tensor-core time, which decode has to spare;
-what it buys is Triton's software pipeline: the weight tiles stream through shared memory with
-cp.async, `num_stages` of them in flight a program, where the FMA form holds one tile in registers.
-GEMV2's DOT walks (slot, k-step) as one flat loop, so the next slot's first tiles load while the
-current slot finishes; each slot's row is weighted and added to the fp32 sum at its last k-step
-(ascending slots, as the FMA form); SLOTS must be 1.
 Ids are compared in their own integer type (int64 ids are never truncated before the range check).
 """
 
@@ -48,30 +40,11 @@ def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
 
 
 @triton.jit
-def _row0(acc):
-    """Row 0 of a [16, BN] accumulator, exactly (a sum with zeros)."""
-    return tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, acc, 0.0), axis=0)
-
-
-@triton.jit
-def _dot_step(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk, valid,
-              BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [16, BN] fp32 += broadcast(v[k0:k0+BK]) @ W[:, k0:k0+BK]^T; w_ptrs [1, BN] row starts.
-    Nothing is read where `valid` is false (a scalar) or past K / N."""
-    rk = k0 + tl.arange(0, BLOCK_K)
-    k_in = rk < tl.where(valid, K, 0)       # nothing of an invalid pair; a compare costs nothing here
-    v = tl.load(v_ptrs + rk * stride_vk, mask=k_in, other=0.0)
-    w = tl.load(w_ptrs + rk[:, None] * stride_wk, mask=n_in[None, :] & k_in[:, None], other=0.0)
-    a = tl.broadcast_to(v[None, :], (16, BLOCK_K))
-    return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def decode_gemm1_swiglu_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, E, N, K,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1, DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee",
+    UNROLL: tl.constexpr = 1,
 ):
     # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
     pair = tl.program_id(0)
@@ -80,23 +53,7 @@ def decode_gemm1_swiglu_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = rn < N
     h = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if DOT:
-        valid = (e >= 0) & (e < E)
-        tok = (pair // TOP_K).to(tl.int64)
-        x_row = x_ptr + tok * stride_xt
-        g_cols = w_ptr + tl.where(valid, e, 0).to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn
-        u_cols = g_cols + N * stride_wn                                                        # [1, BN]
-        acc_g = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc_g = _dot_step(acc_g, g_cols, x_row, n_in, k0, K, stride_wk, stride_xk, valid, BLOCK_K,
-                              DOT_PRECISION)
-            acc_u = _dot_step(acc_u, u_cols, x_row, n_in, k0, K, stride_wk, stride_xk, valid, BLOCK_K,
-                              DOT_PRECISION)
-        gate = _row0(acc_g)
-        up = _row0(acc_u)
-        h = tl.where(valid, gate * tl.sigmoid(gate) * up, 0.0)
-    elif (e >= 0) & (e < E):
+    if (e >= 0) & (e < E):
         tok = (pair // TOP_K).to(tl.int64)
         x_row = x_ptr + tok * stride_xt
         g_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn   # [BN, 1]
@@ -153,40 +110,16 @@ def decode_gemm2_sum_kernel(
     h_ptr, w_ptr, topk_weights_ptr, ids_ptr, out_ptr, E, N, K,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1, DOT: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = "ieee", SLOTS_P2: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
     # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
-    # DOT: SLOTS_P2 = the power of two at or above TOP_K.
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = rn < N
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if DOT:                 # one flat loop over (slot, k-step): the pipeline runs across slots
-        # The token's ids and weights are loaded once, before the loop: a step's weight address is
-        # then computed, not loaded, which lets the pipeliner stream the tiles ahead.
-        rs = tl.arange(0, SLOTS_P2)
-        e_all = tl.load(ids_ptr + tok * TOP_K + rs, mask=rs < TOP_K, other=-1)
-        ok_all = (rs < TOP_K) & (e_all >= 0) & (e_all < E)
-        wt_all = tl.load(topk_weights_ptr + tok * TOP_K + rs, mask=ok_all, other=0.0).to(tl.float32)
-        e_all = tl.where(ok_all, e_all, 0).to(tl.int64)
-        k_steps = tl.cdiv(K, BLOCK_K)
-        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        for i in range(0, TOP_K * k_steps):
-            slot = i // k_steps
-            kk = i - slot * k_steps
-            pick = rs == slot
-            valid = tl.sum(tl.where(pick, ok_all.to(tl.int32), 0)) != 0
-            e = tl.sum(tl.where(pick, e_all, 0))
-            d_cols = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn
-            acc = _dot_step(acc, d_cols, h_ptr + (tok * TOP_K + slot) * stride_hm, n_in, kk * BLOCK_K, K,
-                            stride_wk, stride_hk, valid, BLOCK_K, DOT_PRECISION)
-            if kk == k_steps - 1:
-                out += _row0(acc) * tl.sum(tl.where(pick, wt_all, 0.0))
-                acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    elif SLOTS > 1:
+    if SLOTS > 1:
         for s0 in range(0, TOP_K, SLOTS):
             out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                               stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
