@@ -2,7 +2,7 @@
 flush (what `moekit bench` does), a clean one and none.
 
     PYTHONPATH=$PWD/src python3 scripts/flush_study.py [--tokens 1,2,4,8,16,64,256,1024]
-        [--preset qwen3-30b-a3b] [--backends triton,grouped_mm] [--decode 4,8] [--out rows.jsonl]
+        [--preset qwen3-30b-a3b] [--backends triton,grouped_mm] [--decode 4,5] [--out rows.jsonl]
 
 `moekit.bench.timing` flushes the last-level cache by writing a buffer larger than it. That leaves
 the cache full of dirty lines, and the timed call's first reads each evict one: a write-back to

@@ -15,10 +15,10 @@ from helpers import load_script
 def test_flush_study_smoke_on_cpu(tmp_path):
     script = load_script("flush_study")
     out = tmp_path / "rows.jsonl"
-    argv = ["--device", "cpu", "--tokens", "3", "--rep", "1", "--decode", "8", "--out", str(out)]
+    argv = ["--device", "cpu", "--tokens", "3", "--rep", "1", "--decode", "4", "--out", str(out)]
     assert script.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["case"] for r in rows] == ["read probe", "triton", "grouped_mm", "direct 8"]
+    assert [r["case"] for r in rows] == ["read probe", "triton", "grouped_mm", "direct 4"]
     for r in rows:
         assert "error" not in r and r["tokens"] == 3 and r["bytes"] > 0
         assert all(r[f"{m}_ms"] > 0 for m in script.MODES)
