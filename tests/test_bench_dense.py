@@ -97,8 +97,11 @@ def test_triton_rows_follow_the_calls_config_or_the_decode_path(work, monkeypatc
     block_m = auto_config(5, w.gate_up_proj, 2, torch.float32, CPU).block_m
     counts = torch.bincount(work.topk_ids.reshape(-1).long(), minlength=8).tolist()
     assert (rc.rows, rc.pairs, rc.block_m) == (padded_rows(counts, block_m), 10, block_m)
-    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "1")     # 10 pairs: the direct path, one row per pair
-    assert triton_rows(work.x, w.gate_up_proj, work.topk_ids) == RowsComputed(10, 10)
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "1")
+    # 10 pairs over 8 experts (1.6 pairs an expert hit): still aligned; one token: the direct path,
+    # one row per pair.
+    assert triton_rows(work.x, w.gate_up_proj, work.topk_ids) == rc
+    assert triton_rows(work.x[:1], w.gate_up_proj, work.topk_ids[:1]) == RowsComputed(2, 2)
     assert triton_rows(work.x, w.gate_up_proj, work.topk_ids, grad=True) == rc   # training: aligned
 
 

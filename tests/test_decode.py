@@ -14,6 +14,7 @@ from moekit import ExpertsConfig, moe_experts
 from moekit._workspace import poisoning
 from moekit.decode import (
     DECODE_MAX_PAIRS,
+    DECODE_MAX_REREAD,
     DECODE_TILES,
     DEFAULT_DECODE,
     ENV_VAR,
@@ -26,6 +27,7 @@ from moekit.decode import (
     decode_gemm1_swiglu_torch,
     decode_gemm2_sum,
     decode_gemm2_sum_torch,
+    expected_rereads,
     experts_decode,
     use_decode_direct,
 )
@@ -129,14 +131,31 @@ def direct(monkeypatch):
 
 def test_the_switch(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")                  # 0: off
-    assert not use_decode_direct(8)
+    assert not use_decode_direct(1, 8, 128)
     for on in (None, "1", ""):                        # unset (the default), 1 or empty: on
         if on is None:
             monkeypatch.delenv(ENV_VAR, raising=False)
         else:
             monkeypatch.setenv(ENV_VAR, on)
-        assert use_decode_direct(1) and use_decode_direct(DECODE_MAX_PAIRS)
-        assert not use_decode_direct(0) and not use_decode_direct(DECODE_MAX_PAIRS + 1)
+        assert use_decode_direct(1, 8, 128) and use_decode_direct(DECODE_MAX_PAIRS // 8, 8, 128)
+        assert not use_decode_direct(0, 8, 128) and not use_decode_direct(DECODE_MAX_PAIRS + 1, 1, 10**6)
+
+
+def test_direct_path_only_where_experts_are_read_about_once():
+    """Each pair reads its expert's weights: the direct path stops at DECODE_MAX_REREAD expected
+    pairs per expert hit (uniform routing), E * (1 - (1 - K/E)^T) experts hit by T * K pairs."""
+    for t, k, e in ((1, 8, 128), (3, 2, 8), (7, 8, 64), (5, 1, 1), (2, 12, 8)):
+        hit = e * (1 - max(0.0, 1 - k / e) ** t)
+        assert expected_rereads(t, k, e) == pytest.approx(t * k / hit)
+    assert expected_rereads(1, 8, 128) == 1.0 and expected_rereads(3, 8, 8) == 3.0     # K = E: T
+    # Per preset: Qwen3-30B-A3B (E 128, K 8) direct up to T = 8 (1.24 pairs per expert hit), OLMoE
+    # (64, 8) up to 4, DeepSeek-V2-Lite (64, 6) up to 5, Mixtral 8x7B (8, 2) up to 2 (1.46 at T = 4).
+    for (e, k), last in (((128, 8), 8), ((64, 8), 4), ((64, 6), 5), ((8, 2), 2)):
+        assert [t for t in range(1, 65) if use_decode_direct(t, k, e)] == list(range(1, last + 1)), (e, k)
+    assert expected_rereads(8, 8, 128) <= DECODE_MAX_REREAD < expected_rereads(4, 2, 8)
+    assert not use_decode_direct(1, 1, 0)
+    with pytest.raises(ValueError, match="num_tokens, top_k and num_experts >= 1"):
+        expected_rereads(0, 8, 128)
 
 
 def test_tiles_by_pairs():
@@ -162,7 +181,8 @@ def test_experts_decode_runs_the_tiles_of_its_pair_count(monkeypatch):
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_backend_takes_the_direct_path_with_out_and_poisoned_workspaces(direct, ids_dtype):
-    x, gate_up, down, w, ids = make(3, 6, 40, 24, 4, ids_dtype=ids_dtype, invalid=True)
+    # 1.14 pairs an expert hit (E = 32): the direct path
+    x, gate_up, down, w, ids = make(3, 32, 40, 24, 4, ids_dtype=ids_dtype, invalid=True)
     x_nc = torch.randn(40, 3).T                          # non-contiguous hidden states and weights
     x_nc.copy_(x)
     w_nc = torch.rand(4, 3).T
@@ -177,12 +197,15 @@ def test_backend_takes_the_direct_path_with_out_and_poisoned_workspaces(direct, 
 
 
 def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direct):
-    x, gate_up, down, w, ids = make(2, 4, 32, 16, 2)
+    x, gate_up, down, w, ids = make(2, 16, 32, 16, 2)
     ref = moe_experts_ref(x, gate_up, down, w, ids)
-    # Too many pairs, expert math, a call that needs gradients, an explicit config: the four-kernel path.
-    big = make(DECODE_MAX_PAIRS // 2 + 1, 4, 32, 16, 2)
+    # Too many pairs, too many pairs per expert (few experts), expert math, a call that needs
+    # gradients, an explicit config: the four-kernel path.
+    big = make(DECODE_MAX_PAIRS // 2 + 1, 64, 32, 16, 2)
     moe_experts(*big, backend="triton")
-    bias = torch.randn(4, 32) * 0.1
+    few = make(4, 8, 32, 16, 2)                             # Mixtral-like: 1.46 pairs an expert hit
+    assert rel_err(moe_experts(*few, backend="triton"), moe_experts_ref(*few)) <= 1e-5
+    bias = torch.randn(16, 32) * 0.1
     biased = moe_experts(x, gate_up, down, w, ids, backend="triton", down_bias=bias)
     assert rel_err(biased, moe_experts_ref(x, gate_up, down, w, ids, down_bias=bias)) <= 1e-5
     xg = x.clone().requires_grad_()

@@ -9,7 +9,9 @@ no weight reuse, and the normal path's four dependent launches (align, GEMM1, GE
 pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
 in the normal path (which never places them). Inference only: the triton backend uses it for calls
 that need no gradients, plain SwiGLU without biases or interleaved rows, no explicit `config` (the
-normal path's tiles), T * K <= `DECODE_MAX_PAIRS`, unless switched off: `MOEKIT_DECODE_DIRECT=0`
+normal path's tiles), T * K <= `DECODE_MAX_PAIRS` and at most `DECODE_MAX_REREAD` pairs per expert
+hit (expected under uniform routing: every pair reads its expert's weights, so an expert with two
+pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
 (read at each call).
 
 Measured (H200, Qwen3-30B-A3B, bf16, 2026-11-30; `benchmarks/results/h200/2026-11-30/session4/`):
@@ -40,6 +42,12 @@ from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_k
 from moekit.tuning import check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
+# ... and at most this many pairs per expert hit, expected under uniform routing (`expected_rereads`).
+# The direct path reads an expert's weights once per pair: Mixtral 8x7B (E = 8, K = 2) took it up to
+# T = 32 and ran at 49% / 43% of the floor at T = 4 / 16 on an H200 (2026-12-01, session 7), 1.46 and
+# 3.5 pairs per expert hit. Qwen3-30B-A3B's largest direct call, T = 8, has 1.24 (level with the
+# normal path there, 2026-11-30).
+DECODE_MAX_REREAD = 1.25
 ENV_VAR = "MOEKIT_DECODE_DIRECT"
 
 
@@ -119,9 +127,24 @@ def decode_config(num_pairs: int) -> DecodeConfig:
     return SMALL_DECODE if num_pairs <= SMALL_DECODE_PAIRS else DEFAULT_DECODE
 
 
-def use_decode_direct(num_pairs: int) -> bool:
-    """The triton backend's decision for a plain-SwiGLU inference call of num_pairs = T * K pairs."""
-    return 0 < num_pairs <= DECODE_MAX_PAIRS and decode_direct_enabled()
+def expected_rereads(num_tokens: int, top_k: int, num_experts: int) -> float:
+    """Pairs per expert hit for T tokens of K distinct experts each out of E, routed uniformly: the
+    T * K pairs over the E * (1 - (1 - K/E)^T) experts they are expected to hit (1.0 for one token;
+    T * K / E once K >= E)."""
+    if num_tokens < 1 or top_k < 1 or num_experts < 1:
+        raise ValueError(f"expected_rereads needs num_tokens, top_k and num_experts >= 1, got "
+                         f"num_tokens={num_tokens}, top_k={top_k}, num_experts={num_experts}")
+    hit = num_experts * (1.0 - max(0.0, 1.0 - top_k / num_experts) ** num_tokens)
+    return num_tokens * top_k / hit
+
+
+def use_decode_direct(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """The triton backend's decision for a plain-SwiGLU inference call of T tokens, K slots, E experts:
+    at most `DECODE_MAX_PAIRS` pairs and `DECODE_MAX_REREAD` pairs per expert hit, and switched on."""
+    num_pairs = num_tokens * top_k
+    if not 0 < num_pairs <= DECODE_MAX_PAIRS or num_experts < 1 or not decode_direct_enabled():
+        return False
+    return expected_rereads(num_tokens, top_k, num_experts) <= DECODE_MAX_REREAD
 
 
 def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,

@@ -127,7 +127,7 @@ def triton_rows(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Ten
     """The rows a `moe_experts(..., backend="triton")` call with no config computes: its tuned config's
     alignment (`aligned_rows`), or one row per pair on the direct decode path (inference, when on).
     `grad`: the call needs gradients (never the decode path)."""
-    if not grad and use_decode_direct(topk_ids.numel()):
+    if not grad and use_decode_direct(*topk_ids.shape, gate_up_proj.shape[0]):
         pairs = int(((topk_ids >= 0) & (topk_ids < gate_up_proj.shape[0])).sum())
         return RowsComputed(pairs, pairs)
     config = auto_config(x.shape[0], gate_up_proj, topk_ids.shape[1], x.dtype, x.device)

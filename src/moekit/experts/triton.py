@@ -207,7 +207,8 @@ def experts_triton(
     extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
-    if config is None and not grad and not extended and use_decode_direct(topk_ids.numel()):
+    if config is None and not grad and not extended and topk_ids.dim() == 2 and gate_up_proj.dim() == 3 \
+            and use_decode_direct(topk_ids.shape[0], topk_ids.shape[1], gate_up_proj.shape[0]):
         check_triton_device("hidden_states", hidden_states)
         if out is None:
             out = _workspace.empty_like(hidden_states)
