@@ -406,6 +406,37 @@ def test_switches_are_tried_on_every_block_m_near_the_fastest():
     assert "block_m 16 paired **100.0**" in line and "block_m 32 paired 400.0" in line
 
 
+def test_paired_variants_take_the_tiles_of_twice_their_block_m():
+    """Paired tiles compute 2 * block_m rows: block_m 16's paired variants run block_m 32's tuned
+    tiles; its other variants keep its own (the two block_m get different winners here)."""
+    own1 = next(p for p in tuner.gemm_candidates(16, 4, swiglu=True) if p != FAST1)
+    own2 = next(p for p in tuner.gemm_candidates(16, 4, swiglu=False) if p != FAST2)
+
+    def timer(fn) -> float:
+        cfg = fn.args[-1]
+        if fn.func is tuner._path_all:
+            return 0.3 if cfg.block_m == 32 and cfg.pair_blocks == 1 else 0.33
+        gemm = 1 if fn.func is tuner._gemm1_all else 2
+        p = dict(block_n=getattr(cfg, f"block_n{gemm}"), block_k=getattr(cfg, f"block_k{gemm}"),
+                 warps=getattr(cfg, f"warps{gemm}"), stages=getattr(cfg, f"stages{gemm}"))
+        fast = (FAST1, FAST2) if cfg.block_m == 32 else (own1, own2)
+        return 0.1 if p == fast[gemm - 1] else 1.0
+
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 48, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=timer)
+    paths = [ExpertsConfig(**{k: r[k] for k in CONFIG_FIELDS}) for r in records if r["gemm"] == 0]
+    own16 = [c for c in paths if c.block_m == 16 and c.pair_blocks == 1]
+    paired16 = [c for c in paths if c.block_m == 16 and c.pair_blocks == 2]
+    assert own16 and paired16 and best.block_m == 32 and best.pair_blocks == 1
+    assert all((c.block_n1, c.block_n2) == (own1["block_n"], own2["block_n"]) for c in own16)
+    assert all((c.block_n1, c.block_k1, c.warps1, c.stages1, c.block_n2, c.block_k2, c.warps2, c.stages2)
+               == (*FAST1.values(), *FAST2.values()) for c in paired16)
+    assert len(paths) == len(set(paths))                             # each config timed once
+    w32 = next(c for c in paths if c.block_m == 32 and not tuner.variant_label(c))
+    assert tuner.paired_tiles(dataclasses.replace(w32, pair_blocks=2), {}) == \
+        dataclasses.replace(w32, pair_blocks=2)                      # no tuned 2 * block_m: its own tiles
+
+
 def test_tune_report_shows_the_switches_tried_and_chosen():
     from moekit.bench.results import Provenance
     from moekit.bench.tune_report import output_files, tune_rows

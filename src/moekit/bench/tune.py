@@ -5,7 +5,8 @@ separately (each GEMM timed alone in a CUDA graph), then the whole path (align, 
 is timed with each block_m's winners. On every block_m's winners within SWITCH_SPAN (1.25x) of the
 fastest, the opt-in switches are tried (`switch_variants`: paired tiles, TMA weight loads where the
 device and weights allow them, persistent GEMMs, alone and combined), each as a whole path; the
-fastest of all wins. Routing is uniform random with k
+fastest of all wins. A paired variant (2 x block_m rows a tile) runs the tiles tuned for block_m
+2 x block_m when that one was tuned (`paired_tiles`). Routing is uniform random with k
 distinct experts per token; each timed graph runs R different routings back to back, so small T
 reads more distinct experts than L2 holds and the weights come from HBM as in a real model.
 Candidate tiles are those whose pipelined operands fit in the device's shared memory
@@ -136,6 +137,20 @@ def switch_variants(cfg: ExpertsConfig, gate_up_proj: torch.Tensor,
     return out
 
 
+TILE_FIELDS = tuple(f"{name}{which}" for which in (1, 2)
+                    for name in ("block_n", "block_k", "warps", "stages"))
+
+
+def paired_tiles(variant: ExpertsConfig, winners: dict[int, ExpertsConfig]) -> ExpertsConfig:
+    """A paired variant (pair_blocks 2) computes 2 * block_m rows a tile: it takes the GEMM tiles
+    tuned for block_m 2 * block_m when that block_m was tuned (`winners`, by block_m), else keeps its
+    own. Any other variant is returned as it is."""
+    double = winners.get(2 * variant.block_m)
+    if variant.pair_blocks != 2 or double is None:
+        return variant
+    return replace(variant, **{f: getattr(double, f) for f in TILE_FIELDS})
+
+
 def _with(cfg: ExpertsConfig, which: int, p: dict[str, int]) -> ExpertsConfig:
     return replace(cfg, **{f"block_n{which}": p["block_n"], f"block_k{which}": p["block_k"],
                            f"warps{which}": p["warps"], f"stages{which}": p["stages"]})
@@ -163,7 +178,8 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}: each
     block_m's winners (no switch on: `default_config` sets none), then, with `switches`, each of
     those within SWITCH_SPAN of the fastest with each of `switch_variants` (told apart by their
-    block_m and switches, `variant_label`). A candidate that fails to run is logged and skipped.
+    block_m and switches, `variant_label`; paired ones with `paired_tiles`). A candidate that fails
+    to run is logged and skipped.
     `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
     """
     dev = torch.device(device)
@@ -218,8 +234,14 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     best_total, best_cfg = winners_by_bm[0]
     # The switches on every block_m's tiles within SWITCH_SPAN of the fastest path, fastest first: a
     # switch can turn the order of two block_m around (paired tiles suit block_m 64, not 128).
+    # Paired variants take the tiles tuned for twice their block_m (`paired_tiles`): the shipped H200
+    # entries at 2,048 / 4,096 tokens are block_m 128's tiles over 64-row blocks, which the search
+    # never tried while a paired variant kept block_m 64's own (4-warp) tiles (2026-12-01).
+    by_bm = {c.block_m: c for _, c in winners_by_bm}
     near = [c for t, c in winners_by_bm if t <= SWITCH_SPAN * best_total]
-    for cfg in [v for c in near for v in switch_variants(c, gate_up, down)[1:]] if switches else ():
+    variants = list(dict.fromkeys(paired_tiles(v, by_bm) for c in near
+                                  for v in switch_variants(c, gate_up, down)[1:]))
+    for cfg in variants if switches else ():
         label = variant_label(cfg)
         try:
             total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
