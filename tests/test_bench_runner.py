@@ -98,7 +98,9 @@ def test_loop_launches_per_expert_triton_a_handful(weights, work16):
     extra_experts = work16.traffic.experts_hit - work1.traffic.experts_hit
     assert extra_experts >= 4
     assert loop16 - loop1 >= 5 * extra_experts        # several launches for every expert hit
-    assert tri1 == tri16 <= 10                         # fused: the same handful at any T
+    # Fused: a handful at any T, not one per expert (T = 1 takes the direct decode path, 2 fewer
+    # launches; T = 16, 4 pairs an expert hit on tiny's 8 experts, the aligned path).
+    assert tri1 <= tri16 <= 10
     assert loop16 > 5 * tri16
 
 
