@@ -36,15 +36,12 @@ import moekit
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.roofline import traffic
 from moekit.bench.timing import FLUSH_MODES, time_fn
+from moekit.bench.wgrad import rel_err
 from moekit.decode import DECODE_TILES, experts_decode
 from moekit.experts import moe_experts
 from moekit.reference import moe_experts_ref
 
 MODES = (*FLUSH_MODES, "none")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = tr.bytes / (ceil.copy_gbps * 1e9) * 1e3
         ref = moe_experts_ref(x, layer.gate_up_proj, layer.down_proj, w, ids)
         plain = moe_experts(x, layer.gate_up_proj, layer.down_proj, w, ids, backend="grouped_mm")
-        bound = 2 * rel(plain, ref) + 1e-6
+        bound = 2 * rel_err(plain, ref) + 1e-6
         probe = torch.zeros(max(1, int(tr.bytes) // 8), dtype=torch.int64, device=dev)
         args = (x, layer.gate_up_proj, layer.down_proj, w, ids)
         cases = {"read probe": probe.amax}
@@ -93,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for case, fn in cases.items():
             row = {"tokens": t, "case": case, "floor_ms": floor, "bytes": tr.bytes}
             if case != "read probe":
-                err = rel(fn(), ref)
+                err = rel_err(fn(), ref)
                 row["err_vs_fp32"] = err
                 if not err <= bound:
                     row["error"] = f"error {err:.2e} over 2x grouped_mm's"

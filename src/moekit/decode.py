@@ -45,7 +45,7 @@ DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct pat
 # ... and at most this many pairs per expert hit, expected under uniform routing (`expected_rereads`).
 # The direct path reads an expert's weights once per pair: Mixtral 8x7B (E = 8, K = 2) took it up to
 # T = 32 and ran at 49% / 43% of the floor at T = 4 / 16 on an H200 (2026-12-01, session 7), 1.46 and
-# 3.5 pairs per expert hit. Qwen3-30B-A3B's largest direct call, T = 8, has 1.24 (level with the
+# 4.0 pairs per expert hit. Qwen3-30B-A3B's largest direct call, T = 8, has 1.24 (level with the
 # normal path there, 2026-11-30).
 DECODE_MAX_REREAD = 1.25
 ENV_VAR = "MOEKIT_DECODE_DIRECT"

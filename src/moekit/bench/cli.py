@@ -166,7 +166,7 @@ def _options(args: argparse.Namespace, device: torch.device) -> Options:
     # (benchmarks/results/cpu/2026-11-30/cpu_stability.txt).
     return replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
                    rep=args.rep if args.rep is not None else base.rep,
-                   flush_l2=device.type == "cuda" and getattr(args, "flush", "write"))
+                   flush_l2=device.type == "cuda" and args.flush)
 
 
 def _summary_table(rows: Sequence[ResultRow], title: str,

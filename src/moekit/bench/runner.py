@@ -39,9 +39,9 @@ from moekit.bench.launches import LaunchProfile, profile_call
 from moekit.bench.roofline import Traffic, bound_of, floor_ms_of, traffic
 from moekit.bench.timing import (
     MIN_REP,
-    CacheFlusher,
     NotCapturable,
     TimingStats,
+    cache_flusher,
     capture_graph,
     sync,
     time_fn,
@@ -284,9 +284,7 @@ def run_case(work: Workload, backend: str, mode: str, ceilings: Ceilings, option
     try:
         timing = time_fn(call, warmup=options.warmup, rep=options.rep, flush_l2=options.flush_l2,
                          device=work.device, min_rep=options.min_rep)
-        flush = CacheFlusher(work.device, "write" if options.flush_l2 is True else options.flush_l2) \
-            if options.flush_l2 else None
-        launches = profile_call(call, work.device, flush)
+        launches = profile_call(call, work.device, cache_flusher(work.device, options.flush_l2))
     except Exception as exc:  # e.g. out of memory on a later call: one row lost, not the sweep
         return Measurement("error", "while timing: " + _first_line(exc), **base)
     return Measurement("ok", "", timing=timing, launches=launches, **base)

@@ -101,8 +101,6 @@ def to_row(prov: Provenance, work: Workload, backend: str, mode: str, m: Measure
     )
 
 
-
-
 def rows_per_pair(work: Workload, direction: str) -> float:
     """Rows the triton backend's tiles compute per pair on this workload (NaN when it cannot tell:
     an error there is the triton rows' own to report)."""

@@ -95,6 +95,16 @@ class CacheFlusher:
             self.clean.max()                  # a read of every line: the dirty ones are written back now
 
 
+def cache_flusher(device: torch.device, flush_l2: bool | str) -> CacheFlusher | None:
+    """`time_fn`'s flush_l2 as a flusher: None for False, the written flush for True, else the mode
+    named."""
+    if flush_l2 is False:
+        return None
+    if flush_l2 is not True and flush_l2 not in FLUSH_MODES:
+        raise ValueError(f"flush_l2 must be True, False or one of {FLUSH_MODES}, got {flush_l2!r}")
+    return CacheFlusher(device, "write" if flush_l2 is True else flush_l2)
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
@@ -154,9 +164,7 @@ def time_fn(
     if not 1 <= min_rep <= MAX_REP:
         raise ValueError(f"min_rep must be in [1, {MAX_REP}], got {min_rep}")
     dev = _resolve_device(device)
-    if flush_l2 is not False and flush_l2 is not True and flush_l2 not in FLUSH_MODES:
-        raise ValueError(f"flush_l2 must be True, False or one of {FLUSH_MODES}, got {flush_l2!r}")
-    flush = CacheFlusher(dev, "write" if flush_l2 is True else flush_l2) if flush_l2 else None
+    flush = cache_flusher(dev, flush_l2)
     call: Callable[[], object] = fn
     if graph:
         g, _ = capture_graph(fn, dev)

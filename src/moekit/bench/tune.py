@@ -240,8 +240,8 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     by_bm = {c.block_m: c for _, c in winners_by_bm}
     near = [c for t, c in winners_by_bm if t <= SWITCH_SPAN * best_total]
     variants = list(dict.fromkeys(paired_tiles(v, by_bm) for c in near
-                                  for v in switch_variants(c, gate_up, down)[1:]))
-    for cfg in variants if switches else ():
+                                  for v in switch_variants(c, gate_up, down)[1:])) if switches else []
+    for cfg in variants:
         label = variant_label(cfg)
         try:
             total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
