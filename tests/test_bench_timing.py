@@ -128,6 +128,31 @@ def test_clean_flush_writes_then_reads(monkeypatch):
         timing.CacheFlusher(torch.device("cpu"), "cold")
 
 
+def test_each_flush_mode_does_its_own_work():
+    """The aten ops a flush issues: a write of the whole buffer; "clean" then a reduction that reads
+    every element of the second buffer (as large as the first); the written flush reads nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moekit.bench.timing import CacheFlusher
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((func.overloadpacket.__name__, args[0].numel() * args[0].element_size()))
+            return func(*args, **(kwargs or {}))
+
+    for mode in ("write", "clean"):
+        flusher = CacheFlusher(torch.device("cpu"), mode)
+        nbytes = flusher.buffer.numel()
+        with Ops() as ops:
+            flusher()
+        want = [("zero_", nbytes)] + ([("max", nbytes)] if mode == "clean" else [])
+        assert ops.seen == want, (mode, ops.seen)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="rep"):
         time_fn(lambda: None, rep=0, device="cpu")
