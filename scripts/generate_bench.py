@@ -18,6 +18,10 @@ between implementations, so every implementation runs the same weights and the s
               decoding forward (Transformers' auto-compile on CUDA; compiled once per implementation
               before timing, since switching implementations changes the graph)
 
+`--no-graphs` adds "moekit-no-graphs": moekit's experts with every kernel launched at each call
+(`register(eager_graphs=False)`), beside moekit's default, which replays a CUDA graph of the experts
+per token count for eager calls of at most 16 tokens that need no gradient (`moekit.eager_graphs`).
+
 `--bound` adds the implementation "free-experts": an experts function that returns zeros (one
 torch op, no expert math), so its row is what the rest of the model costs: no experts
 implementation can be faster than it, which bounds the speed-up any of them can give end to end.
@@ -51,6 +55,7 @@ from moekit.integrations.transformers import register  # noqa: E402
 
 IMPLS = ("grouped_mm", "batched_mm", "moekit")
 BOUND = "free-experts"   # --bound: an experts function that computes nothing (one torch op)
+NO_GRAPHS = "moekit-no-graphs"   # --no-graphs: moekit with every kernel launched eagerly
 MODES = ("prefill", "eager", "compiled")
 DECODE_PROMPT = 32
 
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--bound", action="store_true",
                         help=f"also time {BOUND!r}: experts that cost one op (the bound of any speed-up)")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help=f"also time {NO_GRAPHS!r}: moekit without its eager graphs at decode sizes")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny float32 model on the CPU: checks the script")
     args = parser.parse_args(argv)
@@ -227,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
         ExpertsInterface.register(BOUND, lambda self, hidden_states, *_: torch.zeros_like(hidden_states))
         impls.append(BOUND)
+    if args.no_graphs:
+        register(NO_GRAPHS, eager_graphs=False)
+        impls.append(NO_GRAPHS)
     model = build(args.layers, device, torch.float32 if args.smoke else torch.bfloat16, args.smoke)
     rows = run(model, device, impls, modes, args.prompt, args.new_tokens, args.reps)
     prov = provenance()

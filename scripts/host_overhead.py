@@ -21,8 +21,9 @@ launches. `--binder` estimates Triton's own per-launch host cost: the JIT's bind
 backend (bound arguments, specialisation, cache key), run on the kernels' real argument lists (no
 GPU needed: the binder is built for an sm_90 target as scripts/aot_compile_check.py builds it).
 
-On a GPU (CUDA available, TRITON_INTERPRET unset) it also times real eager calls at T=1 and 4:
-N calls back to back, then torch.cuda.synchronize, per call.
+On a GPU (CUDA available, TRITON_INTERPRET unset) it also times real eager calls at T=1, 4 and 16:
+N calls back to back, then torch.cuda.synchronize, per call; with the layer's eager graphs (the
+default: a replay of the layer recorded for T, `moekit.eager_graphs`) and without (every launch).
 
     PYTHONPATH=src python scripts/host_overhead.py                   # this tree
     PYTHONPATH=src python scripts/host_overhead.py --baseline main   # and a git ref, side by side
@@ -138,6 +139,9 @@ def build(shape_name: str, tokens: int, dtype: torch.dtype, device: str):
     # Weights are never read (kernels stubbed): skip the layer's random init.
     layer = torch.nn.utils.skip_init(MoELayer, shape_name, backend="triton", router_backend="triton",
                                      dtype=dtype, device=device)
+    # The stubbed phases time the launches themselves: a graph recorded with stubbed kernels would
+    # hold none. `time_eager` switches the layer's eager graphs on and off itself.
+    layer.eager_graphs = False
     x = torch.randn(tokens, layer.shape.hidden_size, dtype=dtype, device=device)
     del moekit
     return layer, x
@@ -207,28 +211,32 @@ def measure(args) -> dict:
 
 
 def time_eager(layer, args) -> dict:
-    """Real eager layer calls on the GPU: ms per call, `loops` calls then one synchronize."""
+    """Real eager layer calls on the GPU: ms per call, `loops` calls then one synchronize; with the
+    layer's eager graphs ("T=n") and with every kernel launched ("T=n, no graphs")."""
     out = {}
     with torch.no_grad():
         layer.reset_parameters(torch.Generator().manual_seed(0))    # real routing: finite weights
-    for tokens in (1, 4):
+    for tokens in (1, 4, 16):
         x = torch.randn(tokens, layer.shape.hidden_size, dtype=layer.gate_up_proj.dtype, device="cuda")
-        with torch.no_grad():
+        for graphs in (True, False):
+            layer.eager_graphs = graphs
+            with torch.no_grad():
 
-            def call(x=x):
-                layer(x)
+                def call(x=x):
+                    layer(x)
 
-            for _ in range(20):
-                call()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter_ns()
-                for _ in range(args.loops):
+                for _ in range(20):
                     call()
                 torch.cuda.synchronize()
-                samples.append((time.perf_counter_ns() - t0) / args.loops / 1e6)
-        out[f"T={tokens}"] = statistics.median(samples)
+                samples = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter_ns()
+                    for _ in range(args.loops):
+                        call()
+                    torch.cuda.synchronize()
+                    samples.append((time.perf_counter_ns() - t0) / args.loops / 1e6)
+            out[f"T={tokens}" + ("" if graphs else ", no graphs")] = statistics.median(samples)
+    layer.eager_graphs = True
     return out
 
 

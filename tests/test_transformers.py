@@ -975,15 +975,41 @@ def test_generate_bench_smoke(tmp_path):
     near-tie flips) with moekit's experts."""
     script = load_script("generate_bench")
     assert script.main([str(tmp_path), "--smoke", "--layers", "1", "--prompt", "16", "--new-tokens", "3",
-                        "--reps", "1", "--bound"]) == 0
+                        "--reps", "1", "--bound", "--no-graphs"]) == 0
     import csv
     rows = list(csv.DictReader((tmp_path / "generate_bench.csv").open()))
-    cases = {(i, m) for i in (*script.IMPLS, script.BOUND) for m in ("prefill", "eager")}
+    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.NO_GRAPHS) for m in ("prefill", "eager")}
     assert {(r["impl"], r["mode"]) for r in rows} == cases
     assert all(r["status"] == "ok" and r["reps"] == "1" for r in rows)
     assert all(float(r["ms"]) > 0 for r in rows if r["mode"] == "prefill")
-    decoded = [r for r in rows if r["mode"] == "eager" and r["impl"] in script.IMPLS]
+    decoded = [r for r in rows if r["mode"] == "eager" and r["impl"] in (*script.IMPLS, script.NO_GRAPHS)]
     assert decoded and all(r["tokens_match"] == "True" for r in decoded)
     assert all(r["tokens_match"] == "" for r in rows if r["impl"] == script.BOUND)
     text = (tmp_path / "generate_bench.md").read_text()
     assert "grouped_mm ÷ moekit" in text and "| eager (ms per token) |" in text
+
+
+@pytest.mark.gpu
+def test_eager_decode_replays_graphs_and_equals_the_kernels_gpu():
+    """Greedy decoding through the experts function with eager graphs (the default) gives the same
+    logits, bit for bit, as with every kernel launched eagerly; the graphs were recorded (one per
+    token count and layer) and a call that needs gradients records none."""
+    from moekit.eager_graphs import graph_cache
+
+    mt.register("moekit-no-graphs", eager_graphs=False)
+    model = tiny_model("qwen3_moe").to("cuda", torch.bfloat16)
+    ids = input_ids().cuda()
+    logits = {}
+    for impl in ("moekit-no-graphs", "moekit"):
+        model.set_experts_implementation(impl)
+        with moekit_warnings_fail():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        logits[impl] = torch.stack(out.logits)
+    assert torch.equal(logits["moekit"], logits["moekit-no-graphs"])
+    caches = [graph_cache(layer.mlp.experts) for layer in model.model.layers]
+    assert all(c.captures == 2 for c in caches)     # the 7-token prompt, then 1 token a step
+    model.set_experts_implementation("moekit")
+    model(ids[:, :3]).logits.float().sum().backward()   # gradients: the kernels, no graph
+    assert all(c.captures == 2 for c in caches)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None

@@ -1,5 +1,10 @@
 """MoELayer: router + experts as an nn.Module, and whole-layer CUDA-graph capture.
 
+An eager call of at most `moekit.eager_graphs.EAGER_GRAPH_MAX_TOKENS` tokens on a CUDA device with
+nothing needing gradients replays a graph of the whole layer recorded for its token count
+(`eager_graphs=True`, the default; see `moekit.eager_graphs`): same kernels, same result, a
+fraction of the host time.
+
 `MoELayer.capture(max_tokens)` records one graph per token bucket (powers of two up to max_tokens,
 and max_tokens) over shared static buffers. A call with T tokens copies them into the smallest
 bucket >= T and writes T into a device scalar; the router kernel gives the bucket's padding rows
@@ -18,6 +23,7 @@ from torch import nn
 
 from moekit._validation import check_dtype
 from moekit.experts import moe_experts, resolve_backend
+from moekit.eager_graphs import eligible, graph_cache, tensor_key
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
@@ -31,6 +37,8 @@ class MoELayer(nn.Module):
         shape: an `MoEShape` or a preset name from `moekit.PRESETS`.
         backend: experts backend, "auto" or one of `moekit.BACKENDS`.
         router_backend: "auto", "torch" or "triton".
+        eager_graphs: let eager calls at decode sizes replay a per-token-count CUDA graph of the
+            layer (`moekit.eager_graphs`); False always launches the kernels one by one.
         dtype, device: of the parameters; dtype may be given by name ("bfloat16").
 
     Parameters:
@@ -38,8 +46,12 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, shape: MoEShape | str, *, backend: str = "auto", router_backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 eager_graphs: bool = True, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         super().__init__()
+        if not isinstance(eager_graphs, bool):
+            raise TypeError(f"eager_graphs must be a bool, got {eager_graphs!r}")
+        self.eager_graphs = eager_graphs
         dtype = check_dtype("dtype", dtype)
         self.shape = get_shape(shape)
         self.backend = backend
@@ -76,10 +88,27 @@ class MoELayer(nn.Module):
             raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "
                             f"cast x (x.to({dtype})) or the layer (layer.to(dtype))")
         flat = x if x.dim() == 2 else x.reshape(-1, self.shape.hidden_size)   # (T, H) as it comes
-        weights, ids = self.route(flat)
-        out = moe_experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
-                          backend=self.backend, **experts_opts)
+        out = None
+        if self.eager_graphs and not experts_opts and self._graphable(flat):
+            out = graph_cache(self)(self._forward_flat, (flat,), self._graph_key())
+        if out is None:
+            out = self._forward_flat(flat, **experts_opts)
         return out if flat is x else out.view(x.shape)
+
+    def _forward_flat(self, flat: torch.Tensor, **experts_opts) -> torch.Tensor:
+        weights, ids = self.route(flat)
+        return moe_experts(flat, self.gate_up_proj, self.down_proj, weights, ids,
+                           backend=self.backend, **experts_opts)
+
+    def _graphable(self, flat: torch.Tensor) -> bool:
+        params = (flat, self.router_weight, self.gate_up_proj, self.down_proj)
+        return (eligible(flat.shape[0], params)
+                and resolve_backend(self.backend, flat.device) == "triton")
+
+    def _graph_key(self) -> tuple:
+        """What a graph of this layer bakes in: the weights it reads in place and the backends."""
+        return (self.backend, self.router_backend, self.shape, tensor_key(self.router_weight),
+                tensor_key(self.gate_up_proj), tensor_key(self.down_proj))
 
     def capture(self, max_tokens: int, buckets: Sequence[int] | None = None) -> CapturedMoE:
         """Record the whole layer (router included) in CUDA graphs for any T <= max_tokens."""

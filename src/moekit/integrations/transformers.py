@@ -37,6 +37,11 @@ that it swapped it). An explicit backend without a backward on the device
 (`moekit.experts.has_backward`: grouped_mm on CPU, masked) falls back to Transformers' grouped_mm
 for such calls, with the one warning.
 
+Decoding: an eager call of at most 16 tokens that needs no gradient, on the triton backend, replays
+a CUDA graph of the experts recorded for its token count (`moekit.eager_graphs`, keyed by the
+weights' addresses and the call's layout; `register(eager_graphs=False)` or MOEKIT_EAGER_GRAPHS=0
+turn it off): the same kernels for a fraction of an eager call's host time.
+
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
 expert count); every id outside [0, E) contributes exactly 0 (no expert weight is read for it) and
 its routing weight gets a gradient of exactly 0.
@@ -61,7 +66,8 @@ from torch import nn
 from moekit import ops
 from moekit._validation import FLOAT_DTYPES, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
-from moekit.experts import BACKENDS, ExpertsOptions, has_backward
+from moekit.eager_graphs import eligible, graph_cache, tensor_key
+from moekit.experts import BACKENDS, ExpertsOptions, has_backward, resolve_backend
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
@@ -126,14 +132,17 @@ def _transformers() -> _Transformers:
     return _TF
 
 
-def register(name: str = "moekit", *, backend: str = "auto") -> Callable:
+def register(name: str = "moekit", *, backend: str = "auto", eager_graphs: bool = True) -> Callable:
     """Register moekit's experts function with Transformers under `name`. Idempotent.
 
     Args:
         name: the `experts_implementation` name to register (not one of Transformers' own).
         backend: the moekit experts backend, "auto" (triton on CUDA, grouped_mm or loop on CPU) or
-            one of `moekit.BACKENDS`. Registering the same name again with another backend
-            replaces the function.
+            one of `moekit.BACKENDS`.
+        eager_graphs: eager calls of at most 16 tokens that need no gradient (decoding) replay a
+            CUDA graph of the experts recorded per token count (`moekit.eager_graphs`); False
+            launches the kernels one by one. Registering the same name again with another backend
+            or eager_graphs replaces the function.
 
     Returns:
         The registered function (the same object for repeated calls with the same arguments).
@@ -145,12 +154,17 @@ def register(name: str = "moekit", *, backend: str = "auto") -> Callable:
         raise ValueError(f"name {name!r} is one of Transformers' own experts implementations")
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if not isinstance(eager_graphs, bool):
+        raise TypeError(f"eager_graphs must be a bool, got {eager_graphs!r}")
     known = _registered.get(name)
-    if known is not None and known[0] == backend:
+    if known is not None and known[0] == (backend, eager_graphs):
         fn = known[1]
     else:
-        fn = experts_forward if backend == "auto" else functools.partial(experts_forward, backend=backend)
-        _registered[name] = (backend, fn)
+        if backend == "auto" and eager_graphs:
+            fn = experts_forward
+        else:
+            fn = functools.partial(experts_forward, backend=backend, eager_graphs=eager_graphs)
+        _registered[name] = ((backend, eager_graphs), fn)
     tf.interface.register(name, fn)
     return fn
 
@@ -252,6 +266,7 @@ def experts_forward(
     top_k_weights: torch.Tensor,
     *,
     backend: str = "auto",
+    eager_graphs: bool = True,
 ) -> torch.Tensor:
     """The function `register` installs: Transformers' experts signature on moekit's kernels.
 
@@ -265,6 +280,7 @@ def experts_forward(
         backend: see `register`. A call that needs gradients (grad mode on, and the hidden states,
             the weights or the routing weights require grad) runs on moekit when the backend has a
             backward on the device ("auto" always does), else on Transformers' grouped_mm.
+        eager_graphs: see `register`.
 
     Returns:
         (T, H) in the dtype of hidden_states.
@@ -282,9 +298,27 @@ def experts_forward(
         _warn_once(type(self).__name__, reason)
         return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
     gate_up, down = plan.pop("gate_up_proj"), plan.pop("down_proj")
-    out = ops.experts(hidden_states.to(gate_up.dtype), gate_up, down, top_k_weights, top_k_index,
-                      backend=backend, **plan)
-    return out.to(hidden_states.dtype)
+
+    def run(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = ops.experts(hidden.to(gate_up.dtype), gate_up, down, weights, ids, backend=backend, **plan)
+        return out.to(hidden.dtype)
+
+    inputs = (hidden_states, top_k_index, top_k_weights)
+    if eager_graphs and _graphable(inputs, gate_up, down, plan, backend):
+        key = ("experts", backend, tensor_key(gate_up), tensor_key(down), tensor_key(plan["gate_up_bias"]),
+               tensor_key(plan["down_bias"]), plan["activation"], plan["interleaved"])
+        out = graph_cache(self)(run, inputs, key)
+        if out is not None:
+            return out
+    return run(*inputs)
+
+
+def _graphable(inputs: tuple, gate_up: torch.Tensor, down: torch.Tensor, plan: dict, backend: str) -> bool:
+    """An eager decoding call the triton backend serves (`moekit.eager_graphs.eligible`)."""
+    tensors = (*inputs, gate_up, down, plan["gate_up_bias"], plan["down_bias"])
+    hidden = inputs[0]
+    return (hidden.dim() == 2 and eligible(hidden.shape[0], tensors)
+            and resolve_backend(backend, hidden.device) == "triton")
 
 
 # MoE blocks MoELayer cannot hold, and what runs them on moekit instead.

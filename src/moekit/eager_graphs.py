@@ -1,0 +1,169 @@
+"""CUDA graphs behind eager calls at decode sizes: an eager call that costs a replay, not a launch storm.
+
+At a handful of tokens an MoE layer's GPU work is tens of microseconds, while an eager call's host
+work (Python, the dispatcher, the router's and the expert path's launches) is 100-250 us: a model
+that decodes eagerly waits on the host. `GraphCache` records such a call once per token count in a
+CUDA graph over static input buffers; a later eager call with the same key copies its inputs into
+those buffers, replays the graph and returns a clone of the graph's static output. The graph runs
+the very kernels, tiles and launch order of the eager call it recorded, so the result is the same
+bit for bit.
+
+Who uses it: `MoELayer.forward` (router + experts, `eager_graphs=True` by default) and the
+Transformers experts function (`moekit.integrations.transformers.register(eager_graphs=True)`).
+A call takes the graph only when every one of these holds (`eligible`), else it runs as before:
+
+    - 1 <= T <= max_tokens (EAGER_GRAPH_MAX_TOKENS = 16: above it the GPU time outgrows the host's);
+    - every tensor is a plain CUDA tensor (no FakeTensor, DTensor or other subclass) and the
+      interpreter is off;
+    - no gradient is needed (grad mode off, or nothing requires grad): a graph has no autograd;
+    - not under torch.compile and not inside a stream capture (the caller's own graph records the
+      eager kernels instead);
+    - MOEKIT_EAGER_GRAPHS is not "0" (read at import; `set_enabled` switches it at run time).
+
+What the graph keeps fixed, and so what its key must name (the caller's `key`, plus each input's
+shape, dtype and device): the weights' addresses, shapes and strides (an in-place update of a weight
+is seen by the next replay; a new weight tensor at a new address gets a graph of its own) and
+every option that changes the launches. A call whose work cannot be recorded (it syncs the host,
+`moekit.graphs.NotCapturable`) is remembered and runs eagerly from then on.
+
+Memory: each cache (one per module, held weakly: it goes with the module) keeps at most
+`max_graphs` graphs (least recently used dropped first) in one private memory pool, with their
+static inputs and outputs; at decode sizes that is a few MB a layer. Capture costs a few eager
+calls the first time each token count is seen. Replays of one cache must not run concurrently from
+two threads (they share the static buffers), as a module's eager calls normally do not.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moekit._validation import interpreting
+from moekit.graphs import NotCapturable, capture_graph
+
+__all__ = ["EAGER_GRAPH_MAX_TOKENS", "GraphCache", "eligible", "graph_cache", "set_enabled", "tensor_key"]
+
+EAGER_GRAPH_MAX_TOKENS = 16
+MAX_GRAPHS = 8
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+_enabled = os.environ.get("MOEKIT_EAGER_GRAPHS", "1").strip() not in ("0", "")
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn eager graphs on or off for the whole process; returns the previous setting."""
+    global _enabled
+    before, _enabled = _enabled, bool(enabled)
+    return before
+
+
+def eligible(num_tokens: int, tensors: Sequence[torch.Tensor | None],
+             max_tokens: int = EAGER_GRAPH_MAX_TOKENS) -> bool:
+    """Whether an eager call over these tensors (None entries skipped) may replay a graph."""
+    if not _enabled or not 1 <= num_tokens <= max_tokens:
+        return False
+    present = [t for t in tensors if t is not None]
+    if not present or any(type(t) not in _PLAIN or not t.is_cuda for t in present):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    if interpreting() or torch.compiler.is_compiling():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def tensor_key(t: torch.Tensor | None) -> Hashable:
+    """What a graph bakes in of a tensor it reads in place (a weight): address, shape, strides, dtype."""
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]      # static buffers the graph reads
+    output: torch.Tensor                  # static buffer every replay rewrites
+
+
+class GraphCache:
+    """Graphs of one module's eager calls, keyed by the caller's key and the inputs' shapes and dtypes.
+
+    `cache(fn, inputs, key)` returns fn(*inputs) computed by a replay, or None when this call cannot
+    be recorded (the caller then runs fn itself). fn must return one tensor and read its inputs only
+    through its arguments; every tensor it reads otherwise (weights) must be named by key.
+    """
+
+    def __init__(self, max_graphs: int = MAX_GRAPHS):
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        self.max_graphs = max_graphs
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._uncapturable: set[Hashable] = set()
+        self._pool = None
+        self.captures = 0          # graphs recorded so far (the tests read it)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._uncapturable.clear()
+
+    def __call__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                 key: Hashable) -> torch.Tensor | None:
+        full = (key, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
+        entry = self._entries.get(full)
+        if entry is None:
+            if full in self._uncapturable:
+                return None
+            entry = self._record(fn, inputs, full)
+            if entry is None:
+                return None
+        else:
+            self._entries.move_to_end(full)
+        for static, t in zip(entry.inputs, inputs):
+            static.copy_(t)
+        entry.graph.replay()
+        return entry.output.clone()
+
+    def _record(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                full: Hashable) -> _Entry | None:
+        device = inputs[0].device
+        # Normal (not inference-mode) tensors: an eager call under inference_mode copies into them
+        # later, which inference tensors would refuse outside inference mode.
+        with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(device):
+            static = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in inputs)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            try:
+                graph, output = capture_graph(lambda: fn(*static), device, pool=self._pool)
+            except NotCapturable:
+                self._uncapturable.add(full)
+                return None
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"an eager-graph call must return one tensor, got {type(output).__name__}")
+        entry = _Entry(graph, static, output)
+        self._entries[full] = entry
+        self.captures += 1
+        while len(self._entries) > self.max_graphs:
+            self._entries.popitem(last=False)
+        return entry
+
+
+_caches: weakref.WeakKeyDictionary[nn.Module, GraphCache] = weakref.WeakKeyDictionary()
+
+
+def graph_cache(module: nn.Module) -> GraphCache:
+    """The module's cache (made on first use; it lives as long as the module, outside its state, so
+    state_dict, deepcopy and pickling never see it)."""
+    cache = _caches.get(module)
+    if cache is None:
+        cache = _caches[module] = GraphCache()
+    return cache

@@ -1,0 +1,199 @@
+"""Eager calls at decode sizes replay a per-token-count CUDA graph (`moekit.eager_graphs`).
+
+CPU: the rules that keep a call eager (no graph without CUDA, with gradients, past 16 tokens, when
+switched off) and the cache's bookkeeping. GPU: the replay equals the eager call bit for bit (same
+kernels), against the fp32 reference within the 2x rule, with no stale input, output or weight.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from helpers import layer_ref, rel_err, same_dtype_bound
+from moekit import PRESETS, MoELayer, eager_graphs
+from moekit.eager_graphs import EAGER_GRAPH_MAX_TOKENS, GraphCache, eligible, graph_cache, tensor_key
+from moekit.reference import moe_experts_ref
+
+QWEN = PRESETS["qwen3-30b-a3b"]
+
+
+# CPU: what keeps a call eager.
+
+def test_no_graph_off_cuda_and_layer_output_unchanged():
+    layer = MoELayer("tiny")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        out = layer(x)
+        layer.eager_graphs = False
+        plain = layer(x)
+    assert torch.equal(out, plain)
+    assert len(graph_cache(layer)) == 0
+    assert not eligible(3, (x, layer.gate_up_proj))
+
+
+def test_eligible_needs_tokens_in_range_and_tensors():
+    assert not eligible(0, ())
+    assert not eligible(1, (None,))
+    assert not eligible(EAGER_GRAPH_MAX_TOKENS + 1, (torch.zeros(1),))
+    with torch.device("meta"):
+        assert not eligible(1, (torch.zeros(1),))
+
+
+def test_set_enabled_returns_the_previous_setting():
+    before = eager_graphs.set_enabled(False)
+    try:
+        assert eager_graphs.set_enabled(False) is False
+    finally:
+        eager_graphs.set_enabled(before)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="max_graphs must be a positive int"):
+        GraphCache(0)
+    with pytest.raises(TypeError, match="eager_graphs must be a bool"):
+        MoELayer("tiny", eager_graphs="yes")
+
+
+def test_cache_is_per_module_and_dies_with_it():
+    a, b = MoELayer("tiny"), MoELayer("tiny")
+    assert graph_cache(a) is graph_cache(a) and graph_cache(a) is not graph_cache(b)
+    count = len(eager_graphs._caches)
+    del a
+    gc.collect()
+    assert len(eager_graphs._caches) == count - 1
+    assert "graph" not in str(b.state_dict().keys())
+
+
+def test_tensor_key_names_address_shape_strides():
+    w = torch.zeros(4, 6)
+    assert tensor_key(w) != tensor_key(w.t()) and tensor_key(w) != tensor_key(w.clone())
+    assert tensor_key(None) is None
+
+
+# GPU.
+
+def qwen_bf16(**kw) -> MoELayer:
+    """The Qwen3-30B-A3B layer for inference, weights drawn on the GPU (1/sqrt(fan_in))."""
+    layer = torch.nn.utils.skip_init(MoELayer, QWEN, dtype=torch.bfloat16, device="cuda", **kw)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for p, fan_in in ((layer.router_weight, QWEN.hidden_size), (layer.gate_up_proj, QWEN.hidden_size),
+                          (layer.down_proj, QWEN.intermediate_size)):
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) / fan_in**0.5)
+    return layer.requires_grad_(False)
+
+
+def eager_of(layer, x):
+    layer.eager_graphs = False
+    try:
+        return layer(x)
+    finally:
+        layer.eager_graphs = True
+
+
+@pytest.mark.gpu
+def test_layer_replay_equals_eager_and_reference():
+    layer = qwen_bf16()
+    cache = graph_cache(layer)
+    for n, num_tokens in enumerate((1, 2, 3, 5, 8, 13, 16, 1, 16)):
+        x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+        for entry in cache._entries.values():
+            entry.output.fill_(float("nan"))      # a replay that wrote nothing would show
+        got = layer(x)
+        eager = eager_of(layer, x)
+        assert torch.equal(got, eager), num_tokens
+        w, ids = layer.route(x)
+        args = (x, layer.gate_up_proj, layer.down_proj, w, ids)
+        ref = moe_experts_ref(*args)
+        assert rel_err(got, ref) <= same_dtype_bound(*args, ref), num_tokens
+    assert cache.captures == 7 and len(cache) == 7      # one graph per token count
+
+
+@pytest.mark.gpu
+def test_layer_outputs_are_not_views_of_the_static_buffer():
+    layer = qwen_bf16()
+    x1, x2 = (torch.randn(4, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    y1 = layer(x1)
+    keep = y1.clone()
+    y2 = layer(x2)
+    assert graph_cache(layer).captures == 1
+    assert torch.equal(y1, keep) and not torch.equal(y1, y2)
+    assert torch.equal(y2, eager_of(layer, x2))
+    x3 = torch.randn(2, 3, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)  # (B, S, H)
+    assert torch.equal(layer(x3), eager_of(layer, x3))
+
+
+@pytest.mark.gpu
+def test_layer_replay_follows_weights_in_place_and_new_tensors():
+    layer = qwen_bf16()
+    x = torch.randn(5, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    with torch.no_grad():
+        layer.router_weight.mul_(-1.0)            # in place: the same graph reads the new values
+        layer.down_proj.mul_(0.5)
+    got = layer(x)
+    assert graph_cache(layer).captures == 1
+    assert torch.equal(got, eager_of(layer, x))
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, QWEN.top_k,
+                    QWEN.norm_topk_prob)
+    assert rel_err(got, ref) < 2e-2
+    layer.gate_up_proj = torch.nn.Parameter(layer.gate_up_proj.detach() * 2, requires_grad=False)
+    got = layer(x)                                # a new tensor: a graph of its own
+    assert graph_cache(layer).captures == 2
+    assert torch.equal(got, eager_of(layer, x))
+
+
+@pytest.mark.gpu
+def test_layer_stays_eager_with_gradients_past_16_tokens_and_when_off():
+    layer = qwen_bf16()
+    cache = graph_cache(layer)
+    x = torch.randn(17, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    layer.requires_grad_(True)
+    out = layer(x[:4])
+    assert out.grad_fn is not None
+    out.float().square().sum().backward()
+    assert layer.gate_up_proj.grad is not None and torch.isfinite(layer.gate_up_proj.grad).all()
+    before = eager_graphs.set_enabled(False)
+    try:
+        with torch.no_grad():
+            layer(x[:4])
+    finally:
+        eager_graphs.set_enabled(before)
+    assert cache.captures == 0
+    with torch.no_grad():
+        layer(x[:4])
+    assert cache.captures == 1
+
+
+@pytest.mark.gpu
+def test_layer_under_inference_mode_then_no_grad():
+    layer = qwen_bf16()
+    x = torch.randn(3, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        a = layer(x)
+    b = layer(x)                                  # static buffers are not inference tensors
+    assert torch.equal(a, b) and graph_cache(layer).captures == 1
+
+
+@pytest.mark.gpu
+def test_layer_inside_a_users_capture_runs_its_kernels():
+    """Inside the caller's own capture the layer records its kernels (no replay in a capture)."""
+    layer = qwen_bf16()
+    x = torch.randn(2, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer(x)                                      # warm: compiles, and records a graph
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, eager_of(layer, x))
+    assert graph_cache(layer).captures == 1
