@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit._validation import check_dtype
-from moekit.experts import moe_experts, resolve_backend
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
+from moekit.experts import moe_experts, resolve_backend
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
