@@ -75,18 +75,23 @@ def test_default_config_of_an_empty_batch_is_the_smallest_tile():
 
 
 @pytest.mark.parametrize("tokens,expect", [
-    (1, "small"), (16, "small"),
-    (32, "small"),          # equally far from 1 and 1024 in log scale: the smaller count wins
-    (64, "large"),          # log: nearer 1024 (4x less far); linear would pick 1 (63 < 960)
-    (200, "large"),         # linear would pick 1 (199 < 824)
-    (0, "small"), (10**6, "large"),
+    (0, "small"), (1, "small"), (2, "small"),
+    (3, "default"),         # nearest is 1 (log: 3x against 5.3x), out of TUNED_REACH = 2x
+    (8, "large"),           # 2x from 16: in reach
+    (12, "large"),          # linear would pick... 16 too; log: 1.33x against 12x
+    (32, "large"), (33, "default"), (10**6, "default"),
 ])
-def test_lookup_takes_the_nearest_token_count_in_log_scale(table_dir, tokens, expect):
+def test_lookup_takes_the_nearest_token_count_in_log_scale_within_reach(table_dir, tokens, expect):
+    """The nearest entry in log scale while it is within 2x of the call's token count; past every
+    entry's reach, the default heuristic."""
     shape = PRESETS["tiny"]
     small, large = ExpertsConfig(block_m=16, block_n1=32), ExpertsConfig(block_m=128, block_k1=32)
-    table_dir({shape_key(shape, torch.float32): {"1": small.to_dict(), "1024": large.to_dict()}})
+    table_dir({shape_key(shape, torch.float32): {"1": small.to_dict(), "16": large.to_dict()}})
     got = get_config(shape, tokens, torch.float32, "cpu")
-    assert got == {"small": small, "large": large}[expect]
+    default = default_config(shape, tokens, 4)
+    assert got == {"small": small, "large": large, "default": default}[expect]
+    assert default not in (small, large)
+
 
 
 def test_lookup_without_an_entry_uses_the_default(table_dir):
@@ -721,7 +726,7 @@ def test_get_config_warns_once_when_the_table_s_triton_differs(table_dir, fresh_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert get_config(shape, 1, torch.float32, "cpu") == cfg
-        assert get_config(shape, 4, torch.float32, "cpu") == cfg
+        assert get_config(shape, 2, torch.float32, "cpu") == cfg
     mine = [w for w in caught if "tuned with Triton" in str(w.message)]
     assert len(mine) == (1 if warns else 0)
     if warns:

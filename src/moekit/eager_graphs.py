@@ -65,15 +65,18 @@ def set_enabled(enabled: bool) -> bool:
 
 def eligible(num_tokens: int, tensors: Sequence[torch.Tensor | None],
              max_tokens: int = EAGER_GRAPH_MAX_TOKENS) -> bool:
-    """Whether an eager call over these tensors (None entries skipped) may replay a graph."""
-    if not _enabled or not 1 <= num_tokens <= max_tokens:
+    """Whether an eager call over these tensors (None entries skipped) may replay a graph.
+
+    Under torch.compile it answers False before reading num_tokens: a comparison of a symbolic
+    token count would add a guard (T <= 16) and a recompile past it."""
+    if not _enabled or torch.compiler.is_compiling() or not 1 <= num_tokens <= max_tokens:
         return False
     present = [t for t in tensors if t is not None]
     if not present or any(type(t) not in _PLAIN or not t.is_cuda for t in present):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
-    if interpreting() or torch.compiler.is_compiling():
+    if interpreting():
         return False
     return not torch.cuda.is_current_stream_capturing()
 

@@ -294,10 +294,14 @@ def _default_config(shape: MoEShape, num_tokens: int, itemsize: int, budget: int
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 1)
     elif rows <= 48:
         cfg = ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4, 4)
-    elif rows <= 160:
-        cfg = ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8)
+    elif rows <= 80:
+        cfg = ExpertsConfig(64, 64, 64, 4, 4, 128, 64, 4, 4, 8, tma_weights=True)
+    elif rows <= 384:
+        # What `moekit tune` chose on the H200 for Qwen3-30B-A3B, OLMoE 1B-7B and DeepSeek-V2-Lite
+        # from ~100 to ~400 rows an expert: 64-row blocks computed as 128-row pairs, TMA weights.
+        cfg = ExpertsConfig(64, 128, 64, 8, 4, 256, 64, 8, 4, 8, pair_blocks=2, tma_weights=True)
     else:
-        cfg = ExpertsConfig(128, 128, 64, 8, 3, 128, 64, 8, 4, 8)
+        cfg = ExpertsConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 8, tma_weights=True)
     return fit_shared_memory(cfg, itemsize, budget)
 
 
@@ -462,9 +466,15 @@ def check_table_versions(table: TuningTable) -> None:
                       "`moekit tune`)", stacklevel=4)
 
 
+TUNED_REACH = 2          # a table entry serves token counts within this factor of its own
+
+
 def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
                device: torch.device | str | None = None) -> ExpertsConfig:
-    """The tuned config nearest to num_tokens for this shape and device, else the default."""
+    """The tuned config nearest to num_tokens (in log scale) for this shape and device, when its
+    token count is within TUNED_REACH of num_tokens; else the default. A table tuned over part of
+    the range (say 256-4,096 tokens) so never lends a 256-token tile to 16 tokens: the tuner's
+    default counts are 4x apart, so a fully tuned shape always has an entry in reach."""
     slug = device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
     key = shape_key(shape, dtype)
     table = load_table(slug)
@@ -477,4 +487,6 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
     check_table_versions(table)
     t = max(1, num_tokens)
     best = min(entry, key=lambda n: (abs(math.log(n) - math.log(t)), n))
+    if max(best, t) > TUNED_REACH * min(best, t):
+        return default_config(shape, num_tokens, dtype.itemsize, device)
     return entry[best]
