@@ -23,7 +23,9 @@ A call takes the graph only when every one of these holds (`eligible`), else it 
 What the graph keeps fixed, and so what its key must name (the caller's `key`, plus each input's
 shape, dtype and device): the weights' addresses, shapes and strides (an in-place update of a weight
 is seen by the next replay; a new weight tensor at a new address gets a graph of its own) and
-every option that changes the launches. A call whose work cannot be recorded (it syncs the host,
+every option that changes the launches. Process-wide settings (tuning tables, MOEKIT_* switches)
+are read when a graph is recorded: after changing one, `graph_cache(module).clear()`. A call whose
+work cannot be recorded (it syncs the host,
 `moekit.graphs.NotCapturable`) is remembered and runs eagerly from then on.
 
 Memory: each cache (one per module, held weakly: it goes with the module) keeps at most
