@@ -172,8 +172,8 @@ def test_the_dense_pair_is_on_by_default_with_cuda_only(monkeypatch):
     assert DENSE not in _plan(["--backward", "--device", "cpu"]).backends
     monkeypatch.setattr(cli.arg_types, "resolve_device", lambda device: torch.device("cuda"))
     plan = _plan(["--backends", "triton"])
-    assert plan.backends == ("triton", DENSE) and plan.modes == ("eager", "graph")
-    assert _plan(["--backends", "triton", "--no-dense"]).backends == ("triton",)
+    assert plan.backends == ("triton", "layer", DENSE) and plan.modes == ("eager", "graph")
+    assert _plan(["--backends", "triton", "--no-dense", "--no-layer"]).backends == ("triton",)
 
 
 def test_no_dense_and_backward_leave_it_out(tmp_path, capsys):

@@ -7,7 +7,9 @@ runs end to end in well under two minutes. --shape and --config measure any othe
 Beside the backends it times the dense pair (`moekit.bench.dense`, rows with backend "dense"): the
 layer's FLOPs as two dense matmuls through one expert's weights (cuBLAS on a GPU), checked and timed
 the same way; the report sets triton's time against it ("% of dense pair"). On by default with CUDA;
---dense times it on the CPU too, --no-dense leaves it out.
+--dense times it on the CPU too, --no-dense leaves it out. Likewise the whole layer (`--layer`, rows
+with backend "layer"): `moekit.MoELayer`, router included, called as a user calls it, whose eager calls
+of at most 16 tokens replay its eager graphs: the eager layer call a decoding model pays.
 
 --backward times one forward + backward per call instead (`moekit.bench.backward`), eager, for each
 backend the registry says has a backward on the device: the rows' direction is "fwd+bwd", their
@@ -38,7 +40,7 @@ from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.dense import DENSE
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
-from moekit.bench.runner import Options
+from moekit.bench.runner import LAYER, Options
 from moekit.bench.study import (
     CSV_NAME,
     exit_status,
@@ -87,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one expert's weights (cuBLAS on a GPU), rows with backend 'dense' and the report's "
                         "'%% of dense pair' column (default: on with CUDA; on the CPU its ~20 µs calls are "
                         "the run's noisiest rows; forward only: not with --backward)")
+    p.add_argument("--layer", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the whole layer as a user calls it: moekit.MoELayer (router + triton "
+                        "experts) on the same weights, rows with backend 'layer'; its eager calls of at most "
+                        "16 tokens replay the layer's eager graphs (default: on with CUDA; forward only)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
     arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "
@@ -131,6 +137,8 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
             raise ValueError("--graph: --backward times eager calls only; drop --graph")
         if args.dense:
             raise ValueError("--dense: the dense pair is timed forward only; drop --dense or --backward")
+        if args.layer:
+            raise ValueError("--layer: the layer is timed forward only; drop --layer or --backward")
     if with_peers:
         if peers.transformers_version() is None:
             console.print("[yellow]--peers: transformers is not installed; skipping its experts "
@@ -139,6 +147,8 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
             with_peers = False
         elif args.peers:
             backends += [p for p in peers.PEERS if p not in backends]
+    if not args.backward and arg_types.pick(args.layer, device, True, False) and LAYER not in backends:
+        backends.append(LAYER)
     if not args.backward and arg_types.pick(args.dense, device, True, False) and DENSE not in backends:
         backends.append(DENSE)
     tokens = args.tokens or list(_default_tokens(on_gpu, args.quick, args.backward))

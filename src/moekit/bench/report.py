@@ -27,6 +27,7 @@ from moekit.bench.kernel_work import TILED
 from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
+from moekit.bench.runner import LAYER
 from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
 from moekit.shapes import MoEShape
 
@@ -108,6 +109,15 @@ def _dense_note(rs: Sequence[ResultRow], mode: str) -> list[str]:
             + vs, ""]
 
 
+def _layer_note(rs: Sequence[ResultRow]) -> list[str]:
+    if not any(r.backend == LAYER for r in rs):
+        return []
+    return [f"*{LAYER}* is the whole `MoELayer` as a user calls it: moekit's router and the {TILED} experts "
+            "on the same weights (the same routing); its eager calls of at most 16 tokens replay the "
+            "layer's eager graphs (`moekit.eager_graphs`), so its eager column is the eager layer call a "
+            "decoding model pays. Its floor is the experts' (the router's weight adds E·H elements).", ""]
+
+
 def _padding_table(rs: Sequence[ResultRow]) -> list[str]:
     """Rows computed per pair by triton's tiles, one line per T (the first triton row recording it)."""
     seen: dict[int, float] = {}
@@ -147,6 +157,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     ]
     mode, share = share_of_dense(rs)
     out += _dense_note(rs, mode)
+    out += _layer_note(rs)
     floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms", {t: fmt_pct(v) for t, v in share.items()},
                   f"{TILED} ({mode}): % of dense pair")

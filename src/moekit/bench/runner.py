@@ -10,6 +10,11 @@ For one preset and T, `make_workload` draws the inputs once and shares them acro
     expected        fp32 reference output and the error budget (bench.correctness)
     traffic         bytes and FLOPs of this routing (bench.roofline)
 
+The layer (backend `LAYER`, "layer"): `moekit.MoELayer` over the same weights, called on x as a user
+calls it: the router (moekit's, on the same router weight: the same routing as the workload's) and the
+triton experts in one call; an eager call of at most 16 tokens replays the layer's eager graphs
+(`moekit.eager_graphs`), so its eager rows are the "eager call, whole layer" a decoding model pays.
+
 The dense pair (backend `dense.DENSE`: the layer's FLOPs as two dense matmuls through one expert,
 `moekit.bench.dense`) runs on the same inputs, checked against its own reference: `for_backend`
 gives the workload with it.
@@ -26,6 +31,7 @@ forward + backward.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -47,10 +53,12 @@ from moekit.bench.timing import (
     time_fn,
 )
 from moekit.experts import BACKENDS, PaddedWorkspaceTooLarge, moe_experts
+from moekit.layer import MoELayer
 from moekit.routing import route
 from moekit.shapes import MoEShape
 
 MODES = ("eager", "graph")
+LAYER = "layer"
 ROUTING_DRAWS = 64
 _DRAW_CHUNK_TOKENS = 1 << 16
 
@@ -199,21 +207,35 @@ def _peer_factory(name: str) -> BackendFactory:
     return make
 
 
+def _layer_factory(work: Workload) -> Call:
+    """MoELayer (router + triton experts, eager graphs on) sharing the workload's weights."""
+    wt = work.weights
+    with torch.device("meta"):      # no memory and no random init for weights about to be replaced
+        layer = MoELayer(work.shape, backend="triton", dtype=work.dtype)
+    layer.router_weight = torch.nn.Parameter(wt.router_weight, requires_grad=False)
+    layer.gate_up_proj = torch.nn.Parameter(wt.gate_up_proj, requires_grad=False)
+    layer.down_proj = torch.nn.Parameter(wt.down_proj, requires_grad=False)
+    return functools.partial(layer, work.x)      # .func: the layer
+
+
 def _dense_factory(work: Workload) -> Call:
     wt = work.weights
     return dense.dense_pair(work.x, wt.gate_up_proj, wt.down_proj, work.topk_ids.shape[1], gemms_only=True)
 
 
 def backend_factory(name: str) -> BackendFactory:
-    """The factory of a moekit backend, a Transformers peer (`bench.peers.PEERS`) or the dense pair
-    (`bench.dense.DENSE`)."""
+    """The factory of a moekit backend, a Transformers peer (`bench.peers.PEERS`), the layer
+    (`LAYER`) or the dense pair (`bench.dense.DENSE`)."""
     if name in BACKENDS:
         return _moekit_factory(name)
     if peers.is_peer(name):
         return _peer_factory(name)
+    if name == LAYER:
+        return _layer_factory
     if name == dense.DENSE:
         return _dense_factory
-    raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS + peers.PEERS + (dense.DENSE,)}")
+    raise ValueError(f"unknown backend {name!r}; expected one of "
+                     f"{BACKENDS + peers.PEERS + (LAYER, dense.DENSE)}")
 
 
 def for_backend(work: Workload, backend: str) -> Workload:
