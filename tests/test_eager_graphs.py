@@ -7,6 +7,7 @@ kernels), against the fp32 reference within the 2x rule, with no stale input, ou
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -197,3 +198,26 @@ def test_layer_inside_a_users_capture_runs_its_kernels():
     graph.replay()
     assert torch.equal(out, eager_of(layer, x))
     assert graph_cache(layer).captures == 1
+
+
+def test_the_autocast_state_is_part_of_every_key():
+    """A graph recorded outside autocast must not serve a call under it (its linear would run in
+    another dtype): the cache adds the CUDA autocast state to the caller's key."""
+    from moekit.eager_graphs import _autocast_state
+
+    before = _autocast_state()
+    with pytest.warns(UserWarning) if not torch.cuda.is_available() else contextlib.nullcontext():
+        with torch.autocast("cuda", dtype=torch.bfloat16 if before[1] != torch.bfloat16 else torch.float16):
+            inside = _autocast_state()
+    assert inside != before
+
+
+@pytest.mark.gpu
+def test_layer_under_autocast_gets_a_graph_of_its_own():
+    layer = qwen_bf16()
+    x = torch.randn(3, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = layer(x)
+        eager = eager_of(layer, x)
+    assert graph_cache(layer).captures == 2 and torch.equal(got, eager)

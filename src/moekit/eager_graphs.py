@@ -21,11 +21,11 @@ A call takes the graph only when every one of these holds (`eligible`), else it 
     - MOEKIT_EAGER_GRAPHS is not "0" (read at import; `set_enabled` switches it at run time).
 
 What the graph keeps fixed, and so what its key must name (the caller's `key`, plus each input's
-shape, dtype and device): the weights' addresses, shapes and strides (an in-place update of a weight
-is seen by the next replay; a new weight tensor at a new address gets a graph of its own) and
-every option that changes the launches. Process-wide settings (tuning tables, MOEKIT_* switches)
-are read when a graph is recorded: after changing one, `graph_cache(module).clear()`. A call whose
-work cannot be recorded (it syncs the host,
+shape, dtype and device and the autocast state, which the cache adds): the weights' addresses,
+shapes and strides (an in-place update of a weight is seen by the next replay; a new weight tensor
+at a new address gets a graph of its own) and every option that changes the launches. Process-wide
+settings (tuning tables, MOEKIT_* switches) are read when a graph is recorded: after changing one,
+`graph_cache(module).clear()`. A call whose work cannot be recorded (it syncs the host,
 `moekit.graphs.NotCapturable`) is remembered and runs eagerly from then on.
 
 Memory: each cache (one per module, held weakly: it goes with the module) keeps at most
@@ -97,6 +97,12 @@ class _Entry:
     output: torch.Tensor                  # static buffer every replay rewrites
 
 
+def _autocast_state() -> tuple:
+    """Autocast on CUDA as a graph records it: a call under another state must not replay it (the
+    router's linear, say, would run in another dtype)."""
+    return (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+
 class GraphCache:
     """Graphs of one module's eager calls, keyed by the caller's key and the inputs' shapes and dtypes.
 
@@ -123,7 +129,7 @@ class GraphCache:
 
     def __call__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
                  key: Hashable) -> torch.Tensor | None:
-        full = (key, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
+        full = (key, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs), _autocast_state())
         entry = self._entries.get(full)
         if entry is None:
             if full in self._uncapturable:
