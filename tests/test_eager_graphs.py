@@ -221,3 +221,25 @@ def test_layer_under_autocast_gets_a_graph_of_its_own():
         got = layer(x)
         eager = eager_of(layer, x)
     assert graph_cache(layer).captures == 2 and torch.equal(got, eager)
+
+
+@pytest.mark.gpu
+def test_nothing_is_recorded_while_syncs_are_watched_and_sizes_never_thrash():
+    """Under sync debug mode "error" the layer runs its kernels (no recording, no sync); every token
+    count from 1 to 16 keeps its graph (no eviction while the batch size varies)."""
+    layer = qwen_bf16()
+    cache = graph_cache(layer)
+    x = torch.randn(16, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer(x[:3])
+    eager_of(layer, x[:5])                               # compiles the 5-token kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = layer(x[:5])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.captures == 1 and torch.equal(got, eager_of(layer, x[:5]))
+    for _ in range(2):
+        for t in range(1, 17):
+            layer(x[:t])
+    assert cache.captures == 16 and len(cache) == 16

@@ -30,9 +30,11 @@ settings (tuning tables, MOEKIT_* switches) are read when a graph is recorded: a
 
 Memory: each cache (one per module, held weakly: it goes with the module) keeps at most
 `max_graphs` graphs (least recently used dropped first) in one private memory pool, with their
-static inputs and outputs; at decode sizes that is a few MB a layer. Capture costs a few eager
-calls the first time each token count is seen. Replays of one cache must not run concurrently from
-two threads (they share the static buffers), as a module's eager calls normally do not.
+static inputs and outputs; at decode sizes that is a few MB a layer. Recording costs a few eager
+calls and synchronises the device once, the first time each token count is seen (as a JIT compile
+does); later calls never synchronise. Under `torch.cuda.set_sync_debug_mode` other than "default"
+nothing is recorded (the calls run their kernels). Replays of one cache must not run concurrently
+from two threads (they share the static buffers), as a module's eager calls normally do not.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from moekit.graphs import NotCapturable, capture_graph
 __all__ = ["EAGER_GRAPH_MAX_TOKENS", "GraphCache", "eligible", "graph_cache", "set_enabled", "tensor_key"]
 
 EAGER_GRAPH_MAX_TOKENS = 16
-MAX_GRAPHS = 8
+MAX_GRAPHS = 2 * EAGER_GRAPH_MAX_TOKENS    # every token count of two weight sets: a batch size that
+                                           # varies from step to step never evicts a graph it needs
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 _enabled = os.environ.get("MOEKIT_EAGER_GRAPHS", "1").strip() not in ("0", "")
@@ -147,6 +150,8 @@ class GraphCache:
     def _record(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
                 full: Hashable) -> _Entry | None:
         device = inputs[0].device
+        if torch.cuda.get_sync_debug_mode() != 0:     # the caller watches for syncs: record nothing
+            return None
         # Normal (not inference-mode) tensors: an eager call under inference_mode copies into them
         # later, which inference tensors would refuse outside inference mode.
         with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(device):
