@@ -324,6 +324,19 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     json.dumps(records)                                         # the --records lines are JSON
 
 
+def test_tune_tokens_times_each_block_m_with_the_switches_off():
+    """Each block_m's GEMM tiles and its whole path are timed plain (the switches come after, on the
+    winners), even where the default config, the search's starting point, turns TMA weights on."""
+    shape = PRESETS["tiny"]
+    assert default_config(shape, 240, 4).tma_weights            # 60 rows an expert: TMA's band
+    calls = []
+    best, records = tuner.tune_tokens(shape, 240, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=fake_timer(calls), switches=False)
+    assert calls and all(tuner.variant_label(cfg) == "" for _, cfg in calls)
+    assert all(label(r) == "" for r in records if r["gemm"] == 0)
+    assert tuner.variant_label(best) == ""
+
+
 def label(record: dict) -> str:
     """The switches of a whole-path record's config ("" for a block_m's own tiles)."""
     return tuner.variant_label(ExpertsConfig(**{k: record[k] for k in CONFIG_FIELDS}))

@@ -176,7 +176,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
     block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}: each
-    block_m's winners (no switch on: `default_config` sets none), then, with `switches`, each of
+    block_m's winners (every switch off), then, with `switches`, each of
     those within SWITCH_SPAN of the fastest with each of `switch_variants` (told apart by their
     block_m and switches, `variant_label`; paired ones with `paired_tiles`). A candidate that fails
     to run is logged and skipped.
@@ -196,8 +196,9 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     records: list[dict] = []
     winners_by_bm: list[tuple[float, ExpertsConfig]] = []    # each block_m's whole path
     for bm in block_m_candidates(shape, num_tokens):
+        # Plain tiles (the default config may set switches: they are tried after, on the winners).
         base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
-                       group_m=1 if bm <= 32 else 8)
+                       group_m=1 if bm <= 32 else 8, pair_blocks=1, tma_weights=False, persistent=False)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
         for which in (1, 2):
