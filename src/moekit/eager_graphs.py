@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from moekit._validation import interpreting
+from moekit.experts import resolve_backend
 from moekit.graphs import NotCapturable, capture_graph
 
 __all__ = ["EAGER_GRAPH_MAX_TOKENS", "GraphCache", "eligible", "graph_cache", "set_enabled", "tensor_key"]
@@ -68,9 +69,10 @@ def set_enabled(enabled: bool) -> bool:
     return before
 
 
-def eligible(num_tokens: int, tensors: Sequence[torch.Tensor | None],
+def eligible(num_tokens: int, tensors: Sequence[torch.Tensor | None], backend: str = "auto",
              max_tokens: int = EAGER_GRAPH_MAX_TOKENS) -> bool:
-    """Whether an eager call over these tensors (None entries skipped) may replay a graph.
+    """Whether an eager call over these tensors (None entries skipped) on the experts `backend` may
+    replay a graph: only the triton backend records (the others read routing back to the host).
 
     Under torch.compile it answers False before reading num_tokens: a comparison of a symbolic
     token count would add a guard (T <= 16) and a recompile past it."""
@@ -81,7 +83,7 @@ def eligible(num_tokens: int, tensors: Sequence[torch.Tensor | None],
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
-    if interpreting():
+    if interpreting() or resolve_backend(backend, present[0].device) != "triton":
         return False
     return not torch.cuda.is_current_stream_capturing()
 

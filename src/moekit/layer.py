@@ -102,8 +102,7 @@ class MoELayer(nn.Module):
 
     def _graphable(self, flat: torch.Tensor) -> bool:
         params = (flat, self.router_weight, self.gate_up_proj, self.down_proj)
-        return (eligible(flat.shape[0], params)
-                and resolve_backend(self.backend, flat.device) == "triton")
+        return eligible(flat.shape[0], params, self.backend)
 
     def _graph_key(self) -> tuple:
         """What a graph of this layer bakes in: the weights it reads in place and the backends."""

@@ -67,7 +67,7 @@ from moekit import ops
 from moekit._validation import FLOAT_DTYPES, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
-from moekit.experts import BACKENDS, ExpertsOptions, has_backward, resolve_backend
+from moekit.experts import BACKENDS, ExpertsOptions, has_backward
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
@@ -317,8 +317,7 @@ def _graphable(inputs: tuple, gate_up: torch.Tensor, down: torch.Tensor, plan: d
     """An eager decoding call the triton backend serves (`moekit.eager_graphs.eligible`)."""
     tensors = (*inputs, gate_up, down, plan["gate_up_bias"], plan["down_bias"])
     hidden = inputs[0]
-    return (hidden.dim() == 2 and eligible(hidden.shape[0], tensors)
-            and resolve_backend(backend, hidden.device) == "triton")
+    return hidden.dim() == 2 and eligible(hidden.shape[0], tensors, backend)
 
 
 # MoE blocks MoELayer cannot hold, and what runs them on moekit instead.
