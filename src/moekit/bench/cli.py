@@ -52,6 +52,7 @@ from moekit.bench.study import (
 )
 from moekit.bench.sweep import Plan, run_sweep
 from moekit.bench.timing import FLUSH_MODES
+from moekit.eager_graphs import EAGER_GRAPH_MAX_TOKENS
 from moekit.experts import BACKENDS, has_backward
 
 PROG = "moekit bench"
@@ -92,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the whole layer as a user calls it: moekit.MoELayer (router + triton "
                         "experts) on the same weights, rows with backend 'layer'; its eager calls of at most "
-                        "16 tokens replay the layer's eager graphs (default: on with CUDA; forward only)")
+                        f"{EAGER_GRAPH_MAX_TOKENS} tokens replay the layer's eager graphs (default: on with "
+                        "CUDA; forward only)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK.rep} timed calls, fewer token counts, fewer routing draws")
     arg_types.add_timing(p, "timed calls per case (default: ~0.4 s of calls, clamped to 15..400 on a GPU, "

@@ -29,6 +29,7 @@ from moekit.bench.results import ResultRow, check_result_row, shape_label
 from moekit.bench.roofline import crossover_tokens
 from moekit.bench.runner import LAYER
 from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
+from moekit.eager_graphs import EAGER_GRAPH_MAX_TOKENS
 from moekit.shapes import MoEShape
 
 JSON_NAME = "results.json"
@@ -113,7 +114,8 @@ def _layer_note(rs: Sequence[ResultRow]) -> list[str]:
     if not any(r.backend == LAYER for r in rs):
         return []
     return [f"*{LAYER}* is the whole `MoELayer` as a user calls it: moekit's router and the {TILED} experts "
-            "on the same weights (the same routing); its eager calls of at most 16 tokens replay the "
+            f"on the same weights (the same routing); its eager calls of at most {EAGER_GRAPH_MAX_TOKENS} "
+            "tokens replay the "
             "layer's eager graphs (`moekit.eager_graphs`), so its eager column is the eager layer call a "
             "decoding model pays. Its floor is the experts' (the router's weight adds E·H elements).", ""]
 
