@@ -32,21 +32,47 @@ def test_no_graph_off_cuda_and_layer_output_unchanged():
         plain = layer(x)
     assert torch.equal(out, plain)
     assert len(graph_cache(layer)) == 0
-    assert not eligible(3, (x, layer.gate_up_proj))
+
+
+class Unread:
+    """Tensors that must not be looked at: eligible() decides from the token count first."""
+
+    def __iter__(self):
+        raise AssertionError("tensors read")
+
+
+def test_eligible_needs_cuda_tensors_and_the_triton_backend(monkeypatch):
+    """With every other condition met (interpreter off, no gradient), a CPU tensor alone, or a
+    backend that does not record, keeps the call eager."""
+    monkeypatch.setattr(eager_graphs, "interpreting", lambda: False)
+    w = torch.zeros(4, 4)
+    with torch.no_grad():
+        assert not eligible(3, (torch.zeros(3, 4), w), "triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        assert eligible(3, (torch.zeros(3, 4), w), "triton")       # the control: all met
+        assert not eligible(3, (torch.zeros(3, 4), w), "loop")
+    assert not eligible(3, (torch.zeros(3, 4), w.requires_grad_()), "triton")   # a gradient is needed
 
 
 def test_eligible_needs_tokens_in_range_and_tensors():
-    assert not eligible(0, ())
+    assert not eligible(0, Unread())
+    assert not eligible(EAGER_GRAPH_MAX_TOKENS + 1, Unread())
+    with pytest.raises(AssertionError, match="tensors read"):
+        eligible(1, Unread())
     assert not eligible(1, (None,))
-    assert not eligible(EAGER_GRAPH_MAX_TOKENS + 1, (torch.zeros(1),))
     with torch.device("meta"):
         assert not eligible(1, (torch.zeros(1),))
 
 
-def test_set_enabled_returns_the_previous_setting():
+def test_set_enabled_switches_eligibility_and_returns_the_previous_setting():
     before = eager_graphs.set_enabled(False)
     try:
-        assert eager_graphs.set_enabled(False) is False
+        assert not eligible(1, Unread())                              # decided before the tensors
+        assert eager_graphs.set_enabled(True) is False
+        with pytest.raises(AssertionError, match="tensors read"):
+            eligible(1, Unread())
     finally:
         eager_graphs.set_enabled(before)
 
@@ -69,7 +95,7 @@ def test_cache_is_per_module_and_dies_with_it():
 
 
 def test_tensor_key_names_address_shape_strides():
-    w = torch.zeros(4, 6)
+    w = torch.zeros(4, 4)                      # w.t(): the same address and shape, other strides
     assert tensor_key(w) != tensor_key(w.t()) and tensor_key(w) != tensor_key(w.clone())
     assert tensor_key(None) is None
 
