@@ -269,3 +269,23 @@ def test_nothing_is_recorded_while_syncs_are_watched_and_sizes_never_thrash():
         for t in range(1, 17):
             layer(x[:t])
     assert cache.captures == 16 and len(cache) == 16
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_copy_in_fills_every_static_buffer_of_any_dtype(contiguous, monkeypatch):
+    """One multi-tensor copy over byte views (inputs of three dtypes), or, with a strided input,
+    one copy each; either way every static buffer holds its input bit for bit."""
+    from moekit.eager_graphs import as_bytes, copy_in
+
+    inputs = (torch.randn(3, 16, dtype=torch.bfloat16), torch.randint(-5, 100, (3, 4)),
+              torch.rand(3, 4))
+    if not contiguous:
+        inputs = (inputs[0], torch.randint(-5, 100, (4, 3)).t(), inputs[2])
+    statics = tuple(torch.full_like(t, float("nan") if t.is_floating_point() else -7) for t in inputs)
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a: calls.append(1) or real(*a))
+    copy_in(statics, [as_bytes(t) for t in statics], inputs)
+    assert calls == ([1] if contiguous else [])
+    for static, t in zip(statics, inputs):
+        assert static.dtype == t.dtype and torch.equal(static, t)

@@ -4,9 +4,9 @@ At a handful of tokens an MoE layer's GPU work is tens of microseconds, while an
 work (Python, the dispatcher, the router's and the expert path's launches) is 100-250 us: a model
 that decodes eagerly waits on the host. `GraphCache` records such a call once per token count in a
 CUDA graph over static input buffers; a later eager call with the same key copies its inputs into
-those buffers, replays the graph and returns a clone of the graph's static output. The graph runs
-the very kernels, tiles and launch order of the eager call it recorded, so the result is the same
-bit for bit.
+those buffers (one multi-tensor copy for all of them, `copy_in`), replays the graph and returns a
+clone of the graph's static output. The graph runs the very kernels, tiles and launch order of the
+eager call it recorded, so the result is the same bit for bit.
 
 Who uses it: `MoELayer.forward` (router + experts, `eager_graphs=True` by default) and the
 Transformers experts function (`moekit.integrations.transformers.register(eager_graphs=True)`).
@@ -100,6 +100,27 @@ class _Entry:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]      # static buffers the graph reads
     output: torch.Tensor                  # static buffer every replay rewrites
+    input_bytes: list[torch.Tensor]       # the static inputs viewed as bytes (`copy_in`)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """t's elements viewed as a 1-D uint8 tensor (no copy), or None when t is not contiguous."""
+    if not t.is_contiguous():
+        return None
+    return t.reshape(-1).view(torch.uint8)
+
+
+def copy_in(statics: tuple[torch.Tensor, ...], static_bytes: list[torch.Tensor],
+            inputs: tuple[torch.Tensor, ...]) -> None:
+    """statics[i].copy_(inputs[i]) for every i, as one multi-tensor launch when every input is
+    contiguous (the byte views of inputs of different dtypes share one dtype, uint8, so a single
+    `torch._foreach_copy_` serves them all), else one copy each. On a GPU each launch is host time."""
+    sources = [as_bytes(t) for t in inputs]
+    if len(inputs) > 1 and all(s is not None for s in sources):
+        torch._foreach_copy_(static_bytes, sources)
+        return
+    for static, t in zip(statics, inputs):
+        static.copy_(t)
 
 
 def _autocast_state() -> tuple:
@@ -144,8 +165,7 @@ class GraphCache:
                 return None
         else:
             self._entries.move_to_end(full)
-        for static, t in zip(entry.inputs, inputs):
-            static.copy_(t)
+        copy_in(entry.inputs, entry.input_bytes, inputs)
         entry.graph.replay()
         return entry.output.clone()
 
@@ -167,7 +187,7 @@ class GraphCache:
                 return None
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"an eager-graph call must return one tensor, got {type(output).__name__}")
-        entry = _Entry(graph, static, output)
+        entry = _Entry(graph, static, output, [as_bytes(t) for t in static])
         self._entries[full] = entry
         self.captures += 1
         while len(self._entries) > self.max_graphs:
