@@ -517,16 +517,17 @@ def patch_llama4(model: nn.Module, *, backend: str = "auto") -> int:
             raise ValueError(f"moekit cannot run Llama4TextExperts with weights {tuple(gate_up.shape)} "
                              f"{gate_up.dtype} / {tuple(down.shape)} {down.dtype}")
         if not getattr(type(module), "moekit_patched", False):
-            module.__class__ = _moekit_llama4_class(type(module))
+            module.__class__ = _patched_class(type(module), llama4_moe_forward, "moekit_patched")
         module.moekit_backend = backend
         patched += 1
     return patched
 
 
 @functools.cache
-def _moekit_llama4_class(cls: type) -> type:
-    return type(f"Moekit{cls.__name__}", (cls,), {"forward": llama4_moe_forward, "moekit_patched": True,
-                                                  "__module__": __name__})
+def _patched_class(cls: type, forward: Callable, flag: str) -> type:
+    """A subclass of cls named Moekit<cls> whose forward is `forward` and whose attribute `flag` is
+    True: swapped in as a module's __class__, parameters and state dict stay as they are."""
+    return type(f"Moekit{cls.__name__}", (cls,), {"forward": forward, flag: True, "__module__": __name__})
 
 
 # Decoding through whole-block graphs: router + experts in one replay (`patch_moe_blocks`).
@@ -563,16 +564,12 @@ def patch_moe_blocks(model: nn.Module, *, enabled: bool = True) -> int:
         if base.__name__ not in _BLOCKS or base.__module__ != _BLOCKS[base.__name__][1]:
             continue
         if type(module) is base:
-            module.__class__ = _moekit_block_class(base)
+            module.__class__ = _patched_class(base, _block_forward, "moekit_block_patched")
         module.moekit_block_graphs = enabled      # the block's layer and its graphs are kept
         patched += 1
     return patched
 
 
-@functools.cache
-def _moekit_block_class(cls: type) -> type:
-    return type(f"Moekit{cls.__name__}", (cls,), {"forward": _block_forward, "moekit_block_patched": True,
-                                                  "__module__": __name__})
 
 
 def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
