@@ -22,6 +22,10 @@ between implementations, so every implementation runs the same weights and the s
 (`register(eager_graphs=False)`), beside moekit's default, which replays a CUDA graph of the experts
 per token count for eager calls of at most 16 tokens that need no gradient (`moekit.eager_graphs`).
 
+`--blocks` adds "moekit-blocks": moekit with the sparse MoE blocks patched
+(`patch_moe_blocks`), so that a decoding call replays one graph of the whole block (router and
+experts) instead of Transformers' router plus the experts function.
+
 `--bound` adds the implementation "free-experts": an experts function that returns zeros (one
 torch op, no expert math), so its row is what the rest of the model costs: no experts
 implementation can be faster than it, which bounds the speed-up any of them can give end to end.
@@ -51,11 +55,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_transformers import batched_mm_fits, provenance  # noqa: E402
 
-from moekit.integrations.transformers import register  # noqa: E402
+from moekit.integrations.transformers import patch_moe_blocks, register  # noqa: E402
 
 IMPLS = ("grouped_mm", "batched_mm", "moekit")
 BOUND = "free-experts"   # --bound: an experts function that computes nothing (one torch op)
 NO_GRAPHS = "moekit-no-graphs"   # --no-graphs: moekit with every kernel launched eagerly
+BLOCKS = "moekit-blocks"         # --blocks: moekit with whole-block graphs (patch_moe_blocks)
 MODES = ("prefill", "eager", "compiled")
 DECODE_PROMPT = 32
 
@@ -139,7 +144,9 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
         return (ms_n - ms_1) / (new_tokens - 1)
 
     def measure(impl: str, mode: str) -> float:
-        model.set_experts_implementation(impl)
+        if BLOCKS in impls:       # the blocks' fast path only for that implementation
+            patch_moe_blocks(model, enabled=impl == BLOCKS)
+        model.set_experts_implementation("moekit" if impl == BLOCKS else impl)
         return prefill() if mode == "prefill" else decode(impl, mode)
 
     cases = [(impl, mode) for mode in modes for impl in impls if (impl, mode) not in skipped]
@@ -217,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"also time {BOUND!r}: experts that cost one op (the bound of any speed-up)")
     parser.add_argument("--no-graphs", action="store_true",
                         help=f"also time {NO_GRAPHS!r}: moekit without its eager graphs at decode sizes")
+    parser.add_argument("--blocks", action="store_true",
+                        help=f"also time {BLOCKS!r}: moekit with its whole-block graphs at decode sizes "
+                             "(patch_moe_blocks: router and experts in one replay)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny float32 model on the CPU: checks the script")
     args = parser.parse_args(argv)
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_graphs:
         register(NO_GRAPHS, eager_graphs=False)
         impls.append(NO_GRAPHS)
+    if args.blocks:
+        impls.append(BLOCKS)
     model = build(args.layers, device, torch.float32 if args.smoke else torch.bfloat16, args.smoke)
     rows = run(model, device, impls, modes, args.prompt, args.new_tokens, args.reps)
     prov = provenance()

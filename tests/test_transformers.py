@@ -975,14 +975,16 @@ def test_generate_bench_smoke(tmp_path):
     near-tie flips) with moekit's experts."""
     script = load_script("generate_bench")
     assert script.main([str(tmp_path), "--smoke", "--layers", "1", "--prompt", "16", "--new-tokens", "3",
-                        "--reps", "1", "--bound", "--no-graphs"]) == 0
+                        "--reps", "1", "--bound", "--no-graphs", "--blocks"]) == 0
     import csv
     rows = list(csv.DictReader((tmp_path / "generate_bench.csv").open()))
-    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.NO_GRAPHS) for m in ("prefill", "eager")}
+    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.NO_GRAPHS, script.BLOCKS)
+             for m in ("prefill", "eager")}
     assert {(r["impl"], r["mode"]) for r in rows} == cases
     assert all(r["status"] == "ok" and r["reps"] == "1" for r in rows)
     assert all(float(r["ms"]) > 0 for r in rows if r["mode"] == "prefill")
-    decoded = [r for r in rows if r["mode"] == "eager" and r["impl"] in (*script.IMPLS, script.NO_GRAPHS)]
+    decoded = [r for r in rows if r["mode"] == "eager"
+               and r["impl"] in (*script.IMPLS, script.NO_GRAPHS, script.BLOCKS)]
     assert decoded and all(r["tokens_match"] == "True" for r in decoded)
     assert all(r["tokens_match"] == "" for r in rows if r["impl"] == script.BOUND)
     text = (tmp_path / "generate_bench.md").read_text()
@@ -1012,3 +1014,100 @@ def test_eager_decode_replays_graphs_and_equals_the_kernels_gpu():
     model(ids[:, :3]).logits.float().sum().backward()   # gradients: the kernels, no graph
     assert all(c.captures == 2 for c in caches)
     assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+
+
+# Whole-block graphs for decoding (`patch_moe_blocks`).
+
+
+@pytest.fixture
+def fast_path_on_cpu(monkeypatch):
+    """The block fast path's eligibility forced on (on the CPU the MoELayer then runs its kernels
+    eagerly), with a count of the MoELayer calls the patched blocks make."""
+    calls = []
+    real = MoELayer.forward
+
+    def forward(self, x, **kw):
+        calls.append(x.shape[0])
+        return real(self, x, **kw)
+
+    monkeypatch.setattr(mt, "_layer_replays", lambda layer, flat: flat.shape[0] <= 16)
+    monkeypatch.setattr(MoELayer, "forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_patched_blocks_keep_parameters_and_match_the_reference(kind, fast_path_on_cpu):
+    model = tiny_model(kind)
+    keys = list(model.state_dict())
+    assert mt.patch_moe_blocks(model) == 2 and mt.patch_moe_blocks(model) == 2
+    block = model.model.layers[0].mlp
+    assert type(block).__name__.startswith("Moekit") and isinstance(block, type(block).__mro__[1])
+    assert list(model.state_dict()) == keys
+    ids = input_ids(seq_len=5)
+    with torch.no_grad():
+        ref = reference_logits(model, ids)
+        model.set_experts_implementation("moekit")
+        got = model(ids).logits
+    assert fast_path_on_cpu == [5, 5]                    # both blocks, the 5-token call
+    assert rel_err(got, ref) <= 1e-5
+
+
+def test_patched_blocks_fall_back_where_the_graph_would_change_something(fast_path_on_cpu):
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    model.set_experts_implementation("moekit")
+    ids = input_ids(seq_len=5)
+    with torch.no_grad():
+        model(ids)
+        assert len(fast_path_on_cpu) == 2
+        model(input_ids(seq_len=20))                     # 20 tokens: the block's own forward
+        out = model(ids, output_router_logits=True)      # Transformers records the router logits
+        assert out.router_logits is not None and len(out.router_logits) == 2
+        model.set_experts_implementation(PLAIN)          # not moekit
+        model(ids)
+        model.set_experts_implementation("moekit")
+        model.train()                                    # training mode (Mixtral's jitter lives there)
+        model(ids)
+        model.eval()
+        handle = model.model.layers[0].mlp.gate.register_forward_hook(lambda *a: None)
+        model(ids)                                       # a hook on the router: layer 0 falls back
+        handle.remove()
+        assert len(fast_path_on_cpu) == 3
+        mt.patch_moe_blocks(model, enabled=False)
+        model(ids)
+    assert len(fast_path_on_cpu) == 3
+    model(ids).logits.sum().backward()                   # gradients: the block's own forward
+    assert len(fast_path_on_cpu) == 3
+
+
+def test_a_replaced_parameter_rebuilds_the_block_layer(fast_path_on_cpu):
+    model = tiny_model("olmoe")
+    mt.patch_moe_blocks(model)
+    model.set_experts_implementation("moekit")
+    ids = input_ids(seq_len=4)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        model(ids)
+        experts.down_proj = nn.Parameter(experts.down_proj * 2)
+        got = model(ids).logits
+        ref = reference_logits(model, ids)
+    assert rel_err(got, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_patched_blocks_decode_through_graphs_gpu():
+    """Greedy decoding with whole-block graphs: the logits within bf16 rounding of the experts-only
+    path's (the routing weights stay fp32), one graph per block and token count."""
+    from moekit.eager_graphs import graph_cache
+
+    model = tiny_model("qwen3_moe").to("cuda", torch.bfloat16)
+    model.set_experts_implementation("moekit")
+    ids = input_ids().cuda()
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    plain = torch.stack(model.generate(ids, **kw).logits).float()
+    assert mt.patch_moe_blocks(model) == 2
+    got = torch.stack(model.generate(ids, **kw).logits).float()
+    assert rel_err(got, plain) <= 2e-2
+    layers = [mt._block_layers[layer.mlp] for layer in model.model.layers]
+    assert all(graph_cache(layer).captures == 2 for layer in layers)   # the 7-token prompt, then 1

@@ -42,6 +42,11 @@ a CUDA graph of the experts recorded for its token count (`moekit.eager_graphs`,
 weights' addresses and the call's layout; `register(eager_graphs=False)` or MOEKIT_EAGER_GRAPHS=0
 turn it off): the same kernels for a fraction of an eager call's host time.
 
+Whole blocks (`patch_moe_blocks(model)`, opt-in): the supported sparse MoE blocks decode through
+one graph of moekit's router and experts on the block's own Parameters (one copy in per call instead
+of Transformers' router launches and the experts function's three copies), wherever nothing would
+notice the router being skipped (no router-logit recording, no hooks, eval mode, no gradients).
+
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
 expert count); every id outside [0, E) contributes exactly 0 (no expert weight is read for it) and
 its routing weight gets a gradient of exactly 0.
@@ -56,6 +61,7 @@ import copy
 import functools
 import importlib
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,8 +77,8 @@ from moekit.experts import BACKENDS, ExpertsOptions, has_backward
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
-__all__ = ["experts_forward", "from_transformers", "patch_llama4", "register", "to_transformers",
-           "unsupported_reason"]
+__all__ = ["experts_forward", "from_transformers", "patch_llama4", "patch_moe_blocks", "register",
+           "to_transformers", "unsupported_reason"]
 
 # Sparse MoE blocks whose forward is exactly `experts(x, *gate(x)[1:][::-1])` with a softmax,
 # top-k, optionally renormalised router: what MoELayer computes. Value: model_type, module path,
@@ -333,8 +339,9 @@ _NOT_A_LAYER = {
 
 def _block_spec(block: nn.Module) -> tuple[int, bool]:
     """(top_k, norm_topk_prob) of a supported sparse MoE block's router."""
-    name = type(block).__name__
-    for cls in type(block).__mro__:          # a patched Llama4TextMoe subclasses the original
+    # A patched block (patch_llama4, patch_moe_blocks) subclasses the original.
+    name = next((c.__name__ for c in type(block).__mro__ if c.__name__ in _BLOCKS), type(block).__name__)
+    for cls in type(block).__mro__:
         if cls.__name__ in _NOT_A_LAYER:
             raise TypeError(f"from_transformers cannot convert {cls.__name__}: {_NOT_A_LAYER[cls.__name__]}")
     if name not in _BLOCKS:
@@ -510,13 +517,133 @@ def patch_llama4(model: nn.Module, *, backend: str = "auto") -> int:
             raise ValueError(f"moekit cannot run Llama4TextExperts with weights {tuple(gate_up.shape)} "
                              f"{gate_up.dtype} / {tuple(down.shape)} {down.dtype}")
         if not getattr(type(module), "moekit_patched", False):
-            module.__class__ = _moekit_llama4_class(type(module))
+            module.__class__ = _patched_class(type(module), llama4_moe_forward, "moekit_patched")
         module.moekit_backend = backend
         patched += 1
     return patched
 
 
 @functools.cache
-def _moekit_llama4_class(cls: type) -> type:
-    return type(f"Moekit{cls.__name__}", (cls,), {"forward": llama4_moe_forward, "moekit_patched": True,
-                                                  "__module__": __name__})
+def _patched_class(cls: type, forward: Callable, flag: str) -> type:
+    """A subclass of cls named Moekit<cls> whose forward is `forward` and whose attribute `flag` is
+    True: swapped in as a module's __class__, parameters and state dict stay as they are."""
+    return type(f"Moekit{cls.__name__}", (cls,), {"forward": forward, flag: True, "__module__": __name__})
+
+
+# Decoding through whole-block graphs: router + experts in one replay (`patch_moe_blocks`).
+
+_block_layers: weakref.WeakKeyDictionary[nn.Module, MoELayer | None] = weakref.WeakKeyDictionary()
+
+
+def patch_moe_blocks(model: nn.Module, *, enabled: bool = True) -> int:
+    """Let the sparse MoE blocks of `model` decode through one CUDA graph of the whole block.
+
+    With moekit as the experts implementation (`register`; its `eager_graphs` on), an eager call of
+    a Qwen3MoeSparseMoeBlock, OlmoeSparseMoeBlock or MixtralSparseMoeBlock on at most 16 tokens that
+    needs no gradient replays a graph of `from_transformers(block)` (moekit's router and experts on
+    the block's own Parameters, `moekit.eager_graphs`): one copy in instead of the router's five
+    launches and the experts function's three copies. The routing is the block's (softmax, top-k,
+    renormalised or not); the routing weights stay fp32 where Transformers rounds them to the model
+    dtype, so results agree within bf16 rounding, not bit for bit. Every other call runs the block's
+    own forward: prefill, training mode (Mixtral's router jitter), gradients, torch.compile, another
+    experts implementation, while Transformers records router logits (`output_router_logits`) or
+    any other forward hook watches the router or the experts.
+
+    The blocks' class is swapped for a subclass (parameters, state dict and isinstance checks
+    unchanged), as `patch_llama4` does; enabled=False turns the fast path off again.
+
+    Returns:
+        The number of blocks patched.
+    """
+    _transformers()
+    patched = 0
+    for module in model.modules():
+        base = type(module)
+        if getattr(base, "moekit_block_patched", False):
+            base = base.__mro__[1]
+        if base.__name__ not in _BLOCKS or base.__module__ != _BLOCKS[base.__name__][1]:
+            continue
+        if type(module) is base:
+            module.__class__ = _patched_class(base, _block_forward, "moekit_block_patched")
+        module.moekit_block_graphs = enabled      # the block's layer and its graphs are kept
+        patched += 1
+    return patched
+
+
+
+
+def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    layer = _block_fast_layer(self, hidden_states)
+    if layer is None:
+        return type(self).__mro__[1].forward(self, hidden_states)
+    batch, seq, hidden = hidden_states.shape
+    return layer(hidden_states.reshape(-1, hidden)).view(batch, seq, hidden)
+
+
+def _block_fast_layer(block: nn.Module, hidden_states: torch.Tensor) -> MoELayer | None:
+    """The block's MoELayer when this call may replay its graph (`patch_moe_blocks`), else None."""
+    if (not getattr(block, "moekit_block_graphs", False) or block.training or hidden_states.dim() != 3
+            or torch.compiler.is_compiling()):
+        return None
+    experts = block.experts
+    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    options = _registered.get(name, (None,))[0] if isinstance(name, str) else None
+    if options is None or not options[1]:                 # not moekit, or its eager graphs off
+        return None
+    if _hooked(block) or _recording_router_logits():
+        return None
+    layer = _block_layer(block, options[0])
+    if layer is None or not _layer_replays(layer, hidden_states.view(-1, hidden_states.shape[-1])):
+        return None
+    return layer
+
+
+def _layer_replays(layer: MoELayer, flat: torch.Tensor) -> bool:
+    """Whether the layer's call on flat replays its eager graph (`moekit.eager_graphs.eligible`)."""
+    return layer.eager_graphs and layer._graphable(flat)
+
+
+def _block_layer(block: nn.Module, backend: str) -> MoELayer | None:
+    """from_transformers(block), kept while it still shares the block's Parameters (rebuilt when one
+    was replaced); None for blocks it cannot hold."""
+    layer = _block_layers.get(block, False)
+    gate, experts = block.gate, block.experts
+    if layer is not None and layer is not False and (
+            layer.router_weight is not gate.weight or layer.gate_up_proj is not experts.gate_up_proj
+            or layer.down_proj is not experts.down_proj or layer.backend != backend):
+        layer = False
+    if layer is False:
+        try:
+            layer = from_transformers(block, backend=backend)
+        except (TypeError, ValueError):
+            layer = None
+        else:
+            layer.eval()
+        _block_layers[block] = layer
+    return layer
+
+
+def _hooked(block: nn.Module) -> bool:
+    """Whether a forward hook other than Transformers' output capture watches the router or the
+    experts (the graph would skip it), or global module hooks are set."""
+    from torch.nn.modules import module as torch_module
+
+    if any(getattr(torch_module, name, None) for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")):
+        return True
+    for m in (block.gate, block.experts):
+        if m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
+                                       for h in m._forward_hooks.values()):
+            return True
+    return False
+
+
+def _recording_router_logits() -> bool:
+    """Whether Transformers is collecting router logits now (`output_router_logits`); True when its
+    collector cannot be read (never skip the router then)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get()
+    except Exception:    # another Transformers: assume it records
+        return True
+    return collected is not None and "router_logits" in collected
