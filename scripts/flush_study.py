@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 
@@ -34,6 +33,7 @@ import torch
 
 import moekit
 from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.results import write_jsonl
 from moekit.bench.roofline import traffic
 from moekit.bench.timing import FLUSH_MODES, time_fn
 from moekit.bench.wgrad import rel_err
@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t:>6} {case:>11} " + " ".join(f"{row[m + '_ms']:10.4f} {row[m + '_pct']:5.1f}"
                                                   for m in MODES), flush=True)
             rows.append(row)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(a.out, rows)
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0 if all("error" not in r for r in rows) else 1
 

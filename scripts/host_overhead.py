@@ -60,12 +60,13 @@ PHASES = ("router", "checks", "prepare", "align", "gemm1", "gemm2", "sum", "expe
 
 
 def kernels() -> list:
-    """moekit's @triton.jit kernels that the forward path launches."""
-    found = []
+    """moekit's @triton.jit kernels that the forward path launches, each once (a helper such as
+    `moekit.kernels.pdl.pdl_enter` is imported by several modules)."""
+    found = {}
     for name in KERNEL_MODULES:
         module = importlib.import_module(name)
-        found += [v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")]
-    return found
+        found.update({id(v): v for v in vars(module).values() if hasattr(v, "fn") and hasattr(v, "run")})
+    return list(found.values())
 
 
 @contextlib.contextmanager

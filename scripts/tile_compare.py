@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import time
 
 import torch
@@ -64,6 +63,7 @@ import torch
 import moekit
 from moekit.align import align_block_size
 from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.results import write_jsonl
 from moekit.bench.roofline import floor_ms
 from moekit.bench.timing import time_fn
 from moekit.decode import DECODE_TILES, DEFAULT_DECODE, DecodeConfig, experts_decode
@@ -271,9 +271,7 @@ def main() -> None:
             break
     summary(rows)
     print(f"done in {time.perf_counter() - started:.0f} s")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv
 from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+from moekit.launch_hints import pdl_kwargs, weight_evict
 from moekit.tuning import check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
@@ -161,8 +162,9 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll, num_warps=tiles.warps,
-            num_stages=tiles.stages)
+            EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
+            W_EVICT=weight_evict(x.device, topk_ids.numel()),
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device))
     return h
 
 
@@ -180,8 +182,9 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2, num_warps=tiles.warps,
-            num_stages=tiles.stages)
+            EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
+            W_EVICT=weight_evict(h.device, topk_ids.numel()), num_warps=tiles.warps, num_stages=tiles.stages,
+            **pdl_kwargs(h.device))
     return out
 
 

@@ -52,6 +52,7 @@ from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
 from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
+from moekit.launch_hints import pdl_kwargs
 from moekit.tuning import ExpertsConfig
 
 try:                                    # Triton >= 3.4; older Tritons keep the pointer path
@@ -180,8 +181,10 @@ def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: t
             kwargs: dict) -> None:
     """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
     tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
-    (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles)."""
+    (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles), with programmatic
+    dependent launch where `moekit.launch_hints` turns it on."""
     kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
+    kwargs.update(pdl_kwargs(device))
     if cfg.persistent:
         units = cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
@@ -289,7 +292,7 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torc
     block_t = max(1, min(16, 4096 // block_h))
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
-                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(out.device))
     return out
 
 

@@ -7,12 +7,12 @@ rows written as JSON lines.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from moekit.bench.results import write_jsonl
 from moekit.bench.timing import time_fn
 from moekit.shapes import MoEShape, get_shape
 
@@ -86,6 +86,4 @@ def best_first(rows: Sequence[dict], ref: str, label: str = "variant", top: int 
 
 def write_rows(path: str | None, rows: Sequence[dict]) -> None:
     """The rows as JSON lines in path (nothing when path is None)."""
-    if path:
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(path, rows)

@@ -15,11 +15,14 @@ One launch when C == 1 (FUSED): the scatter program does all three, in registers
 Sorting keys (expert, index in chunk) keeps pair order within an expert, so the result equals a
 stable sort. Pairs whose id is outside [0, E) get key E * CHUNK + i: they sort last and are never
 placed (expert-parallel sentinels, graph padding rows).
-Loop bounds are kernel arguments, never values derived from program_id.
+Loop bounds are kernel arguments, never values derived from program_id. USE_PDL: launched with
+programmatic dependent launch (`moekit.launch_hints`).
 """
 
 import triton
 import triton.language as tl
+
+from moekit.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -65,7 +68,8 @@ def _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, b
 
 @triton.jit
 def align_hist_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, S, E, length, fill_chunk,
-                      CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+                      CHUNK: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     e, _ = _chunk_keys(ids_ptr, c, S, E, CHUNK)
     counts = tl.histogram(e, E_PAD, mask=e < E)
@@ -75,7 +79,9 @@ def align_hist_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, S, E, length, fill_ch
 
 @triton.jit
 def align_scan_kernel(counts_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr,
-                      C, E, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+                      C, E, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     re = tl.arange(0, E_PAD)
     rc = tl.arange(0, C_BLOCK)
     e_in = re[None, :] < E
@@ -106,8 +112,9 @@ def align_scatter_kernel(
     ids_ptr, base_ptr, pad_end_ptr, num_padded_ptr, tokens_per_expert_ptr, sorted_ids_ptr,
     expert_ids_ptr, block_codes_ptr, S, E, length, max_blocks, blocks_per_program,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     e, keys = _chunk_keys(ids_ptr, c, S, E, CHUNK)
     sorted_keys = tl.sort(keys)

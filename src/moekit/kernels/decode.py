@@ -18,24 +18,30 @@ still added in ascending order). UNROLL unrolls the reduction loop (`tl.range(lo
 Both put more weight bytes in flight per program: the loads are not software-pipelined through
 shared memory (only registers carry them), and at T = 1 GEMV2 has only H / BN programs.
 Ids are compared in their own integer type (int64 ids are never truncated before the range check).
+W_EVICT is the weight loads' L2 eviction policy and USE_PDL a launch with programmatic dependent
+launch (`moekit.launch_hints` decides both; neither changes a value).
 """
 
 import triton
 import triton.language as tl
 
+from moekit.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc [BN, BK] fp32 += W[:, k0:k0+BK] * v[k0:k0+BK] (broadcast over rows); past K reads 0."""
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
+    """acc [BN, BK] fp32 += W[:, k0:k0+BK] * v[k0:k0+BK] (broadcast over rows); past K reads 0.
+    W_EVICT: the weight loads' eviction policy (`moekit.launch_hints.weight_evict`)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     if EVEN_K:
         v = tl.load(v_ptrs + rk * stride_vk)
-        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None], other=0.0)
+        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None], other=0.0, eviction_policy=W_EVICT)
     else:
         k_in = rk < K
         v = tl.load(v_ptrs + rk * stride_vk, mask=k_in, other=0.0)
-        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0)
+        w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0,
+                    eviction_policy=W_EVICT)
     return acc + w.to(tl.float32) * v.to(tl.float32)[None, :]
 
 
@@ -44,9 +50,11 @@ def decode_gemm1_swiglu_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, E, N, K,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, W_EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False,
 ):
     # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
+    # USE_PDL: launched with programmatic dependent launch (`moekit.kernels.pdl`).
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + pair)
@@ -61,8 +69,10 @@ def decode_gemm1_swiglu_kernel(
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-            acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
-            acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K)
+            acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
+                              W_EVICT)
+            acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
+                              W_EVICT)
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
         h = gate * tl.sigmoid(gate) * up                                    # silu(gate) * up, fp32
@@ -74,7 +84,7 @@ def decode_gemm1_swiglu_kernel(
 def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, UNROLL: tl.constexpr):
+                EVEN_K: tl.constexpr, UNROLL: tl.constexpr, W_EVICT: tl.constexpr):
     """out [BN] += the weighted rows of slots s0 .. s0 + SLOTS - 1, computed together (one
     [SLOTS, BN, BK] step loads every slot's weight tile: more bytes in flight), added in ascending
     slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0."""
@@ -93,11 +103,13 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None], other=0.0)
-            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in, other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in, other=0.0,
+                        eviction_policy=W_EVICT)
         else:
             k_in = rk < K
             v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None] & k_in[None, :], other=0.0)
-            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in & k_in[None, None, :], other=0.0)
+            w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in & k_in[None, None, :], other=0.0,
+                        eviction_policy=W_EVICT)
         acc += w.to(tl.float32) * v.to(tl.float32)[:, None, :]
     part = tl.sum(acc, axis=2) * wt[:, None]                                               # [S, BN]
     for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
@@ -110,10 +122,12 @@ def decode_gemm2_sum_kernel(
     h_ptr, w_ptr, topk_weights_ptr, ids_ptr, out_ptr, E, N, K,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1, W_EVICT: tl.constexpr = "",
+    USE_PDL: tl.constexpr = False,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
     # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +137,7 @@ def decode_gemm2_sum_kernel(
         for s0 in range(0, TOP_K, SLOTS):
             out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                               stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
-                              BLOCK_K, EVEN_K, UNROLL)
+                              BLOCK_K, EVEN_K, UNROLL, W_EVICT)
     else:
         for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
             pair = tok * TOP_K + slot
@@ -134,7 +148,8 @@ def decode_gemm2_sum_kernel(
                 d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
                 acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-                    acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K)
+                    acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K,
+                                    W_EVICT)
                 out += tl.sum(acc, axis=1) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)

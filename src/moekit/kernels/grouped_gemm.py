@@ -59,6 +59,8 @@ round robin over single blocks would hand some programs mostly empty tiles).
 import triton
 import triton.language as tl
 
+from moekit.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _swizzle(tile, num_m, num_n_tiles, GROUP_M: tl.constexpr):
@@ -341,14 +343,16 @@ def moe_gemm1_swiglu_kernel(
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, GPT_OSS: tl.constexpr, INTERLEAVED: tl.constexpr,
     TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
-    STORE_PRE: tl.constexpr = False,
+    STORE_PRE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # N = I (columns of each half), K = H. PAIRED: a block that starts a pair of its expert's
     # blocks computes both (2 * BLOCK_M rows); the second block's program does nothing.
     # w: gate_up (E, 2N, K), or with TMA_W its descriptor over (E * 2N, K), block [BLOCK_N, BLOCK_K]
     # ([2 * BLOCK_N, BLOCK_K] when INTERLEAVED). PERSISTENT: each program loops over tiles.
     # pre_ptr: with STORE_PRE the contiguous (L, 2N) pre-activations buffer, else None (a constexpr:
-    # the kernel compiles exactly as without it).
+    # the kernel compiles exactly as without it). USE_PDL: launched with programmatic dependent launch
+    # (`moekit.launch_hints`).
+    pdl_enter(USE_PDL)
     strides = (stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn)
     _for_each_tile(_gemm1_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
                    expert_ids_ptr, x_ptr, w, h_ptr, pre_ptr, sorted_ids_ptr, S, N, K, strides,
@@ -408,11 +412,12 @@ def moe_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PAIRED: tl.constexpr,
     MUL_W: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_W: tl.constexpr, PERSISTENT: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # N = H, K = I. Every row of a live block was written by GEMM1 (zeros for padding rows).
     # w: down (E, N, K), or with TMA_W its descriptor over (E * N, K), block [BLOCK_N, BLOCK_K].
-    # PERSISTENT: each program loops over tiles.
+    # PERSISTENT: each program loops over tiles. USE_PDL: as GEMM1's.
+    pdl_enter(USE_PDL)
     strides = (stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn)
     _for_each_tile(_gemm2_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr,
                    expert_ids_ptr, h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, strides,
@@ -441,9 +446,10 @@ def store_token_tile(out_ptr, acc, rt, rh, t_in, h_in, stride_ot, stride_oh):
 @triton.jit
 def moe_sum_kernel(
     y_ptr, ids_ptr, out_ptr, T, H, E, stride_ot, stride_oh,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """out[t] = sum of y[t*K + j] over slots j whose expert id is in [0, E), in fp32."""
+    pdl_enter(USE_PDL)
     rt, rh, t_in, h_in, acc = token_tile(T, H, BLOCK_T, BLOCK_H)
     for j in tl.static_range(TOP_K):
         pair = rt.to(tl.int64) * TOP_K + j

@@ -8,14 +8,17 @@ so ids are identical to the torch backend's, ties go to the lower id and NaN ran
 import triton
 import triton.language as tl
 
+from moekit.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def topk_softmax_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_valid_ptr,
     T, E, stride_lt, stride_le,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    RENORMALIZE: tl.constexpr, HAS_NUM_VALID: tl.constexpr,
+    RENORMALIZE: tl.constexpr, HAS_NUM_VALID: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)          # USE_PDL: launched with programmatic dependent launch (moekit.launch_hints)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)                      # [BLOCK_T]
     cols = tl.arange(0, E_PAD)                                        # [E_PAD]

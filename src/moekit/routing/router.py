@@ -22,6 +22,7 @@ from moekit._validation import (
     needs_grad,
 )
 from moekit.kernels.router import topk_softmax_kernel
+from moekit.launch_hints import pdl_kwargs
 from moekit.reference import topk_softmax_ref
 
 ROUTER_BACKENDS = ("torch", "triton")
@@ -108,7 +109,7 @@ def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
         num_tokens, num_experts, logits.stride(0), logits.stride(1),
         TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         RENORMALIZE=renormalize, HAS_NUM_VALID=num_valid_tokens is not None,
-        num_warps=4 if e_pad <= 256 else 8,
+        num_warps=4 if e_pad <= 256 else 8, **pdl_kwargs(logits.device),
     )
     return weights, ids
 

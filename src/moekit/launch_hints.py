@@ -1,0 +1,79 @@
+"""Two launch hints of the inference kernels on Hopper and later, on by default there; each an
+environment switch read at every launch ("0" turns it off), so one process can time both settings
+side by side (`scripts/hints_compare.py`):
+
+    MOEKIT_PDL                  programmatic dependent launch. The router, align, GEMM1, GEMM2, sum
+                                and direct-decode kernels are launched with the programmatic stream
+                                serialization attribute: a kernel's programs may start (and wait on
+                                the SM) while the kernel before it in the stream finishes, so each
+                                launch and ramp overlaps the tail of the kernel before. Every such
+                                kernel first executes `griddepcontrol.wait` (the kernel before it has
+                                finished and its memory is visible) and only then reads anything,
+                                then `griddepcontrol.launch_dependents`: the kernel before may be
+                                anyone's (an optimizer step writing the weights).
+    MOEKIT_WEIGHT_EVICT_FIRST   the direct decode kernels' weight loads carry the L2 `evict_first`
+                                priority when a call has at most EVICT_MAX_PAIRS pairs: each weight
+                                tile is read once, so it replaces its own kind in L2 instead of what
+                                is read again or still has to be written back (a call that small
+                                is short enough for those write-backs to show).
+
+Measured on an H200 (Qwen3-30B-A3B, bf16, expert path and whole layer in CUDA graphs after a write
+flush, `scripts/hints_compare.py`, 2026-12-01, session 9): evict_first 1.17x on the experts at T = 1
+and 1.09x at T = 2, level at T = 4 and 0.99x at T = 8 (hence the pair limit; the grouped GEMMs'
+weight tiles go through cp.async or TMA, which carry no policy in Triton 3.6); PDL 1.00-1.03x from
+T = 2 to 256 (the whole layer 1.01-1.03x). Both change only the schedule or the cache priority,
+never a value: the results are bitwise those of the plain launch (GPU-tested). Off CUDA, under the
+interpreter and before compute capability 9 both are off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from moekit._validation import interpreting
+
+PDL_ENV = "MOEKIT_PDL"
+EVICT_ENV = "MOEKIT_WEIGHT_EVICT_FIRST"
+PDL_DEFAULT = "1"
+EVICT_DEFAULT = "1"
+# evict_first up to this many (token, slot) pairs a call: Qwen3-30B-A3B's T = 1 and 2 (the decode
+# kernels' SMALL_DECODE band); at 32 pairs it was level, at 64 0.99x.
+EVICT_MAX_PAIRS = 16
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _hopper(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9
+
+
+def _on(env: str, default: str) -> bool:
+    return os.environ.get(env, default).strip() not in ("", "0")
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch ($MOEKIT_PDL, Hopper+)."""
+    return _on(PDL_ENV, PDL_DEFAULT) and _hopper(device)
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """Launch keywords of a kernel with a USE_PDL constexpr: {} (the plain launch, the kernel compiled
+    as before) or USE_PDL with Triton's `launch_pdl` option."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+
+
+def weight_evict(device: torch.device, num_pairs: int) -> str:
+    """The eviction policy of the decode kernels' weight loads for a call of num_pairs pairs:
+    "evict_first" ($MOEKIT_WEIGHT_EVICT_FIRST, Hopper+, at most EVICT_MAX_PAIRS pairs) or ""."""
+    if num_pairs > EVICT_MAX_PAIRS or not _on(EVICT_ENV, EVICT_DEFAULT) or not _hopper(device):
+        return ""
+    return "evict_first"
