@@ -18,6 +18,7 @@ import functools
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -35,17 +36,8 @@ SETTINGS = {"plain": (0, 0), "evict": (0, 1), "pdl": (1, 0), "both": (1, 1)}
 def under(setting: str, fn):
     """fn() with the two switches set as `setting` says (restored after)."""
     pdl, evict = SETTINGS[setting]
-    old = {k: os.environ.get(k) for k in (launch_hints.PDL_ENV, launch_hints.EVICT_ENV)}
-    os.environ[launch_hints.PDL_ENV] = str(pdl)
-    os.environ[launch_hints.EVICT_ENV] = str(evict)
-    try:
+    with mock.patch.dict(os.environ, {launch_hints.PDL_ENV: str(pdl), launch_hints.EVICT_ENV: str(evict)}):
         return fn()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:

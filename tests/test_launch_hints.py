@@ -26,6 +26,9 @@ def test_off_the_gpu_both_hints_are_off_whatever_the_environment(monkeypatch):
     assert launch_hints.pdl_kwargs(cpu) == {}
     assert not launch_hints.pdl_enabled(cpu)
     assert launch_hints.weight_evict(cpu, 1) == ""
+    monkeypatch.setattr(launch_hints, "interpreting", lambda: False)      # compiled Triton, CPU tensor
+    assert launch_hints.pdl_kwargs(cpu) == {}
+    assert launch_hints.weight_evict(cpu, 1) == ""
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), (" 0 ", False), ("yes", True)])

@@ -52,6 +52,7 @@ from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
 from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
+from moekit.launch_hints import capability_major as _cuda_capability_major
 from moekit.launch_hints import pdl_kwargs
 from moekit.tuning import ExpertsConfig
 
@@ -69,11 +70,6 @@ TMA_MAX_COORD = 2**31    # TMA coordinates are int32: rows of the (E * N, K) vie
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed in full fp32 (not tf32): the fp32 path is a correctness path.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def _device_has_tma(device: torch.device) -> bool:

@@ -45,7 +45,8 @@ EVICT_MAX_PAIRS = 16
 
 
 @functools.lru_cache(maxsize=16)
-def _capability_major(index: int) -> int:
+def capability_major(index: int) -> int:
+    """The compute capability's major number of CUDA device `index` (cached)."""
     return torch.cuda.get_device_capability(index)[0]
 
 
@@ -53,7 +54,7 @@ def _hopper(device: torch.device) -> bool:
     if device.type != "cuda" or interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_major(index) >= 9
+    return capability_major(index) >= 9
 
 
 def _on(env: str, default: str) -> bool:
