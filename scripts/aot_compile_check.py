@@ -249,7 +249,7 @@ def wgrad_variants(spec: str) -> dict[str, object]:
 def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, regs: bool) -> str:
     """'OK  shared gate_up/down ...' for the two weight-gradient launches with these tiles."""
     from moekit.grouped_gemm_backward import down_proj_grad, gate_up_proj_grad
-    from moekit.kernels.grouped_gemm_backward import moe_wgrad_kernel
+    from moekit.kernels.grouped_gemm_backward import moe_wgrad_kernel, moe_wgrad_range_kernel
 
     top_k = inp.ids.shape[1]
     align = align_block_size(inp.ids, inp.gate_up.shape[0], 64, backend="torch")
@@ -264,7 +264,7 @@ def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, re
         gate_up_proj_grad(dpre_w, inp.x, None, align, top_k, inp.x.dtype, tiles["gate_up"], padding_zero=True)
         down_proj_grad(inp.x, h, None, align, top_k, inp.x.dtype, tiles["down"], padding_zero=True)
 
-    launches = capture_launches(call, (moe_wgrad_kernel,))
+    launches = capture_launches(call, (moe_wgrad_kernel, moe_wgrad_range_kernel))
     label = " / ".join(dict.fromkeys(t.label() for t in tiles.values()))
     names = [f"{name}.{launch}" for launch in ("gate_up", "down", "down_scaled", "gate_up_pz", "down_pz")]
     usage = compile_launches(launches, target, dump, names, regs)

@@ -21,7 +21,7 @@ Budget: about 2-3 minutes on an H200 (compiles dominate: two kernels a variant, 
 `--device cpu` is a smoke run under the interpreter (tiny shape, float16, two small candidates).
 
 Usage: python scripts/wgrad_compare.py [--tokens 1024,4096,16384] [--rep N] [--only 0,3,...]
-       [--out rows.jsonl] [--device cpu] [--padding-zero]
+       [--out rows.jsonl] [--device cpu] [--padding-zero [only]]
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(p, GPU_TOKENS)
     p.add_argument("--only", default=None, help="comma-separated indices into the candidates (default: all)")
-    p.add_argument("--padding-zero", action="store_true",
-                   help="also run each variant with padding_zero (its name ends in ' pz')")
+    p.add_argument("--padding-zero", nargs="?", const="both", choices=("both", "only"), default=None,
+                   help="also run each variant with padding_zero (its name ends in ' pz'); 'only': "
+                        "just those (the training step's launches)")
     a = p.parse_args(argv)
     started = time.perf_counter()
     sweep = Sweep.from_args(p, a, GPU_TOKENS)
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = get_config(shape, t, dtype, dev)
         case = make_case(shape, t, dtype, cfg.block_m, dev)
         found = variants(cfg, candidates, dtype.itemsize, dev)
-        if a.padding_zero:   # each variant also with padding_zero
-            found = {n + s: v for n, v in found.items() for s in ("", PZ)}
+        if a.padding_zero:   # each variant also (or only) with padding_zero
+            suffixes = ("", PZ) if a.padding_zero == "both" else (PZ,)
+            found = {n + s: v for n, v in found.items() for s in suffixes}
         for vname, tiles in found.items():
             try:
                 row = run_variant(case, vname, tiles, sweep, matmul)

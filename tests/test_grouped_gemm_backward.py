@@ -478,6 +478,68 @@ def test_weight_gradients_with_their_own_tiles(case, tiles, mode):
                   padding_zero=True)
 
 
+# The range kernel (`WgradConfig.experts` > 1): a program walks several experts' rows in one loop.
+# Steps of 16 rows under 16- and 32-row align blocks (a step inside a block, or a block's two halves),
+# ranges of 2 and 3 experts (a last range cut short by E), routings that leave experts empty in the
+# middle of a range (k=e, one-expert, sentinels) or every expert of a range empty (one-expert, E = 4).
+RANGE_TILES = [WgradConfig(16, 32, 16, 4, 2, experts=2), WgradConfig(32, 16, 32, 4, 3, experts=3)]
+
+
+@pytest.mark.parametrize("padding_zero", [False, True], ids=["masked", "padding_zero"])
+@pytest.mark.parametrize("align_m", [16, 32])
+@pytest.mark.parametrize("tiles", RANGE_TILES, ids=WgradConfig.label)
+@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[5], CASES[6]], ids=case_id)
+def test_weight_gradients_walking_expert_ranges(case, tiles, align_m, padding_zero, monkeypatch):
+    import moekit.grouped_gemm_backward as gb
+
+    num_tokens, num_experts, hidden, inter, top_k, kind = case
+    x, gate_up, down, w, ids, dout = make(*case)
+    align = align_block_size(ids, num_experts, align_m, backend="torch")
+    sw = swiglu_backward_torch(x, gate_up, down, dout, w, align, top_k)
+    dpre, h = sw.dpre_w.clone(), sw.h_w.clone()
+    unowned = padding_rows(align)
+    if padding_zero:                    # zeros on the padding rows, NaN past num_padded
+        unowned[: int(align.num_padded)] = False
+    dpre[unowned] = float("nan")
+    h[unowned] = float("nan")
+    launched = []
+    real = gb.moe_wgrad_range_kernel
+    monkeypatch.setattr(gb, "moe_wgrad_range_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    with poisoning():
+        d_gu = gate_up_proj_grad(dpre, x, None, align, top_k, torch.float32, tiles, padding_zero=padding_zero)
+        d_down = down_proj_grad(dout, h, None, align, top_k, torch.float32, tiles, padding_zero=padding_zero)
+    experts = min(tiles.experts, num_experts)
+    assert [g[0] % -(-num_experts // experts) for g in launched] == [0, 0]       # both took the range kernel
+    assert rel_err(d_gu, gate_up_proj_grad_torch(dpre, x, None, align, top_k)) <= 1e-5
+    assert rel_err(d_down, down_proj_grad_torch(dout, h, None, align, top_k)) <= 1e-5
+    want = ref_grads(x, gate_up, down, w, ids, dout)
+    assert rel_err(d_gu, want[1]) <= 1e-5 and rel_err(d_down, want[2]) <= 1e-5
+    check_exact_zeros((None, d_gu, d_down, None), ids, num_experts)
+    # The per-tile kernel's sums in the same order of rows: the same bits.
+    per_tile = dataclasses.replace(tiles, experts=1, block_m=min(tiles.block_m, align_m))
+    assert torch.equal(d_gu, gate_up_proj_grad(dpre, x, None, align, top_k, torch.float32, per_tile,
+                                               padding_zero=padding_zero))
+
+
+def test_range_kernel_only_where_it_applies():
+    """Scaled calls, and align blocks that are no power of two >= 16, take the per-tile kernel."""
+    from moekit.grouped_gemm_backward import _range_rows
+
+    x, gate_up, down, w, ids, dout = make(*CASES[3])
+    tiles = WgradConfig(16, 32, 64, 4, 2, experts=4)
+    for block, scaled, want in ((16, False, 16), (32, False, 32), (128, False, 64), (16, True, 0),
+                                (8, False, 0), (48, False, 0)):
+        align = align_block_size(ids, gate_up.shape[0], block, backend="torch")
+        assert _range_rows(tiles, align, scaled) == want, (block, scaled)
+    align = align_block_size(ids, gate_up.shape[0], 16, backend="torch")
+    assert _range_rows(dataclasses.replace(tiles, experts=1), align, False) == 0
+    with pytest.raises(ValueError, match="WgradConfig.experts must be a positive int"):
+        WgradConfig(experts=0)
+    assert WgradConfig(experts=3).label().endswith(" e3") and "e" not in WgradConfig().label().split()[-1]
+    assert WgradConfig.parse("experts=8,block_m=32") == WgradConfig(block_m=32, experts=8)
+
+
 def test_wgrad_tiles_from_the_environment(monkeypatch):
     monkeypatch.setenv(WGRAD_ENV, "block_n=32, block_m=16,stages=2")
     assert wgrad_config(2) == WgradConfig(block_n=32, block_m=16, stages=2)

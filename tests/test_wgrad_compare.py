@@ -37,6 +37,12 @@ def test_wgrad_compare_padding_zero_variants_on_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     names = ["old", "default", CPU_CANDIDATES[0].label()]
     assert [r["variant"] for r in rows] == [n + s for n in names for s in ("", script.PZ)]
+    only = tmp_path / "only.jsonl"
+    assert script.main(["--device", "cpu", "--tokens", "9", "--only", "2", "--padding-zero", "only",
+                        "--out", str(only)]) == 0
+    rows += [json.loads(line) for line in only.read_text().splitlines()]
+    names = ["old", "default", CPU_CANDIDATES[2].label()]      # the range kernel over 2 experts
+    assert [r["variant"] for r in rows[6:]] == [n + script.PZ for n in names]
     for r in rows:
         assert "error" not in r, r
         assert r["padding_zero"] is r["variant"].endswith(" pz")
@@ -52,9 +58,10 @@ def test_candidates_are_distinct_and_launchable_on_hopper():
 
 
 def test_wgrad_kernel_compiles_for_sm90_without_spills():
-    """The old and the default tiles, both launches, through ptxas for sm_90 (skipped where this
-    Triton has no CUDA backend or ptxas)."""
-    out = aot_compile_check("--wgrad", "old,default", "--regs")
-    assert "2/2 wgrad variants compile" in out
+    """The old and the default tiles and a range-kernel candidate, every launch, through ptxas for
+    sm_90 (skipped where this Triton has no CUDA backend or ptxas)."""
+    ranged = str(CANDIDATES.index(WgradConfig(128, 128, 64, 8, 3, experts=8)))   # the range kernel
+    out = aot_compile_check("--wgrad", f"old,default,{ranged}", "--regs")
+    assert "3/3 wgrad variants compile" in out
     lines = [line for line in out.splitlines() if line.startswith("wgrad ")]
-    assert len(lines) == 2 and all("r/" in line and " local " not in line for line in lines), lines
+    assert len(lines) == 3 and all("r/" in line and " local " not in line for line in lines), lines

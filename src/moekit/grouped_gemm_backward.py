@@ -66,7 +66,12 @@ from moekit.grouped_gemm import (
     moe_sum_torch,
     twin_dtype,
 )
-from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel, moe_wgrad_kernel
+from moekit.kernels.grouped_gemm_backward import (
+    moe_swiglu_bwd_kernel,
+    moe_tile_sum_kernel,
+    moe_wgrad_kernel,
+    moe_wgrad_range_kernel,
+)
 from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_budget, shrink_to_fit, wgrad_config
 
 RECOMPUTE_TILE_CAP = 64     # the SwiGLU backward's block_n / block_k cap when it recomputes a, b
@@ -235,10 +240,24 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     grad = _workspace.empty(num_experts, n, c, dtype=dtype, device=a.device)
     n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
     scale = topk_weights is not None
+    row_starts = align.row_starts() if row_starts is None else row_starts
+    if _range_rows(tiles, align, scale):
+        experts = min(tiles.experts, num_experts)
+        moe_wgrad_range_kernel[(cdiv(num_experts, experts) * n_tiles * c_tiles,)](
+            a, b, grad, align.sorted_ids, align.expert_ids, row_starts,
+            align.num_pairs, num_experts, n, c, n_tiles, c_tiles,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
+            TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token,
+            BLOCK_M=_range_rows(tiles, align, scale), BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
+            ALIGN_M=align.block_m, EXPERTS=experts, EXPERTS_POW2=next_power_of_2(experts),
+            NUM_STAGES=tiles.stages,
+            DOT_PRECISION=_dot_precision(b.dtype), PADDING_ZERO=padding_zero,
+            num_warps=tiles.warps, num_stages=tiles.stages,
+        )
+        return grad
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
         a, b, topk_weights.reshape(-1) if scale else a, grad, align.sorted_ids,
-        align.row_starts() if row_starts is None else row_starts,
-        align.num_pairs, n, c, n_tiles, c_tiles,
+        row_starts, align.num_pairs, n, c, n_tiles, c_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c, NUM_STAGES=tiles.stages,
@@ -246,6 +265,16 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return grad
+
+
+def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
+    """The rows a step of `moe_wgrad_range_kernel` when the call takes it, else 0: tiles.experts > 1,
+    unscaled, and an align block size that is a power of two >= 16; its steps are tiles.block_m rows
+    or the block size where that is smaller (a step may not cross a block)."""
+    block = align.block_m
+    if tiles.experts == 1 or scaled or block < 16 or block & (block - 1):
+        return 0
+    return min(tiles.block_m, block)
 
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,

@@ -34,9 +34,15 @@ CANDIDATES = tuple(WgradConfig(*t) for t in (
     (256, 128, 64, 8, 5), (256, 128, 32, 8, 5), (256, 128, 32, 8, 7),
     (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (64, 256, 64, 8, 5), (256, 64, 64, 8, 5),
     (64, 64, 64, 4, 5), (64, 64, 32, 4, 7),
+    # The range kernel (the last field: experts a program walks in one loop).
+    (128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 5, 8),
+    (128, 128, 32, 8, 5, 8), (128, 128, 32, 8, 7, 8), (128, 256, 64, 8, 3, 8), (128, 256, 32, 8, 5, 8),
+    (128, 256, 32, 8, 5, 4), (128, 256, 32, 8, 5, 2), (256, 128, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8),
+    (128, 128, 64, 8, 3, 16), (128, 256, 64, 8, 4, 4),
 ))
-# Interpreted on the CPU: small tiles, BN < BC and BN > BC.
-CPU_CANDIDATES = (WgradConfig(16, 32, 16, 4, 3), WgradConfig(32, 16, 32, 4, 5))
+# Interpreted on the CPU: small tiles, BN < BC and BN > BC, and the range kernel over 2 experts.
+CPU_CANDIDATES = (WgradConfig(16, 32, 16, 4, 3), WgradConfig(32, 16, 32, 4, 5),
+                  WgradConfig(16, 32, 16, 4, 3, 2))
 
 
 def legacy_tiles(cfg: ExpertsConfig) -> dict[str, WgradConfig]:

@@ -288,3 +288,86 @@ def moe_wgrad_kernel(
     c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn
               + rc.to(tl.int64)[None, :] * stride_cc)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_in[:, None] & c_in[None, :])
+
+
+@triton.jit
+def moe_wgrad_range_kernel(
+    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, row_starts_ptr,
+    S, E, N, C, num_n_tiles, num_c_tiles,
+    stride_ar, stride_an, stride_br, stride_bc, stride_ce, stride_cn, stride_cc,
+    TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN_M: tl.constexpr,
+    EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PADDING_ZERO: tl.constexpr = False,
+):
+    """`moe_wgrad_kernel`'s unscaled sums, a program owning one (BN, BC) tile of EXPERTS consecutive
+    experts' gradients [e0, e0 + EXPERTS): one loop over their sorted rows, which are contiguous
+    ([row_starts[e0], row_starts[e0 + EXPERTS])), BM at a time, storing the accumulator and
+    starting afresh where an expert's group ends. With a few hundred rows an expert, one program
+    per expert tile runs a loop of a few steps whose pipeline fills and drains each time; here the
+    pipeline runs across the experts' boundaries and fills once per EXPERTS tiles.
+
+    Every expert's group is a whole number of ALIGN_M-row blocks (the align block size) and BLOCK_M
+    divides ALIGN_M, so a step's rows lie in one block, of one expert: expert_ids[r0 // ALIGN_M].
+    A step is its expert's last where the next step's block belongs to another expert (or the range
+    ends): both come from loads that depend on r0 alone, so the pipeliner fetches them ahead with
+    the sorted_ids. Experts of the range with no rows have no block: their zero tiles are stored
+    before the loop (the range's row starts come in one gather; the scalar loop runs only when one
+    of them is empty). EXPERTS_POW2: EXPERTS rounded up to a power of two. PADDING_ZERO as in
+    `moe_wgrad_kernel`; a gathered operand's padding rows read the token of their block's first
+    row (a pair of the same expert: every block starts with one).
+    """
+    pid = tl.program_id(0)
+    tiles = num_n_tiles * num_c_tiles
+    e0 = (pid // tiles) * EXPERTS                                      # groups slowest: L2 reuse
+    pid_n = (pid % tiles) // num_c_tiles
+    pid_c = pid % num_c_tiles
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
+    rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)                       # [BC]
+    n_in = rn < N
+    c_in = rc < C
+    c_mask = n_in[:, None] & c_in[None, :]
+    c_tile = c_ptr + rn.to(tl.int64)[:, None] * stride_cn + rc.to(tl.int64)[None, :] * stride_cc
+    a_cols = a_ptr + rn.to(tl.int64)[:, None] * stride_an              # [BN, 1]
+    b_cols = b_ptr + rc.to(tl.int64)[None, :] * stride_bc              # [1, BC]
+    rm = tl.arange(0, BLOCK_M)                                         # [BM]
+
+    re = e0 + tl.arange(0, EXPERTS_POW2)                               # the range's experts, padded
+    in_range = (re < e0 + EXPERTS) & (re < E)
+    starts = tl.load(row_starts_ptr + re, mask=in_range, other=0)      # one gather, not a chain of
+    ends = tl.load(row_starts_ptr + re + 1, mask=in_range, other=0)    # dependent scalar loads
+    if tl.sum((in_range & (starts == ends)).to(tl.int32)) > 0:        # experts with no rows: 0
+        for j in tl.static_range(EXPERTS):
+            e = e0 + j
+            if e < E:
+                if tl.load(row_starts_ptr + e) == tl.load(row_starts_ptr + e + 1):
+                    tl.store(c_tile + e.to(tl.int64) * stride_ce,
+                             tl.zeros((BLOCK_N, BLOCK_C), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+    lo = tl.min(tl.where(in_range, starts, 2147483647))
+    hi = tl.max(tl.where(in_range, ends, 0))
+
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    for r0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        rows = r0 + rm
+        block = r0 // ALIGN_M
+        e_here = tl.load(expert_ids_ptr + block)
+        e_next = tl.load(expert_ids_ptr + (r0 + BLOCK_M) // ALIGN_M, mask=r0 + BLOCK_M < hi, other=-1)
+        pair = tl.load(sorted_ids_ptr + rows)                          # rows < hi <= num_padded
+        valid = pair < S
+        if PADDING_ZERO:
+            own_tok = tl.load(sorted_ids_ptr + block * ALIGN_M) // TOP_K
+            tok = tl.where(valid, pair // TOP_K, own_tok)
+            a_mask = n_in[:, None]
+            b_mask = c_in[None, :]
+        else:
+            tok = pair // TOP_K
+            a_mask = valid[None, :] & n_in[:, None]
+            b_mask = valid[:, None] & c_in[None, :]
+        ra = tok if A_BY_TOKEN else rows
+        rb = tok if B_BY_TOKEN else rows
+        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
+        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+        if e_next != e_here:                                           # e_here's last step
+            tl.store(c_tile + e_here.to(tl.int64) * stride_ce, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)

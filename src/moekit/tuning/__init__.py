@@ -157,6 +157,11 @@ class WgradConfig:
         block_m: sorted rows reduced per step; a power of two in [16, 128] (tl.dot needs 16).
         warps: num_warps (1, 2, 4, 8 or 16).
         stages: the loop's num_stages (>= 1; odd counts: an even one has the lead of the one below).
+        experts: consecutive experts a program walks (`moe_wgrad_range_kernel`: one loop over their
+            rows, so its pipeline fills once per `experts` tiles, not once per tile); 1 (the
+            default): one program per expert tile (`moe_wgrad_kernel`). The range kernel runs the
+            unscaled launches with an align block size that is a power of two >= 16, its steps at
+            most that many rows; other calls take the per-tile kernel.
     """
 
     block_n: int = 128
@@ -164,10 +169,11 @@ class WgradConfig:
     block_m: int = 64
     warps: int = 8
     stages: int = 3
+    experts: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_tile("WgradConfig", f.name, getattr(self, f.name), f.name != "stages")
+            check_tile("WgradConfig", f.name, getattr(self, f.name), f.name not in ("stages", "experts"))
         if self.block_n < 16 or self.block_c < 16:
             raise ValueError(f"WgradConfig tiles must be >= 16, got {self.block_n} x {self.block_c}")
         if not 16 <= self.block_m <= 128:
@@ -212,7 +218,8 @@ class WgradConfig:
             raise ValueError(f"{source}: {exc}") from None
 
     def label(self) -> str:
-        return f"n{self.block_n} c{self.block_c} m{self.block_m} w{self.warps} s{self.stages}"
+        label = f"n{self.block_n} c{self.block_c} m{self.block_m} w{self.warps} s{self.stages}"
+        return label if self.experts == 1 else f"{label} e{self.experts}"
 
 
 WGRAD_ENV = "MOEKIT_WGRAD_TILES"
