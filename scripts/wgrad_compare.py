@@ -6,8 +6,9 @@ picked), the two launches of a training step (d gate_up_proj (E, 2I, H), d down_
 
     old        the tiles the kernel took from the forward's config until it had its own (the H200
                table's config at T: block_n x block_k capped at 64, 4 warps, 3 stages)
-    default    `moekit.tuning.WgradConfig()` fitted to the device (what training runs now)
-    n.. c..    `moekit.bench.wgrad.CANDIDATES` (output tile n x c, m rows a step, w warps, s stages)
+    default    `moekit.tuning.wgrad_config` at the call's rows per expert (what training runs now)
+    n.. c..    `moekit.bench.wgrad.CANDIDATES` (output tile n x c, m rows a step, w warps, s stages;
+               e..: the range kernel walking that many experts; a trailing rN: under a register cap)
 
 Each variant is first checked (both launches, before any timing): error against the fp32 twin at
 most 2x plain PyTorch's in the same dtype, exact zeros for the expert with no pairs, the same bits
@@ -21,7 +22,7 @@ Budget: about 2-3 minutes on an H200 (compiles dominate: two kernels a variant, 
 `--device cpu` is a smoke run under the interpreter (tiny shape, float16, two small candidates).
 
 Usage: python scripts/wgrad_compare.py [--tokens 1024,4096,16384] [--rep N] [--only 0,3,...]
-       [--out rows.jsonl] [--device cpu] [--padding-zero [only]]
+       [--out rows.jsonl] [--device cpu] [--padding-zero [only]] [--range-max-regs 128]
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
 
 import argparse
+import re
 import time
 
 import torch
 
+import moekit.grouped_gemm_backward as gb
 from moekit._workspace import poisoning
 from moekit.bench.ceilings import measure_ceilings
 from moekit.bench.tile_sweep import Sweep, add_args, best_first, first_line, write_rows
@@ -48,9 +51,10 @@ GPU_TOKENS = "1024,4096,16384"
 
 
 def variants(case_cfg: ExpertsConfig, candidates: tuple[WgradConfig, ...], itemsize: int,
-             device: torch.device) -> dict[str, dict[str, WgradConfig]]:
-    """name -> tiles per launch: old, default, then the candidates (duplicates of an earlier one left out)."""
-    default = wgrad_config(itemsize, device)
+             device: torch.device, rows_per_expert: float) -> dict[str, dict[str, WgradConfig]]:
+    """name -> tiles per launch: old, default (what a training step at these rows per expert
+    runs), then the candidates (duplicates of an earlier one left out)."""
+    default = wgrad_config(itemsize, device, rows_per_expert=rows_per_expert)
     out = {"old": legacy_tiles(case_cfg), "default": dict.fromkeys(LAUNCHES, default)}
     seen = {tuple(v.values()) for v in out.values()}
     for tiles in candidates:
@@ -68,6 +72,8 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], sweep
     """Check, then time one variant; a name ending in PZ runs with padding_zero (the training step's
     launches: the sorted-row operand's loads need no index)."""
     pz = name.endswith(PZ)
+    regs = re.search(r" r(\d+)", name)      # the range kernel under a register cap
+    gb.RANGE_MAX_REGS = int(regs.group(1)) if regs else None
     row = {"tokens": case.tokens, "variant": name, "padding_zero": pz,
            **{f"tiles_{k}": t.label() for k, t in tiles.items()},
            **{f"base_err_{k}": case.base_err[k] for k in LAUNCHES}}
@@ -113,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--padding-zero", nargs="?", const="both", choices=("both", "only"), default=None,
                    help="also run each variant with padding_zero (its name ends in ' pz'); 'only': "
                         "just those (the training step's launches)")
+    p.add_argument("--range-max-regs", type=int, default=None,
+                   help="also run each range-kernel variant with this register cap (name ' rN')")
     a = p.parse_args(argv)
     started = time.perf_counter()
     sweep = Sweep.from_args(p, a, GPU_TOKENS)
@@ -131,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in sweep.tokens:
         cfg = get_config(shape, t, dtype, dev)
         case = make_case(shape, t, dtype, cfg.block_m, dev)
-        found = variants(cfg, candidates, dtype.itemsize, dev)
+        found = variants(cfg, candidates, dtype.itemsize, dev, t * shape.top_k / shape.num_experts)
+        if a.range_max_regs:   # range-kernel variants also under the register cap
+            found.update({f"{n} r{a.range_max_regs}": v for n, v in list(found.items())
+                          if v["gate_up"].experts > 1})
         if a.padding_zero:   # each variant also (or only) with padding_zero
             suffixes = ("", PZ) if a.padding_zero == "both" else (PZ,)
             found = {n + s: v for n, v in found.items() for s in suffixes}

@@ -561,6 +561,12 @@ def test_wgrad_tiles_from_the_environment(monkeypatch):
         assert wide.pipeline_bytes(itemsize) <= shared_memory_budget(None)
     assert wgrad_config(2, rows_per_expert=WIDE_WGRAD_ROWS) == WIDE_WGRAD      # fits as it is in bf16
     assert wgrad_config(2, rows_per_expert=WIDE_WGRAD_ROWS - 1) == WgradConfig()
+    # Few rows an expert: the range kernel's tiles.
+    from moekit.tuning import RANGE_WGRAD, RANGE_WGRAD_ROWS
+
+    assert wgrad_config(2, rows_per_expert=RANGE_WGRAD_ROWS - 1) == RANGE_WGRAD
+    assert wgrad_config(2, rows_per_expert=RANGE_WGRAD_ROWS) == WgradConfig()
+    assert RANGE_WGRAD.experts > 1 and wgrad_config(4, rows_per_expert=1).experts == RANGE_WGRAD.experts
     monkeypatch.setenv(WGRAD_ENV, "block_n=32")
     assert wgrad_config(2, rows_per_expert=10**6) == WgradConfig(block_n=32)
 

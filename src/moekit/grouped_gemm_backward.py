@@ -253,6 +253,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
             NUM_STAGES=tiles.stages,
             DOT_PRECISION=_dot_precision(b.dtype), PADDING_ZERO=padding_zero,
             num_warps=tiles.warps, num_stages=tiles.stages,
+            **({} if RANGE_MAX_REGS is None else {"maxnreg": RANGE_MAX_REGS}),
         )
         return grad
     moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
@@ -265,6 +266,11 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return grad
+
+
+# Experimental, for measurements (scripts/wgrad_compare.py --range-max-regs): a register cap (ptxas
+# .maxnreg) on the range kernel, e.g. 128 so that two 8-warp programs fit one SM. Read at each launch.
+RANGE_MAX_REGS: int | None = None
 
 
 def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:

@@ -233,18 +233,30 @@ WGRAD_ENV = "MOEKIT_WGRAD_TILES"
 # 2.060 and 1.341 ms.
 WIDE_WGRAD = WgradConfig(block_n=128, block_c=256, block_m=32, warps=8, stages=5)
 WIDE_WGRAD_ROWS = 512    # rows per expert (on average) from which WIDE_WGRAD is used
+# Few rows an expert: the range kernel, a program walking 8 experts' rows with 128 x 128 tiles, 64 rows
+# a step, 4 warps, 4 stages. With one program an expert tile its loop is a step or two, all pipeline
+# fill. H200, both launches unscaled with padding_zero (`scripts/wgrad_compare.py`, 2026-12-01,
+# Qwen3-30B-A3B bf16): 0.600 ms against 0.740 for the default at 1,024 tokens (64 rows an expert);
+# level at 4,096 (1.251 against 1.235) and slower at 16,384 (3.861 against 3.472).
+RANGE_WGRAD = WgradConfig(block_n=128, block_c=128, block_m=64, warps=4, stages=4, experts=8)
+RANGE_WGRAD_ROWS = 128   # rows per expert (on average) below which RANGE_WGRAD is used
 
 
 def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,
                  rows_per_expert: float | None = None) -> WgradConfig:
     """The weight-gradient tiles: $MOEKIT_WGRAD_TILES when set (as given), else, fitted to the
-    device's shared-memory budget for the dtype, WIDE_WGRAD from WIDE_WGRAD_ROWS rows per expert
-    (when the caller says how many), the default below."""
+    device's shared-memory budget for the dtype and by the rows per expert when the caller says how
+    many: RANGE_WGRAD below RANGE_WGRAD_ROWS, WIDE_WGRAD from WIDE_WGRAD_ROWS, the default between."""
     text = os.environ.get(WGRAD_ENV, "").strip()
     if text:
         return _parse_wgrad_env(text)
-    wide = rows_per_expert is not None and rows_per_expert >= WIDE_WGRAD_ROWS
-    return (WIDE_WGRAD if wide else WgradConfig()).fit(itemsize, shared_memory_budget(device))
+    tiles = WgradConfig()
+    if rows_per_expert is not None:
+        if rows_per_expert >= WIDE_WGRAD_ROWS:
+            tiles = WIDE_WGRAD
+        elif rows_per_expert < RANGE_WGRAD_ROWS:
+            tiles = RANGE_WGRAD
+    return tiles.fit(itemsize, shared_memory_budget(device))
 
 
 @functools.lru_cache(maxsize=16)
