@@ -115,10 +115,11 @@ def copy_in(statics: tuple[torch.Tensor, ...], static_bytes: list[torch.Tensor],
     """statics[i].copy_(inputs[i]) for every i, as one multi-tensor launch when every input is
     contiguous (the byte views of inputs of different dtypes share one dtype, uint8, so a single
     `torch._foreach_copy_` serves them all), else one copy each. On a GPU each launch is host time."""
-    sources = [as_bytes(t) for t in inputs]
-    if len(inputs) > 1 and all(s is not None for s in sources):
-        torch._foreach_copy_(static_bytes, sources)
-        return
+    if len(inputs) > 1:
+        sources = [as_bytes(t) for t in inputs]
+        if all(s is not None for s in sources):
+            torch._foreach_copy_(static_bytes, sources)
+            return
     for static, t in zip(statics, inputs):
         static.copy_(t)
 

@@ -88,12 +88,18 @@ class MoELayer(nn.Module):
             raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "
                             f"cast x (x.to({dtype})) or the layer (layer.to(dtype))")
         flat = x if x.dim() == 2 else x.reshape(-1, self.shape.hidden_size)   # (T, H) as it comes
-        out = None
         if self.eager_graphs and not experts_opts and self._graphable(flat):
-            out = graph_cache(self)(self._forward_flat, (flat,), self._graph_key())
-        if out is None:
+            out = self._replay(flat)
+        else:
             out = self._forward_flat(flat, **experts_opts)
         return out if flat is x else out.view(x.shape)
+
+    def _replay(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer on flat (T, H) from its eager graph (recorded on first use), or computed when
+        the call cannot be recorded: for callers that checked `_graphable(flat)` and the input's
+        shape and dtype (forward; the patched Transformers blocks, which skip the module call)."""
+        out = graph_cache(self)(self._forward_flat, (flat,), self._graph_key())
+        return self._forward_flat(flat) if out is None else out
 
     def _forward_flat(self, flat: torch.Tensor, **experts_opts) -> torch.Tensor:
         weights, ids = self.route(flat)

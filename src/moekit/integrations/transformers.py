@@ -573,17 +573,18 @@ def patch_moe_blocks(model: nn.Module, *, enabled: bool = True) -> int:
 
 
 def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    layer = _block_fast_layer(self, hidden_states)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]) if hidden_states.dim() == 3 else None
+    layer = None if flat is None else _block_fast_layer(self, hidden_states, flat)
     if layer is None:
         return type(self).__mro__[1].forward(self, hidden_states)
-    batch, seq, hidden = hidden_states.shape
-    return layer(hidden_states.reshape(-1, hidden)).view(batch, seq, hidden)
+    # The layer's graph replay without its module call: _block_fast_layer checked what forward would.
+    return layer._replay(flat).view(hidden_states.shape)
 
 
-def _block_fast_layer(block: nn.Module, hidden_states: torch.Tensor) -> MoELayer | None:
-    """The block's MoELayer when this call may replay its graph (`patch_moe_blocks`), else None."""
-    if (not getattr(block, "moekit_block_graphs", False) or block.training or hidden_states.dim() != 3
-            or torch.compiler.is_compiling()):
+def _block_fast_layer(block: nn.Module, hidden_states: torch.Tensor, flat: torch.Tensor) -> MoELayer | None:
+    """The block's MoELayer when this call may replay its graph (`patch_moe_blocks`), else None;
+    flat is hidden_states as (T, H)."""
+    if not getattr(block, "moekit_block_graphs", False) or block.training or torch.compiler.is_compiling():
         return None
     experts = block.experts
     name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
@@ -593,14 +594,16 @@ def _block_fast_layer(block: nn.Module, hidden_states: torch.Tensor) -> MoELayer
     if _hooked(block) or _recording_router_logits():
         return None
     layer = _block_layer(block, options[0])
-    if layer is None or not _layer_replays(layer, hidden_states.view(-1, hidden_states.shape[-1])):
+    if layer is None or not _layer_replays(layer, flat):
         return None
     return layer
 
 
 def _layer_replays(layer: MoELayer, flat: torch.Tensor) -> bool:
-    """Whether the layer's call on flat replays its eager graph (`moekit.eager_graphs.eligible`)."""
-    return layer.eager_graphs and layer._graphable(flat)
+    """Whether the layer's call on flat replays its eager graph (`moekit.eager_graphs.eligible`),
+    with the checks of MoELayer.forward (hidden size and dtype), which the fast path skips."""
+    return (layer.eager_graphs and flat.shape[-1] == layer.shape.hidden_size
+            and flat.dtype == layer.gate_up_proj.dtype and layer._graphable(flat))
 
 
 def _block_layer(block: nn.Module, backend: str) -> MoELayer | None:
@@ -626,10 +629,9 @@ def _block_layer(block: nn.Module, backend: str) -> MoELayer | None:
 def _hooked(block: nn.Module) -> bool:
     """Whether a forward hook other than Transformers' output capture watches the router or the
     experts (the graph would skip it), or global module hooks are set."""
-    from torch.nn.modules import module as torch_module
-
-    if any(getattr(torch_module, name, None) for name in (
-            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")):
+    torch_module = torch.nn.modules.module
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or getattr(torch_module, "_global_backward_hooks", None)):
         return True
     for m in (block.gate, block.experts):
         if m._forward_pre_hooks or any(getattr(h, "__name__", "") != "output_capturing_hook"
@@ -641,9 +643,21 @@ def _hooked(block: nn.Module) -> bool:
 def _recording_router_logits() -> bool:
     """Whether Transformers is collecting router logits now (`output_router_logits`); True when its
     collector cannot be read (never skip the router then)."""
+    collector = _router_logits_collector()
+    if collector is None:    # another Transformers: assume it records
+        return True
     try:
-        from transformers.utils.output_capturing import _active_collector
-        collected = _active_collector.get()
-    except Exception:    # another Transformers: assume it records
+        collected = collector.get()
+    except Exception:
         return True
     return collected is not None and "router_logits" in collected
+
+
+@functools.cache
+def _router_logits_collector():
+    """Transformers' context variable of the outputs being captured, or None where it has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except Exception:
+        return None
+    return _active_collector
