@@ -24,6 +24,7 @@ def test_imports_with_its_variants():
 
 
 def test_help():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--aot" in done.stdout and "--out" in done.stdout
