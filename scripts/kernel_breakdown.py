@@ -23,6 +23,10 @@ FLOPs), and every case its layer's useful FLOPs (the roofline's) over the device
 also the device span (first activity's start to the last one's end), how much of it was idle, and
 the largest idle gaps (host work the device waited for).
 
+Programmatic dependent launch (`moekit.launch_hints`) is turned off here unless --pdl: under it a
+kernel starts while the one before it runs and waits inside (griddepcontrol.wait), so its profiled
+duration would include that wait (a sum kernel after GEMM2 looked 6x its real time).
+
 --steady adds, per case, how the call behaves alone and in a loop (a training loop's steps):
     isolated      median of 10 calls, each after an L2 flush and a sync (what `moekit bench` times)
     back-to-back  20 calls issued without a sync between them, per call (the host runs ahead)
@@ -34,11 +38,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 
@@ -47,6 +53,7 @@ from moekit.bench.roofline import traffic, training_traffic
 from moekit.bench.runner import make_weights
 from moekit.bench.timing import sync, time_fn
 from moekit.experts import moe_experts
+from moekit.launch_hints import PDL_ENV
 from moekit.routing import route
 from moekit.shapes import PRESETS
 
@@ -216,7 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the tables to this Markdown file")
     p.add_argument("--steady", action="store_true",
                    help="also time each case alone, back to back, and its host time (see above)")
+    p.add_argument("--pdl", action="store_true",
+                   help="keep programmatic dependent launch on (default off here: see the module doc)")
     a = p.parse_args(argv)
+    with mock.patch.dict(os.environ, {PDL_ENV: "1" if a.pdl else "0"}):     # read at each launch
+        return _run(p, a)
+
+
+def _run(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     preset = a.preset or ("qwen3-30b-a3b" if cuda else "tiny")
@@ -231,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     what = "forward + backward" if a.backward else "forward"
     lines = [f"# Kernel breakdown: {preset}, {what}, {str(dtype).removeprefix('torch.')}, "
-             f"{torch.cuda.get_device_name() if cuda else 'CPU (aten self time, not a GPU figure)'}", ""]
+             f"{torch.cuda.get_device_name() if cuda else 'CPU (aten self time, not a GPU figure)'}", "",
+             f"Programmatic dependent launch {'on' if a.pdl else 'off'} "
+             f"({PDL_ENV}={os.environ[PDL_ENV]}).", ""]
     shape = PRESETS[preset]
     for t in tokens:
         inputs = _inputs(preset, t, dtype, device)
