@@ -248,7 +248,7 @@ def wgrad_variants(spec: str) -> dict[str, object]:
 
 def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, regs: bool) -> str:
     """'OK  shared gate_up/down ...' for the two weight-gradient launches with these tiles."""
-    from moekit.grouped_gemm_backward import down_proj_grad, gate_up_proj_grad
+    from moekit.grouped_gemm_backward import down_proj_grad, gate_up_proj_grad, wgrad
     from moekit.kernels.grouped_gemm_backward import moe_wgrad_kernel, moe_wgrad_range_kernel
 
     top_k = inp.ids.shape[1]
@@ -263,10 +263,14 @@ def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, re
         # the training step's launches: dpre_w and h_w zero on padding rows
         gate_up_proj_grad(dpre_w, inp.x, None, align, top_k, inp.x.dtype, tiles["gate_up"], padding_zero=True)
         down_proj_grad(inp.x, h, None, align, top_k, inp.x.dtype, tiles["down"], padding_zero=True)
+        # both operands in sorted-row order (the gathered one copied there first): no index read
+        wgrad(dpre_w, dpre_w, None, align, top_k, (inp.gate_up.shape[0], dpre_w.shape[1], dpre_w.shape[1]),
+              inp.x.dtype, a_by_token=False, b_by_token=False, tiles=tiles["gate_up"], padding_zero=True)
 
     launches = capture_launches(call, (moe_wgrad_kernel, moe_wgrad_range_kernel))
     label = " / ".join(dict.fromkeys(t.label() for t in tiles.values()))
-    names = [f"{name}.{launch}" for launch in ("gate_up", "down", "down_scaled", "gate_up_pz", "down_pz")]
+    names = [f"{name}.{launch}" for launch in ("gate_up", "down", "down_scaled", "gate_up_pz", "down_pz",
+                                               "sorted_pz")]
     usage = compile_launches(launches, target, dump, names, regs)
     return f"OK  shared {usage}  [{label}]"
 

@@ -22,7 +22,7 @@ Budget: about 2-3 minutes on an H200 (compiles dominate: two kernels a variant, 
 `--device cpu` is a smoke run under the interpreter (tiny shape, float16, two small candidates).
 
 Usage: python scripts/wgrad_compare.py [--tokens 1024,4096,16384] [--rep N] [--only 0,3,...]
-       [--out rows.jsonl] [--device cpu] [--padding-zero [only]] [--range-max-regs 128]
+       [--out rows.jsonl] [--device cpu] [--padding-zero [only]] [--range-max-regs 128] [--presorted]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from moekit.bench.wgrad import CANDIDATES, CPU_CANDIDATES, LAUNCHES, WgradCase, 
 from moekit.tuning import ExpertsConfig, WgradConfig, get_config, shared_memory_limit, wgrad_config
 
 PZ = " pz"
+XS = " xs"
 GPU_TOKENS = "1024,4096,16384"
 
 
@@ -72,6 +73,7 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], sweep
     """Check, then time one variant; a name ending in PZ runs with padding_zero (the training step's
     launches: the sorted-row operand's loads need no index)."""
     pz = name.endswith(PZ)
+    presorted = XS in name                    # the gathered operand copied into sorted order first
     regs = re.search(r" r(\d+)", name)      # the range kernel under a register cap
     gb.RANGE_MAX_REGS = int(regs.group(1)) if regs else None
     row = {"tokens": case.tokens, "variant": name, "padding_zero": pz,
@@ -80,8 +82,8 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], sweep
     for k in LAUNCHES:                                    # checked before anything is timed
         try:
             with poisoning():                             # a tile left unwritten reads NaN
-                got = case.run(k, tiles[k], pz)
-                again = case.run(k, tiles[k], pz)
+                got = case.run(k, tiles[k], pz, presorted)
+                again = case.run(k, tiles[k], pz, presorted)
         except Exception as exc:                          # e.g. out of shared memory
             row["error"] = f"{k}: {first_line(exc)}"
             return row
@@ -93,9 +95,11 @@ def run_variant(case: WgradCase, name: str, tiles: dict[str, WgradConfig], sweep
             row["error"] = f"{k}: {problem}"
             return row
     for k in LAUNCHES:
-        ms = sweep.time(lambda k=k: case.run(k, tiles[k], pz))
+        ms = sweep.time(lambda k=k: case.run(k, tiles[k], pz, presorted))
         row[f"ms_{k}"] = ms
         row[f"tflops_{k}"] = case.flops[k] / ms / 1e9
+        if presorted:                         # the copy, timed alone (not in ms)
+            row[f"ms_copy_{k}"] = sweep.time(lambda k=k: case.copy_operand(k))
     row["ms"] = sum(row[f"ms_{k}"] for k in LAUNCHES)
     row["tflops"] = sum(case.flops.values()) / row["ms"] / 1e9
     row["pct_ceiling"] = 100 * row["tflops"] / matmul_tflops if matmul_tflops else None
@@ -109,7 +113,9 @@ def describe(row: dict) -> str:
     return (f"{head} {row['ms_gate_up']:8.3f} {row['ms_down']:8.3f} {row['ms']:8.3f} {row['tflops']:7.1f} "
             f"{row['pct_ceiling'] or float('nan'):5.1f}% {row['err_gate_up']:9.2e} {row['err_down']:9.2e}"
             + ("" if row["tiles_gate_up"] == row["tiles_down"] else
-               f"  ({row['tiles_gate_up']} / {row['tiles_down']})"))
+               f"  ({row['tiles_gate_up']} / {row['tiles_down']})")
+            + (f"  copies {row['ms_copy_gate_up']:.3f} + {row['ms_copy_down']:.3f}"
+               if "ms_copy_down" in row else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                         "just those (the training step's launches)")
     p.add_argument("--range-max-regs", type=int, default=None,
                    help="also run each range-kernel variant with this register cap (name ' rN')")
+    p.add_argument("--presorted", action="store_true",
+                   help="also run each variant with the gathered operand (x, dout) copied into sorted-row "
+                        f"order first (name '{XS.strip()}'; the copy timed apart, as ms_copy_*; with "
+                        "--padding-zero the kernel then reads no index)")
     a = p.parse_args(argv)
     started = time.perf_counter()
     sweep = Sweep.from_args(p, a, GPU_TOKENS)
@@ -143,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.range_max_regs:   # range-kernel variants also under the register cap
             found.update({f"{n} r{a.range_max_regs}": v for n, v in list(found.items())
                           if v["gate_up"].experts > 1})
+        if a.presorted:        # each variant also with its gathered operand copied into sorted order
+            found.update({f"{n}{XS}": v for n, v in list(found.items())})
         if a.padding_zero:   # each variant also (or only) with padding_zero
             suffixes = ("", PZ) if a.padding_zero == "both" else (PZ,)
             found = {n + s: v for n, v in found.items() for s in suffixes}

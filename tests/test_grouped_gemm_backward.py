@@ -44,6 +44,7 @@ from moekit.grouped_gemm_backward import (
     hidden_states_grad,
     hidden_states_grad_torch,
     saved_tiles,
+    sorted_rows,
     swiglu_backward,
     swiglu_backward_torch,
     wgrad,
@@ -473,9 +474,19 @@ def test_weight_gradients_with_their_own_tiles(case, tiles, mode):
     assert rel_err(d_gu, want[1]) <= 1e-5 and rel_err(d_down, want[2]) <= 1e-5
     check_exact_zeros((None, d_gu, d_down, None), ids, num_experts)
     if zero:
-        with pytest.raises(ValueError, match="padding_zero needs exactly one operand gathered by token"):
+        with pytest.raises(ValueError, match="padding_zero needs an operand in sorted-row order"):
             wgrad(x, x, None, align, top_k, d_gu.shape, torch.float32, a_by_token=True, b_by_token=True,
                   padding_zero=True)
+        # The gathered operands copied into sorted-row order first: no index read, the same sums.
+        xs, dos = sorted_rows(x, align, top_k), sorted_rows(dout, align, top_k)
+        xs[int(align.num_padded):] = float("nan")        # rows past num_padded are never read
+        dos[int(align.num_padded):] = float("nan")
+        with poisoning():
+            got_gu = wgrad(dpre, xs, None, align, top_k, d_gu.shape, torch.float32, a_by_token=False,
+                           b_by_token=False, tiles=tiles, padding_zero=True)
+            got_down = wgrad(dos, h, None, align, top_k, d_down.shape, torch.float32, a_by_token=False,
+                             b_by_token=False, tiles=tiles, padding_zero=True)
+        assert torch.equal(got_gu, d_gu) and torch.equal(got_down, d_down)
 
 
 # The range kernel (`WgradConfig.experts` > 1): a program walks several experts' rows in one loop.

@@ -43,6 +43,17 @@ def test_wgrad_compare_padding_zero_variants_on_cpu(tmp_path):
     rows += [json.loads(line) for line in only.read_text().splitlines()]
     names = ["old", "default", CPU_CANDIDATES[2].label()]      # the range kernel over 2 experts
     assert [r["variant"] for r in rows[6:]] == [n + script.PZ for n in names]
+    # The gathered operands copied into sorted-row order first: every check passes, copies timed apart.
+    presorted = tmp_path / "presorted.jsonl"
+    assert script.main(["--device", "cpu", "--tokens", "9", "--only", "0", "--padding-zero", "only",
+                        "--presorted", "--out", str(presorted)]) == 0
+    more = [json.loads(line) for line in presorted.read_text().splitlines()]
+    names = ["old", "default", CPU_CANDIDATES[0].label()]
+    assert [r["variant"] for r in more] == [n + s + script.PZ for s in ("", script.XS) for n in names]
+    for r in more:
+        assert "error" not in r, r
+        assert ("ms_copy_down" in r) is (script.XS in r["variant"])
+    rows += more
     for r in rows:
         assert "error" not in r, r
         assert r["padding_zero"] is r["variant"].endswith(" pz")

@@ -231,9 +231,11 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     sorted-row operand (the one not gathered by token) holds zeros on every padding row of each
     expert's group, as `swiglu_backward` writes dpre_w and h_w; its loads then need no index (the
     kernel's PADDING_ZERO). A nonzero padding row would be added to the gradient: only for those.
+    With both operands in sorted-row order (neither by token: the other one copied there, finite on
+    its padding rows), one holding zeros on them, the kernel reads no index at all.
     row_starts: `align.row_starts()`, when the caller has it (a backward's two launches share one)."""
-    if padding_zero and a_by_token == b_by_token:
-        raise ValueError("padding_zero needs exactly one operand gathered by token")
+    if padding_zero and a_by_token and b_by_token:
+        raise ValueError("padding_zero needs an operand in sorted-row order (not gathered by token)")
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device,
                                   rows_per_expert=align.num_pairs / shape[0])
     num_experts, n, c = shape
@@ -281,6 +283,15 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
     if tiles.experts == 1 or scaled or block < 16 or block & (block - 1):
         return 0
     return min(tiles.block_m, block)
+
+
+def sorted_rows(t: torch.Tensor, align: Alignment, top_k: int) -> torch.Tensor:
+    """(L, C): t's token rows (T, C) copied into sorted-row order, t[sorted_ids[r] // K] at each
+    placed row r and 0 on every other row (device ops, no host sync): a gathered weight-gradient
+    operand in the order of the other one, so `wgrad` can read both with no index."""
+    tok = torch.clamp(align.sorted_ids // top_k, max=max(t.shape[0] - 1, 0)).long()
+    placed = (align.sorted_ids < align.num_pairs).unsqueeze(1)
+    return torch.where(placed, t[tok], torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,

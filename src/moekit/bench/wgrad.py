@@ -11,13 +11,13 @@ kernel's SCALE off; the scaled mode, used only when down_proj alone trains, is n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moekit.align import Alignment, align_block_size
 from moekit.grouped_gemm import _placed_rows
-from moekit.grouped_gemm_backward import wgrad, wgrad_torch
+from moekit.grouped_gemm_backward import sorted_rows, wgrad, wgrad_torch
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, WgradConfig
 
@@ -70,11 +70,29 @@ class WgradCase:
     refs: dict[str, torch.Tensor]
     base_err: dict[str, float]
     unused: torch.Tensor            # experts with no pairs: their gradients must be exactly 0
+    _sorted: dict[str, torch.Tensor] = field(default_factory=dict)   # `sorted_operand`'s copies
 
-    def run(self, launch: str, tiles: WgradConfig, padding_zero: bool = False) -> torch.Tensor:
+    def run(self, launch: str, tiles: WgradConfig, padding_zero: bool = False,
+            presorted: bool = False) -> torch.Tensor:
+        """One launch; presorted: its gathered operand read from a copy in sorted-row order made
+        beforehand (`sorted_operand`, not timed here), so the kernel reads no index."""
         a, b, a_by_token, b_by_token = self.operands[launch]
+        if presorted:
+            copy = self.sorted_operand(launch)
+            a, b = (copy, b) if a_by_token else (a, copy)
+            a_by_token = b_by_token = False
         return wgrad(a, b, None, self.align, self.top_k, self.shapes[launch], a.dtype,
                      a_by_token=a_by_token, b_by_token=b_by_token, tiles=tiles, padding_zero=padding_zero)
+
+    def copy_operand(self, launch: str) -> torch.Tensor:
+        """The launch's gathered operand copied into sorted-row order (`sorted_rows`)."""
+        a, b, a_by_token, _ = self.operands[launch]
+        return sorted_rows(a if a_by_token else b, self.align, self.top_k)
+
+    def sorted_operand(self, launch: str) -> torch.Tensor:
+        if launch not in self._sorted:
+            self._sorted[launch] = self.copy_operand(launch)
+        return self._sorted[launch]
 
     def problem(self, launch: str, got: torch.Tensor) -> tuple[float, str | None]:
         """(relative error against fp32, what breaks the rule or None): error at most 2x plain

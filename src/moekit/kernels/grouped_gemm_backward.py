@@ -237,7 +237,9 @@ def moe_wgrad_kernel(
     backward writes them so), so its loads need no index: masked by rows < end alone, they no longer
     wait for the sorted_ids load and the pipeliner can fetch them ahead. The gathered operand's
     padding rows then read the expert's first token (a row that is the expert's own; its product
-    with the zero rows is 0) instead of being masked.
+    with the zero rows is 0) instead of being masked. With neither operand by token (the gathered
+    one copied into sorted-row order beforehand, finite on its padding rows, the other zero there)
+    and no scale, the loop loads no index at all.
     """
     pid = tl.program_id(0)
     tiles = num_n_tiles * num_c_tiles
@@ -255,13 +257,18 @@ def moe_wgrad_kernel(
     rm = tl.arange(0, BLOCK_M)                                         # [BM]
 
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    INDEXED: tl.constexpr = not PADDING_ZERO or A_BY_TOKEN or B_BY_TOKEN or SCALE
     if PADDING_ZERO:   # an expert with rows has a pair in its first row
-        tl.static_assert(A_BY_TOKEN != B_BY_TOKEN, "PADDING_ZERO needs one sorted-row operand")
+        tl.static_assert(not (A_BY_TOKEN and B_BY_TOKEN), "PADDING_ZERO needs a sorted-row operand")
         first_tok = tl.load(sorted_ids_ptr + start, mask=start < end, other=0) // TOP_K
     for r0 in tl.range(start, end, BLOCK_M, num_stages=NUM_STAGES):
         rows = r0 + rm
-        pair = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=S)
-        valid = pair < S
+        if INDEXED:
+            pair = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=S)
+            valid = pair < S
+        else:             # both operands in sorted-row order: no index at all
+            pair = rows
+            valid = rows < end
         if PADDING_ZERO:
             tok = tl.where(valid, pair // TOP_K, first_tok)
             a_mask = n_in[:, None] if A_BY_TOKEN else (rows < end)[None, :] & n_in[:, None]
