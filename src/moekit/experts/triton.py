@@ -122,6 +122,7 @@ def experts_triton_backward(
         if need_gu:
             d_gu = gate_up_proj_grad(grads.dpre_w, x, None, align, top_k, gate_up_proj.dtype,
                                      padding_zero=True, row_starts=starts)
+        grads = grads._replace(dpre_w=None)     # freed before d down's buffers: a lower peak
         if need_down:
             d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
                                     row_starts=starts)
