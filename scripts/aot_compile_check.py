@@ -50,6 +50,11 @@ index); with --regs its lines give shared memory, registers and spills per launc
 --tiles, with `BackwardTiles.fit`'s tiles): reading the saved pre-activations (what the autograd
 Function runs) and RECOMPUTE (the custom op's backward), every output stored; --regs as above.
 
+`--gluon-wgrad` checks the Hopper Gluon weight gradient instead (`moekit.kernels.gluon_wgrad`, both
+tiles `moekit.grouped_gemm_backward.wgrad` picks from, `moekit.tuning.GLUON_PP_WGRAD` and
+`GLUON_COOP_WGRAD`, and the row gather that feeds it); a Gluon kernel compiles through Gluon's own AST
+source; --regs as above, and spills or shared memory past the limit fail. Exit 2 without Gluon.
+
 `--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.kernels.decode`:
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 (`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
@@ -59,6 +64,7 @@ Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M
        python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --backward [--tiles S,M,MP,L] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
+       python scripts/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ os.environ["TRITON_INTERPRET"] = "0"   # compile, never interpret: before triton
 
 import argparse
 import dataclasses
+import functools
 import re
 import shutil
 import subprocess
@@ -166,7 +173,12 @@ def compile_launch(kernel, args, kwargs, target):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, _ = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, None)
-    src = ASTSource(kernel, signature, constexprs, attrs)
+    if getattr(kernel, "is_gluon", lambda: False)():      # a Gluon kernel (`moekit.kernels.gluon_wgrad`)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(kernel, signature, constexprs, attrs)
+    else:
+        src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
 
 
@@ -451,6 +463,56 @@ def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bo
     return 1 if failed else 0
 
 
+def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
+    """One line per Gluon weight-gradient tiles (`moekit.tuning.GLUON_PP_WGRAD`, `GLUON_COOP_WGRAD`, as
+    `moekit.grouped_gemm_backward.gluon_wgrad` launches them on the d gate_up shape, in bf16 and fp16;
+    d down's differs in runtime integers only) and the gather that feeds them (`sorted_rows`): shared
+    memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills (none
+    allowed). Exit 2 where this Triton has no Gluon."""
+    from moekit.grouped_gemm_backward import gluon_wgrad, sorted_rows
+    from moekit.kernels import gluon_wgrad as kernels
+    from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel
+    from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD, SHARED_MEMORY_LIMIT
+
+    if not kernels.GLUON_AVAILABLE:
+        print(f"cannot check: no Gluon ({kernels.GLUON_ERROR})")
+        return 2
+    e, n, c, rows, top_k = 8, 1536, 2048, 8 * 256, 8     # Qwen3-30B-A3B's d gate_up, 256 rows an expert
+    row_starts = torch.zeros(e + 1, dtype=torch.int32)
+    align = align_block_size(torch.zeros(rows // top_k, top_k, dtype=torch.int64), e, 64, backend="torch")
+    x = torch.empty(rows // top_k, c, dtype=torch.bfloat16)
+    checks = {}
+    for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
+        a, b = torch.empty(rows, n, dtype=dtype), torch.empty(rows, c, dtype=dtype)
+        out = torch.empty(e, n, c, dtype=dtype)
+        for t in (GLUON_PP_WGRAD, GLUON_COOP_WGRAD):
+            call = functools.partial(gluon_wgrad, a, b, row_starts, out, t)
+            checks[t.label() + suffix] = (call, kernels.gluon_wgrad_kernel)
+    checks["gather_rows"] = (lambda: sorted_rows(x, align, top_k), moe_gather_rows_kernel)
+    failed = 0
+    for name, (call, kernel) in checks.items():
+        started = time.perf_counter()
+        try:
+            launches = capture_launches(call, (kernel,))
+            compiled = compile_launch(*launches[0], target)
+            shared = compiled.metadata.shared
+            usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
+            if shared > SHARED_MEMORY_LIMIT or " local " in usage:
+                raise RuntimeError(f"shared {shared}B (limit {SHARED_MEMORY_LIMIT}B){usage}")
+            status = f"OK  shared {shared}B{usage}"
+            if dump is not None:
+                (dump / f"gluon_wgrad.{name}.ptx").write_text(compiled.asm["ptx"])
+                (dump / f"gluon_wgrad.{name}.sass").write_text(sass(compiled.asm["cubin"]))
+        except Exception as exc:
+            failed += 1
+            text = str(exc).strip().splitlines()
+            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+        print(f"gluon-wgrad {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(checks) - failed}/{len(checks)} gluon wgrad kernels compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -465,6 +527,8 @@ def main() -> int:
                    help="the weight-gradient kernel's tiles instead: all, or old,default,<index>,...")
     p.add_argument("--backward", action="store_true",
                    help="the SwiGLU backward (saved pre-activations and RECOMPUTE) for --tiles instead")
+    p.add_argument("--gluon-wgrad", action="store_true",
+                   help="the Hopper Gluon weight gradient's tiles and its row gather instead")
     p.add_argument("--decode", nargs="?", const="all", default=None,
                    help="the direct decode kernels' tiles instead: all, or default,<index>,...")
     args = p.parse_args()
@@ -484,6 +548,8 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}, {args.preset} bf16, T={NUM_TOKENS}", flush=True)
     if args.wgrad is not None:
         return check_wgrad(inp, wgrad_variants(args.wgrad), target, args.dump, args.regs)
+    if args.gluon_wgrad:
+        return check_gluon_wgrad(target, args.dump, args.regs)
     if args.backward:
         return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
     if args.decode is not None:

@@ -1,47 +1,35 @@
-"""Gluon weight-gradient probe: a persistent, warp-specialized Gluon (sm_90) grouped weight gradient
-against moekit's Triton `moe_wgrad_kernel`, checked and timed on an H200. A go/no-go measurement.
+"""Gluon weight-gradient probe: moekit's persistent, warp-specialized Gluon (sm_90) grouped weight
+gradient (`moekit.kernels.gluon_wgrad`, launched by `moekit.grouped_gemm_backward.gluon_wgrad`) in
+several tile variants against moekit's Triton `moe_wgrad_kernel`, checked and timed on an H200. It was
+the go/no-go measurement for the kernel; `wgrad` now runs it on Hopper (`GLUON_PP_WGRAD` and
+`GLUON_COOP_WGRAD` in `moekit.tuning`), and this script keeps comparing the variants.
 
 The training backward's two weight gradients (`moekit.grouped_gemm_backward`), per expert e:
 
     d gate_up_e (2I, H) = sum over e's sorted rows r of dpre_w[r]^T x[t(r)]
     d down_e    (H, I)  = sum over e's sorted rows r of dout[t(r)]^T h_w[r]
 
-moekit computes them with one Triton program per (expert, output tile), loading the token-major operand
-(x, dout) gathered row by row (`moe_wgrad_kernel`, or the range kernel at few rows an expert). Here the
-gathered operand is first pre-gathered into sorted-row order (x_sorted[r] = x[t(r)], zeros on padding
-rows: `gather_rows_kernel`, timed on its own), so both operands are plain sorted rows and TMA loads them:
+moekit's Triton kernels run one program per (expert, output tile), loading the token-major operand
+(x, dout) gathered row by row (`moe_wgrad_kernel`, or the range kernel at few rows an expert). The
+Gluon path first copies the gathered operand into sorted-row order (x_sorted[r] = x[t(r)], zeros on
+padding rows: `sorted_rows`, `moe_gather_rows_kernel`, timed on its own here), so both operands are
+plain sorted rows and TMA loads them: C_e (N, C) = A[rows_e]^T @ B[rows_e] (gate_up: A = dpre_w,
+B = x_sorted; down: A = dout_sorted, B = h_w). The kernel's schedule and barriers: the module
+docstring of `moekit.kernels.gluon_wgrad`. Variants (`VARIANTS`, name -> `GluonWgradTiles`):
 
-    C_e (N, C) = A[rows_e]^T @ B[rows_e]      A (L, N), B (L, C) row-major bf16; C (E, N, C) bf16
-
-gate_up: A = dpre_w, B = x_sorted; down: A = dout_sorted, B = h_w. The reduction runs over rows, so
-both wgmma operands are MN-major: a TMA tile of A is [BK rows, BN] (N contiguous) and wgmma reads its
-permuted view [BN, BK] (the NVMMA layout's transposed form), a tile of B is [BK, BC] as it lies.
-
-The kernel (`gluon_wgrad_kernel`): persistent (one program an SM), work items (expert, N tile, C tile),
-expert slowest (the programs in flight share an expert's rows in L2), strided over the programs. A
-1-warp producer partition walks the program's items and each item's row steps (BK = 64 rows, or the
-align block size where smaller; each
-expert's rows are [row_starts[e], row_starts[e + 1]), a multiple of the align block size) and fills a
-ring of shared-memory stages with TMA, ready/empty mbarriers, across item boundaries: the ring never
-drains between experts (with ~4 row steps an item, the per-item pipeline fill dominates a
-program-per-tile kernel). Two consumer warpgroups issue async wgmma, release stages, and store their
-bf16 tile through shared memory with a TMA store that overlaps the next item. An expert with no rows
-has items with no steps: its consumers store the zero accumulator (an exact zero tile). Two schedules:
-
-    coop   both warpgroups work on every item, each on 64 of its 128 N rows (CUTLASS "cooperative");
-           tile 128 x 256, 3 stages. The epilogue (registers -> shared) stalls the tensor cores.
-    pp     "ping-pong": the warpgroups take alternate items, each a whole tile, so one's epilogue runs
-           under the other's main loop. Both read the one ring in order; an order barrier pair makes
-           each warpgroup start an item's main loop only after the other finished the previous item's
-           (else a warpgroup could wait on a stage's ready barrier a whole ring pass early, where the
-           mbarrier parity cannot tell the passes apart). pp_128x128 (4 stages; _s5: 5), pp_64x256 (4).
+    coop_128x256    both warpgroups on every tile, each on 64 of its 128 N rows, 3 stages
+    pp_128x128      "ping-pong": the warpgroups take alternate tiles, 4 stages; _s5: 5 stages
+    pp_64x256       ping-pong, 64 x 256 tiles, 4 stages
 
 Variants compared, per T in (1024, 4096, 16384) on Qwen3-30B-A3B (E=128, H=2048, I=768, K=8, bf16), the
 routing softmax(randn(T, E)).topk(K) with the last expert never picked, align_block_size(backend=
 "triton") at the tuned config's block_m:
-    moekit      gate_up_proj_grad / down_proj_grad(..., padding_zero=True), default tiles (row_starts
-                passed in, computed once as a backward does; likewise for the Gluon kernels)
-    gather      the two pre-gathers (x, dout) into sorted order
+    moekit      gate_up_proj_grad / down_proj_grad(..., padding_zero=True) on moekit's Triton kernels
+                ($MOEKIT_GLUON_WGRAD=0), default tiles (row_starts passed in, computed once as a
+                backward does; likewise for the others)
+    moekit_gluon  the same calls with moekit's runtime dispatch ($MOEKIT_GLUON_WGRAD=1): the Gluon
+                kernel where it applies (an align block size that is a multiple of 64), gathers included
+    gather      the two pre-gathers (x, dout) into sorted order (`sorted_rows`)
     coop_*, pp_*  the Gluon kernel (`VARIANTS`), both launches; also reported with the gathers added
 Correctness first: outputs NaN-filled (moekit's workspace poisoned), relative Frobenius error against
 the fp32 twin (`*_proj_grad_torch`) at most 2x plain bf16 PyTorch's (per-expert bf16 matmuls), the
@@ -68,6 +56,8 @@ if "--aot" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "0"     # compile, never interpret (before triton is imported)
 
 import argparse
+import contextlib
+import dataclasses
 import re
 import statistics
 import time
@@ -75,272 +65,66 @@ import types
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_probe import Recorder, _capture, _compile, _cuobjdump, _error_head  # noqa: E402
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+from moekit.grouped_gemm_backward import gluon_wgrad as moekit_gluon_wgrad  # noqa: E402
+from moekit.grouped_gemm_backward import sorted_rows  # noqa: E402
+from moekit.kernels.gluon_wgrad import GLUON_ERROR, gluon_wgrad_kernel  # noqa: E402
+from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel  # noqa: E402
+from moekit.tuning import SHARED_MEMORY_LIMIT, GluonWgradTiles  # noqa: E402
 
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared      # 3.6 names
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    GLUON_ERROR = None
-except ImportError as exc:          # no Gluon: the kernels are defined but never launched
-    GLUON_ERROR = f"{type(exc).__name__}: {exc}"
-    gluon = types.SimpleNamespace(jit=lambda fn=None, **_: fn, constexpr_function=lambda fn: fn)
-    gl = types.SimpleNamespace(constexpr=None)
-    fence_async_shared = mbarrier = tma = tma_load = tma_store = warpgroup_mma = warpgroup_mma_wait = None
-    GluonTensorDescriptor = None
-
-H200_SMS = 132
-SMEM_LIMIT = 232448          # sm_90's largest dynamic shared memory a block (227 KB)
+SMEM_LIMIT = SHARED_MEMORY_LIMIT     # sm_90's largest dynamic shared memory a block (227 KB)
 PRESET = "qwen3-30b-a3b"
 TOKENS = (1024, 4096, 16384)
 FLUSH_BYTES = 256 << 20
 DEVICE = "cuda"
+GLUON_ENV = "MOEKIT_GLUON_WGRAD"     # moekit's runtime switch: "0" forces its Triton kernels
 
 
 # --------------------------------------------------------------------------------------------------
-# Gluon kernel
+# The Gluon kernel (moekit.kernels.gluon_wgrad) and its variants
 # --------------------------------------------------------------------------------------------------
 
-@gluon.constexpr_function
-def _acc_layout(ACC_N, BLOCK_C):
-    # wgmma accumulator of one warpgroup: 4 warps stacked along N (16 rows each per instruction),
-    # the widest instruction n = BLOCK_C (<= 256).
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_C, 16])
-
-
-@gluon.jit
-def _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr):
-    """Work item t -> (expert, first N row, first C column, the expert's first and end row)."""
-    e = t // tiles_per_expert
-    rem = t % tiles_per_expert
-    off_n = (rem // c_tiles) * BLOCK_N
-    off_c = (rem % c_tiles) * BLOCK_C
-    start = gl.load(row_starts_ptr + e)
-    end = gl.load(row_starts_ptr + e + 1)
-    return e, off_n, off_c, start, end
-
-
-@gluon.jit
-def _wg_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_starts_ptr, num_items,
-                 tiles_per_expert, c_tiles, BLOCK_N: gl.constexpr):
-    """1 warp: for every item of this program and every BK-row step of its expert, the A tile(s)
-    [BK, A_W] (A_PARTS of them side by side along N) and the B tile [BK, BC] into the next stage."""
-    BK: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_C: gl.constexpr = b_desc.block_type.shape[1]
-    A_W: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    A_PARTS: gl.constexpr = a_bufs.type.shape[0] // STAGES
-    NBYTES: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    it = 0                          # stage uses so far, across this program's items
-    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        e, off_n, off_c, start, end = _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N, BLOCK_C)
-        for r in range(start, end, BK):
-            s = it % STAGES
-            # Pass it // STAGES over the ring: the first pass finds the stages empty (waiting on the
-            # parity before a fresh barrier's returns at once), later ones wait for the release.
-            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
-            ready = ready_bars.index(s)
-            mbarrier.expect(ready, NBYTES)
-            for i in gl.static_range(A_PARTS):
-                tma_load(a_desc, [r, off_n + i * A_W], ready, a_bufs.index(s * A_PARTS + i))
-            tma_load(b_desc, [r, off_c], ready, b_bufs.index(s))
-            it += 1
-
-
-@gluon.jit
-def _wg_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem, row_starts_ptr,
-                 num_items, tiles_per_expert, c_tiles, N, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
-                 A_PART: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup. coop (PINGPONG False): every item, its accumulator the N rows [ROW_OFF, ROW_OFF
-    + ACC_N) of the tile, from A sub-tile A_PART. pp: the items j (counting this program's) with
-    j % 2 == CONSUMER, the whole tile."""
-    ACC_N: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_C: gl.constexpr = c_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    BK: gl.constexpr = b_bufs.type.shape[1]
-    A_PARTS: gl.constexpr = a_bufs.type.shape[0] // STAGES
-    SPLIT: gl.constexpr = 2 if PINGPONG else 1
-    MINE: gl.constexpr = CONSUMER if PINGPONG else 0
-    layout: gl.constexpr = _acc_layout(ACC_N, BLOCK_C)
-    c_buf = c_smem.index(CONSUMER)
-
-    it = 0                          # stage uses so far (both warpgroups' items)
-    j = 0                           # items so far
-    waits = 0                       # pp: order-barrier waits so far
-    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        e, off_n, off_c, start, end = _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N, BLOCK_C)
-        steps = (end - start) // BK
-        if j % SPLIT == MINE:
-            if PINGPONG:
-                # The other warpgroup finished the previous item's main loop: every stage use before
-                # this item's has landed, so no ready wait below can match an earlier pass's phase.
-                mbarrier.wait(order_bars.index(CONSUMER), waits & 1, pred=j > 0)
-                waits += (j > 0).to(gl.int32)
-            acc = gl.zeros((ACC_N, BLOCK_C), gl.float32, layout)
-            for ki in range(steps):
-                k = it + ki
-                s = k % STAGES
-                mbarrier.wait(ready_bars.index(s), (k // STAGES) & 1)
-                a = a_bufs.index(s * A_PARTS + A_PART).permute((1, 0))   # [A_W, BK], MN-major
-                acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-                # <= 1 in flight: the previous step's wgmma retired, release its stage.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty_bars.index((k + STAGES - 1) % STAGES), pred=ki > 0)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty_bars.index((it + steps + STAGES - 1) % STAGES), pred=steps > 0)
-            if PINGPONG:
-                mbarrier.arrive(order_bars.index(1 - CONSUMER))      # the other may start its next item
-            # Epilogue: the previous TMA store from c_buf had a whole item to finish; the fence orders
-            # the shared stores before the async proxy's read.
-            c = acc.to(c_desc.dtype)
-            tma.store_wait(pendings=0)
-            c_buf.store(c)
-            fence_async_shared()
-            tma_store(c_desc, [e * N + off_n + ROW_OFF, off_c], c_buf)
-        it += steps
-        j += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def gluon_wgrad_kernel(a_desc, b_desc, c_desc, row_starts_ptr, num_items, tiles_per_expert, c_tiles, N,
-                       STAGES: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
-    dtype: gl.constexpr = a_desc.dtype
-    BK: gl.constexpr = a_desc.block_type.shape[0]
-    A_W: gl.constexpr = a_desc.block_type.shape[1]
-    ACC_N: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_C: gl.constexpr = c_desc.block_type.shape[1]
-    # coop: two A sub-tiles of ACC_N (= A_W) rows, one a warpgroup; pp: one A tile, the whole item.
-    A_PARTS: gl.constexpr = 1 if PINGPONG else 2
-    BLOCK_N: gl.constexpr = ACC_N if PINGPONG else 2 * ACC_N
-
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * A_PARTS, BK, A_W], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_C], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [2, ACC_N, BLOCK_C], c_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)                        # the producer's expect()
-        mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)     # the stage's consumer(s)
-    for i in gl.static_range(2):
-        mbarrier.init(order_bars.index(i), count=1)
-    fence_async_shared()
-    C0: gl.constexpr = 0
-    C1: gl.constexpr = 1
-    R0: gl.constexpr = 0
-    R1: gl.constexpr = 0 if PINGPONG else ACC_N
-    P1: gl.constexpr = 0 if PINGPONG else 1
-    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), producer (1 warp).
-    gl.warp_specialize([
-        (_wg_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem, row_starts_ptr,
-                        num_items, tiles_per_expert, c_tiles, N, C0, PINGPONG, C0, R0, BLOCK_N)),
-        (_wg_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem, row_starts_ptr,
-                        num_items, tiles_per_expert, c_tiles, N, C1, PINGPONG, P1, R1, BLOCK_N)),
-        (_wg_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_starts_ptr, num_items,
-                        tiles_per_expert, c_tiles, BLOCK_N)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-# --------------------------------------------------------------------------------------------------
-# Pre-gather (plain Triton): dst[r] = src[sorted_ids[r] // K], zeros on padding rows
-# --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def gather_rows_kernel(src_ptr, dst_ptr, sorted_ids_ptr, num_padded_ptr, S, L, H, TOP_K: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid_r = tl.program_id(0)
-    if pid_r * BLOCK_R < tl.load(num_padded_ptr):        # rows past num_padded: nobody reads them
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_in = rows < L
-        pair = tl.load(sorted_ids_ptr + rows, mask=r_in, other=S)
-        valid = pair < S
-        tok = (pair // TOP_K).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        c_in = cols < H
-        v = tl.load(src_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & c_in[None, :],
-                    other=0.0)
-        tl.store(dst_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v,
-                 mask=r_in[:, None] & c_in[None, :])
-
-
-def gather_rows(src, sorted_ids, num_padded, top_k, out):
-    """out (L, H): the rows of src (T, H), contiguous, at each sorted row's token, zeros on padding rows
-    (pair id S = T * top_k), up to num_padded at least (whole blocks of 32 rows)."""
-    rows, h = out.shape
-    block_r, block_h = 32, 256
-    gather_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(h, block_h))](
-        src, out, sorted_ids, num_padded, src.shape[0] * top_k, sorted_ids.numel(), h, TOP_K=top_k,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Launcher
-# --------------------------------------------------------------------------------------------------
-
-# name -> (tile N, tile C, stages, ping-pong)
 VARIANTS = {
-    "coop_128x256": (128, 256, 3, False),
-    "pp_128x128": (128, 128, 4, True),
-    "pp_128x128_s5": (128, 128, 5, True),
-    "pp_64x256": (64, 256, 4, True),
+    "coop_128x256": GluonWgradTiles(128, 256, 3, False),      # moekit's GLUON_COOP_WGRAD
+    "pp_128x128": GluonWgradTiles(128, 128, 4, True),
+    "pp_128x128_s5": GluonWgradTiles(128, 128, 5, True),     # moekit's GLUON_PP_WGRAD
+    "pp_64x256": GluonWgradTiles(64, 256, 4, True),
 }
 BK = 64                       # rows a step (fewer where the align block size is smaller: a step may
                               # not cross an expert's group)
 
 
 def smem_bytes(variant, itemsize=2) -> int:
-    """The kernel's shared memory: the ring and the two warpgroups' C tiles (coop: half the N rows
-    each; pp: a whole tile each), barriers aside."""
-    block_n, block_c, stages, pingpong = VARIANTS[variant]
-    acc_n = block_n if pingpong else block_n // 2
-    return (stages * BK * (block_n + block_c) + 2 * acc_n * block_c) * itemsize
+    """The kernel's shared memory: the ring and the two warpgroups' C tiles, barriers aside."""
+    return VARIANTS[variant].smem_bytes(itemsize)
 
 
-def _gl_desc(t, block):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return GluonTensorDescriptor.from_tensor(t, block, layout)
-
-
-def gluon_wgrad(a, b, row_starts, out, variant, *, align_block=None, num_sms=None):
-    """out (E, N, C) = per expert e: a[rows_e]^T @ b[rows_e] (bf16, fp32 accumulate), rows_e =
-    [row_starts[e], row_starts[e + 1]); a (L, N), b (L, C) contiguous bf16 sorted rows, zeros on padding
-    rows; row_starts int32 (E + 1,) on the device."""
-    block_n, block_c, stages, pingpong = VARIANTS[variant]
-    num_experts, n, c = out.shape
-    assert a.shape[1] == n and b.shape[1] == c and a.shape[0] == b.shape[0]
-    assert n % block_n == 0 and c % block_c == 0, "tiles must divide N and C (a tile may not cross experts)"
+def gluon_wgrad(a, b, row_starts, out, variant, *, align_block=None):
+    """out (E, N, C) = per expert e: a[rows_e]^T @ b[rows_e] (moekit's launcher `gluon_wgrad`) with the
+    variant's tiles, row steps of BK or the align block size where smaller."""
+    tiles = VARIANTS[variant]
     bk = BK if align_block is None else min(BK, align_block)
     assert bk >= 16 and (align_block is None or align_block % bk == 0), "a row step may not cross experts"
-    assert smem_bytes(variant) <= SMEM_LIMIT
-    acc_n = block_n if pingpong else block_n // 2      # a warpgroup's accumulator rows (= A tile width)
-    a_desc = _gl_desc(a, [bk, acc_n])
-    b_desc = _gl_desc(b, [bk, block_c])
-    c_desc = _gl_desc(out.view(num_experts * n, c), [acc_n, block_c])
-    tiles_per_expert = (n // block_n) * (c // block_c)
-    num_items = num_experts * tiles_per_expert
-    sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
-    # 2 consumer warpgroups + the producer's (padded) warpgroup at 168 registers fill the 64K; setmaxnreg
-    # then moves registers from the producer to the consumers.
-    gluon_wgrad_kernel[(min(sms, num_items),)](
-        a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c // block_c, n,
-        STAGES=stages, PINGPONG=pingpong, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
-    return out
+    assert out.shape[1] % tiles.block_n == 0 and out.shape[2] % tiles.block_c == 0
+    assert tiles.smem_bytes() <= SMEM_LIMIT
+    return moekit_gluon_wgrad(a, b, row_starts, out, dataclasses.replace(tiles, block_m=bk))
+
+
+@contextlib.contextmanager
+def gluon_switch(on: bool):
+    """moekit's $MOEKIT_GLUON_WGRAD set inside the block (`wgrad` reads it at each call)."""
+    before = os.environ.get(GLUON_ENV)
+    os.environ[GLUON_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[GLUON_ENV]
+        else:
+            os.environ[GLUON_ENV] = before
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,12 +143,13 @@ def run_aot(args) -> int:
     b = torch.empty(rows, c, dtype=torch.bfloat16)
     out = torch.empty(e, n, c, dtype=torch.bfloat16)
     rs = torch.zeros(e + 1, dtype=torch.int32)
-    checks = {name: (lambda name=name: gluon_wgrad(a, b, rs, out, name, num_sms=H200_SMS), gluon_wgrad_kernel)
+    checks = {name: (lambda name=name: gluon_wgrad(a, b, rs, out, name), gluon_wgrad_kernel)
               for name in VARIANTS}
-    sid = torch.zeros(rows, dtype=torch.int32)
-    npad = torch.zeros((), dtype=torch.int32)
-    checks["gather"] = (lambda: gather_rows(torch.empty(256, c, dtype=torch.bfloat16), sid, npad, 8, b),
-                        gather_rows_kernel)
+    from moekit.align import align_block_size
+
+    align = align_block_size(torch.zeros(rows // 8, 8, dtype=torch.int64), e, 64, backend="torch")
+    checks["gather"] = (lambda: sorted_rows(torch.empty(rows // 8, c, dtype=torch.bfloat16), align, 8),
+                        moe_gather_rows_kernel)
     failed = 0
     for name, (call, kernel) in checks.items():
         if args.variants and name not in args.variants:
@@ -517,49 +302,60 @@ def run_tokens(tokens, args, rec, flush_buf, broken):
           flush=True)
     fns, rows = {}, {}          # timed launches; result rows by variant
 
-    # moekit (its workspace poisoned: outputs start NaN). row_starts given, as a backward shares one.
+    # moekit through its public launchers (its workspace poisoned: outputs start NaN), row_starts given,
+    # as a backward shares one: "moekit" its Triton kernels ($MOEKIT_GLUON_WGRAD=0), "moekit_gluon" its
+    # runtime dispatch (the Gluon kernel where it applies, gathers included).
     moe_out = {}
-    moekit_calls = {
-        "gate_up": lambda: moe_out.__setitem__("gate_up", gate_up_proj_grad(
-            case.dpre_w, case.x, None, al, k, torch.bfloat16, padding_zero=True, row_starts=rs)),
-        "down": lambda: moe_out.__setitem__("down", down_proj_grad(
-            case.dout, case.h_w, None, al, k, torch.bfloat16, padding_zero=True, row_starts=rs)),
-    }
-    if "moekit" not in broken:
+
+    def moekit_call(launch, gluon):
+        def call():
+            with gluon_switch(gluon):
+                if launch == "gate_up":
+                    got = gate_up_proj_grad(case.dpre_w, case.x, None, al, k, torch.bfloat16,
+                                            padding_zero=True, row_starts=rs)
+                else:
+                    got = down_proj_grad(case.dout, case.h_w, None, al, k, torch.bfloat16, padding_zero=True,
+                                         row_starts=rs)
+            moe_out[launch] = got
+        return call
+
+    for name, gluon in (("moekit", False), ("moekit_gluon", True)):
+        if name in broken or (gluon and GLUON_ERROR):
+            continue
+        moekit_calls = {launch: moekit_call(launch, gluon) for launch in ("gate_up", "down")}
         with poisoning():
-            err = first_run("moekit", lambda: [f() for f in moekit_calls.values()])
+            err = first_run(name, lambda calls=moekit_calls: [f() for f in calls.values()])
         if err is None:
             row = {}
             for launch in ("gate_up", "down"):
                 e, problem = check(case, launch, moe_out[launch])
                 row[launch] = (e, problem)
-                fns[("moekit", launch)] = moekit_calls[launch]
-            rows["moekit"] = row
+                fns[(name, launch)] = moekit_calls[launch]
+            rows[name] = row
         else:
             print(f"    {err}")
-            rec.add(tokens=tokens, variant="moekit", error=err)
+            broken[name] = err
+            rec.add(tokens=tokens, variant=name, error=err)
         moe_out.clear()
 
-    # the pre-gathers
-    x_sorted = torch.empty(case.rows, case.x.shape[1], device=DEVICE, dtype=torch.bfloat16)
-    dout_sorted = torch.empty_like(x_sorted)
-    gathers = {"x": lambda: gather_rows(case.x, al.sorted_ids, al.num_padded, k, x_sorted),
-               "dout": lambda: gather_rows(case.dout, al.sorted_ids, al.num_padded, k, dout_sorted)}
+    # the pre-gathers (moekit's `sorted_rows`, into a fresh workspace buffer each call)
+    sorted_ops = {}
+    gathers = {"x": lambda: sorted_ops.__setitem__("x", sorted_rows(case.x, al, k)),
+               "dout": lambda: sorted_ops.__setitem__("dout", sorted_rows(case.dout, al, k))}
     gathered = False
     if GLUON_ERROR:
         print(f"  Gluon variants skipped: {GLUON_ERROR}")
     else:
-        x_sorted.fill_(float("nan"))
-        dout_sorted.fill_(float("nan"))
-        err = first_run("gather", lambda: [f() for f in gathers.values()])
+        with poisoning():
+            err = first_run("gather", lambda: [f() for f in gathers.values()])
         if err is None:
             npad = int(al.num_padded)
             pair = al.sorted_ids[:npad].long()
             valid = pair < case.pairs
             tok = torch.where(valid, pair // k, 0)
             want = case.x[tok] * valid[:, None]
-            ok = torch.equal(x_sorted[:npad], want) and torch.equal(
-                dout_sorted[:npad], case.dout[tok] * valid[:, None])
+            ok = torch.equal(sorted_ops["x"][:npad], want) and torch.equal(
+                sorted_ops["dout"][:npad], case.dout[tok] * valid[:, None])
             print(f"    gather exact: {'yes' if ok else 'NO'}")
             if ok:
                 gathered = True
@@ -581,9 +377,9 @@ def run_tokens(tokens, args, rec, flush_buf, broken):
         o = {launch: torch.empty(*case.shapes[launch], device=DEVICE, dtype=torch.bfloat16)
              for launch in ("gate_up", "down")}
         calls = {
-            "gate_up": lambda name=name, o=o: gluon_wgrad(case.dpre_w, x_sorted, rs, o["gate_up"], name,
-                                                          align_block=case.block_m),
-            "down": lambda name=name, o=o: gluon_wgrad(dout_sorted, case.h_w, rs, o["down"], name,
+            "gate_up": lambda name=name, o=o: gluon_wgrad(case.dpre_w, sorted_ops["x"], rs, o["gate_up"],
+                                                          name, align_block=case.block_m),
+            "down": lambda name=name, o=o: gluon_wgrad(sorted_ops["dout"], case.h_w, rs, o["down"], name,
                                                        align_block=case.block_m),
         }
         for t in o.values():
@@ -628,7 +424,7 @@ def run_tokens(tokens, args, rec, flush_buf, broken):
             rec.add(tokens=tokens, variant=name, launch=launch, block_m=case.block_m, rel_err=err,
                     base_err=case.base_err[launch], ok=problem is None, problem=problem, ms=t,
                     tflops=tflops, speedup=speed)
-        if total and name != "moekit":
+        if total and name not in ("moekit", "moekit_gluon"):
             with_gather = total + sum(gather_ms) if gather_ms[0] is not None else None
             print(f"  {name:<14}{'both':<9}{'':>14}{total:>9.4f}{'':>9}"
                   f"{base_total / total if base_total else float('nan'):>9.2f}x"
@@ -637,8 +433,11 @@ def run_tokens(tokens, args, rec, flush_buf, broken):
             rec.add(tokens=tokens, variant=name, launch="both", ms=total, ms_with_gather=with_gather,
                     speedup=base_total / total if base_total else None,
                     speedup_with_gather=base_total / with_gather if base_total else None)
-        elif total and name == "moekit":
-            print(f"  {name:<14}{'both':<9}{'':>14}{total:>9.4f}")
+        elif total:
+            speed = base_total / total if base_total and name != "moekit" else None
+            tail = f"{'':>9}{speed:>9.2f}x" if speed else ""
+            print(f"  {name:<14}{'both':<9}{'':>14}{total:>9.4f}{tail}")
+            rec.add(tokens=tokens, variant=name, launch="both", ms=total, speedup=speed)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ the padding rows; H hidden, I intermediate:
               moe_gemm2_kernel         dx = dpre (S, 2I) @ gate_up_e (2I, H)              2 S 2I H
               moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
               moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
-              (moe_wgrad_range_kernel in their place below 128 rows an expert: the same two)
+              (moe_wgrad_range_kernel in their place below 128 rows an expert, or on Hopper
+              gluon_wgrad_kernel after moe_gather_rows_kernel's copies: the same two)
 
 (the direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
 forward is the roofline's 2 S 3HI; a training step is 18 S H I, the roofline's 3x the forward (the
@@ -64,7 +65,9 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
                 KernelFlops("moe_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_kernel", "d down_proj", 2 * s * h * i),
                 KernelFlops("moe_wgrad_range_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
-                KernelFlops("moe_wgrad_range_kernel", "d down_proj", 2 * s * h * i)]
+                KernelFlops("moe_wgrad_range_kernel", "d down_proj", 2 * s * h * i),
+                KernelFlops("gluon_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
+                KernelFlops("gluon_wgrad_kernel", "d down_proj", 2 * s * h * i)]
     return out
 
 

@@ -24,6 +24,9 @@ t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the g
                 recomputing h alone when only down_proj needs a gradient)
     dx          the forward's GEMM2 on (dpre_w, gate_up_e viewed as (H, 2I)) without the routing-
                 weight epilogue (MUL_W off), then SUM over the slots.
+    GATHER_ROWS x_sorted[r] = x[t] (or dout): the gathered operand copied into sorted-row order, 0 on
+                padding rows, for the Hopper Gluon weight gradient (`moekit.kernels.gluon_wgrad`),
+                which reads both operands by TMA.
 
 dpre_w and h_w carry the routing weight (dh = w_p * g), applied once in the SwiGLU backward's fp32
 epilogue, so the weight gradients feed both tiles straight to the dot and dx needs no multiply;
@@ -378,3 +381,30 @@ def moe_wgrad_range_kernel(
         if e_next != e_here:                                           # e_here's last step
             tl.store(c_tile + e_here.to(tl.int64) * stride_ce, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
             acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+
+
+@triton.jit
+def moe_gather_rows_kernel(
+    src_ptr, dst_ptr, sorted_ids_ptr, num_padded_ptr, S, C,
+    stride_st, stride_sc, stride_dr, stride_dc,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """dst[r] = src[t] for each sorted row r < num_padded of pair p = sorted_ids[r] < S (t = p // K),
+    0 on its padding rows (p = S); rows at or past num_padded are not written (nobody reads them).
+    A weight gradient's gathered operand copied into sorted-row order, so the Gluon kernel reads
+    both operands by TMA with no index."""
+    pid_r = tl.program_id(0)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_r * BLOCK_R < num_padded:
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)                 # [BR]
+        live = rows < num_padded
+        pair = tl.load(sorted_ids_ptr + rows, mask=live, other=S)      # in [0, S] below num_padded
+        valid = pair < S
+        tok = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)      # [BC]
+        c_in = cols < C
+        cols64 = cols.to(tl.int64)
+        v = tl.load(src_ptr + tok[:, None] * stride_st + cols64[None, :] * stride_sc,
+                    mask=valid[:, None] & c_in[None, :], other=0.0)     # [BR, BC]
+        tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dr + cols64[None, :] * stride_dc, v,
+                 mask=live[:, None] & c_in[None, :])

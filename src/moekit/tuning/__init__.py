@@ -1,6 +1,6 @@
 """Tile configurations as data: one frozen dataclass, JSON tables per device, a default heuristic.
 The weight-gradient kernel's tiles are apart (`WgradConfig`, `wgrad_config`): one default per dtype,
-or $MOEKIT_WGRAD_TILES.
+or $MOEKIT_WGRAD_TILES; so are the Hopper Gluon weight gradient's (`GluonWgradTiles`, `gluon_wgrad_tiles`).
 
 Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cased, spaces -> '_'):
 
@@ -240,6 +240,53 @@ WIDE_WGRAD_ROWS = 512    # rows per expert (on average) from which WIDE_WGRAD is
 # level at 4,096 (1.251 against 1.235) and slower at 16,384 (3.861 against 3.472).
 RANGE_WGRAD = WgradConfig(block_n=128, block_c=128, block_m=64, warps=4, stages=4, experts=8)
 RANGE_WGRAD_ROWS = 128   # rows per expert (on average) below which RANGE_WGRAD is used
+
+
+@dataclass(frozen=True)
+class GluonWgradTiles:
+    """Tiles of the Hopper Gluon weight gradient (`moekit.kernels.gluon_wgrad`), which
+    `moekit.grouped_gemm_backward.wgrad` runs where it applies (`gluon_wgrad_tiles` picks them).
+
+    Attributes:
+        block_n, block_c: the gradient tile, rows (N) by columns (C); each must divide its dimension.
+        stages: the shared-memory ring's depth.
+        pingpong: the two consumer warpgroups take alternate tiles (one's epilogue under the other's
+            main loop), else both work on every tile, each on half its N rows ("cooperative").
+        block_m: sorted rows a step; the align block size must be a multiple (a step never crosses
+            an expert's group).
+    """
+
+    block_n: int
+    block_c: int
+    stages: int
+    pingpong: bool
+    block_m: int = 64
+
+    def smem_bytes(self, itemsize: int = 2) -> int:
+        """Shared memory: the ring (A and B tiles a stage) and the two warpgroups' output tiles
+        (cooperative: half the N rows each; ping-pong: a whole tile each), barriers aside."""
+        acc_n = self.block_n if self.pingpong else self.block_n // 2
+        ring = self.stages * self.block_m * (self.block_n + self.block_c)
+        return (ring + 2 * acc_n * self.block_c) * itemsize
+
+    def label(self) -> str:
+        return f"{'pp' if self.pingpong else 'coop'}_{self.block_n}x{self.block_c}_s{self.stages}"
+
+
+# H200, Qwen3-30B-A3B bf16, both launches (d gate_up + d down) with the gathered operand copied into
+# sorted rows first (`scripts/gluon_wgrad_probe.py`, 2026-12-01): at 1,024 tokens (64 rows an expert)
+# ping-pong 128 x 128, 5 stages 0.409 ms + 0.038 for the copies against 0.563 for the Triton kernels;
+# at 4,096 (256 rows) 0.577 + 0.097 against 1.183; at 16,384 (1,024 rows) cooperative 128 x 256, 3
+# stages 1.745 + 0.381 against 3.271.
+GLUON_PP_WGRAD = GluonWgradTiles(block_n=128, block_c=128, stages=5, pingpong=True)
+GLUON_COOP_WGRAD = GluonWgradTiles(block_n=128, block_c=256, stages=3, pingpong=False)
+GLUON_COOP_WGRAD_ROWS = 512    # rows per expert (on average) from which GLUON_COOP_WGRAD is used
+
+
+def gluon_wgrad_tiles(rows_per_expert: float) -> GluonWgradTiles:
+    """The Gluon weight gradient's tiles: GLUON_PP_WGRAD below GLUON_COOP_WGRAD_ROWS rows an expert,
+    GLUON_COOP_WGRAD from there."""
+    return GLUON_COOP_WGRAD if rows_per_expert >= GLUON_COOP_WGRAD_ROWS else GLUON_PP_WGRAD
 
 
 def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,

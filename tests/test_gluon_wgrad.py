@@ -1,0 +1,440 @@
+"""The Hopper Gluon weight gradient on `wgrad`'s runtime path (`moekit.kernels.gluon_wgrad`,
+`moekit.grouped_gemm_backward.gluon_wgrad`) and the row gather that feeds it (`sorted_rows`).
+
+CPU: the gather kernel (interpreted) against its twin `sorted_rows_torch`, exactly; the dispatch
+predicate `_gluon_wgrad_tiles` on each of its conditions (capability, interpreter and Gluon
+monkeypatched); the Gluon branch's host side (the gather, then the launch recorded, not run); `wgrad`
+never taking the Gluon path off the GPU; moekit importing without Gluon.
+GPU (marked gpu; skipped unless compute capability 9 and Gluon): bf16 d gate_up / d down against the
+fp32 twins within 2x plain bf16 PyTorch's error, poisoned workspaces, empty experts exactly 0, bitwise
+reproducible, a spy proving the Gluon kernel ran; the moe_experts autograd path through it.
+The sm_90 compile check: tests/test_wgrad_compare.py (`aot_compile_check.py --gluon-wgrad`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moekit.grouped_gemm_backward as gb
+from helpers import distinct_topk_ids, rel_err
+from moekit import PRESETS, align_block_size, moe_experts
+from moekit._workspace import poisoning
+from moekit.kernels import gluon_wgrad as gluon_kernels
+from moekit.tuning import (
+    GLUON_COOP_WGRAD,
+    GLUON_COOP_WGRAD_ROWS,
+    GLUON_PP_WGRAD,
+    SHARED_MEMORY_LIMIT,
+    WGRAD_ENV,
+    WgradConfig,
+    get_config,
+    gluon_wgrad_tiles,
+)
+
+# ---- the gather (CPU: interpreted) -------------------------------------------------------------
+
+GATHER_CASES = [  # (T, E, K, C, block_m, routing)
+    (1, 4, 2, 40, 16, "distinct"),         # T = 1: most experts empty
+    (7, 5, 2, 300, 16, "distinct"),        # C past one 256-column tile, masked tail
+    (13, 6, 3, 17, 32, "sentinels"),       # ids -1 and E: pairs never placed
+    (41, 3, 2, 64, 16, "one-expert"),      # every pair on expert 1, several 32-row programs
+]
+
+
+def gather_case_id(c):
+    return f"T{c[0]}-E{c[1]}-K{c[2]}-C{c[3]}-m{c[4]}-{c[5]}"
+
+
+def routing(num_tokens, num_experts, top_k, kind, gen):
+    if kind == "one-expert":
+        return torch.ones(num_tokens, top_k, dtype=torch.int32)
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k, generator=gen)
+    if kind == "sentinels":
+        ids[0, 0], ids[1, -1] = -1, num_experts
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", GATHER_CASES, ids=gather_case_id)
+def test_sorted_rows_matches_its_twin(case, dtype):
+    num_tokens, num_experts, top_k, cols, block_m, kind = case
+    gen = torch.Generator().manual_seed(num_tokens * 100 + cols)
+    ids = routing(num_tokens, num_experts, top_k, kind, gen)
+    align = align_block_size(ids, num_experts, block_m, backend="torch")
+    assert align.sorted_ids.dtype == torch.int32
+    assert (align.tokens_per_expert == 0).any(), "every case leaves an expert without pairs"
+    # a strided source (a column slice of a wider buffer): the kernel takes both strides
+    src = torch.randn(num_tokens, cols + 3, generator=gen).to(dtype)[:, 2:cols + 2]
+    with poisoning():
+        got = gb.sorted_rows(src, align, top_k)
+    want = gb.sorted_rows_torch(src, align, top_k)
+    npad = int(align.num_padded)
+    assert got.shape == want.shape == (align.sorted_ids.numel(), cols) and got.dtype == dtype
+    assert torch.equal(got[:npad], want[:npad])                 # bitwise; NaN would fail
+    padding = align.sorted_ids[:npad] >= align.num_pairs
+    assert padding.any() and torch.equal(got[:npad][padding], torch.zeros_like(got[:npad][padding]))
+    assert torch.isnan(got[npad:]).all(), "rows past num_padded are not written"
+
+
+# ---- the dispatch predicate (CPU, with the device's answers monkeypatched) ---------------------
+
+E, N, C, T, K = 4, 256, 512, 64, 2
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The predicate as on an H200 with Gluon, for CPU tensors (the device check is `_sm90`)."""
+    monkeypatch.setattr(gluon_kernels, "GLUON_AVAILABLE", True)
+    monkeypatch.setattr(gb, "_sm90", lambda device: True)
+    monkeypatch.delenv(gb.GLUON_WGRAD_ENV, raising=False)
+    monkeypatch.delenv(WGRAD_ENV, raising=False)
+
+
+def predicate_call(dtype=torch.bfloat16, block_m=64, a_by_token=False, b_by_token=True, **override):
+    """`_gluon_wgrad_tiles` for a d gate_up launch (A sorted rows (L, N), B by token (T, C)) that
+    passes every condition; `override` replaces an argument."""
+    ids = distinct_topk_ids(T, E, K)
+    align = align_block_size(ids, E, block_m, backend="torch")
+    rows = align.sorted_ids.numel()
+    a = torch.zeros(T if a_by_token else rows, N, dtype=dtype)
+    b = torch.zeros(T if b_by_token else rows, C, dtype=dtype)
+    args = dict(a=a, b=b, topk_weights=None, align=align, shape=(E, N, C), dtype=dtype, a_by_token=a_by_token,
+                b_by_token=b_by_token, tiles=None, padding_zero=True)
+    args.update(override)
+    return gb._gluon_wgrad_tiles(**args)
+
+
+def test_gluon_wgrad_applies_to_the_training_launches(on_hopper):
+    assert predicate_call() == GLUON_PP_WGRAD                                     # d gate_up
+    assert predicate_call(a_by_token=True, b_by_token=False) == GLUON_PP_WGRAD   # d down
+    assert predicate_call(a_by_token=False, b_by_token=False) == GLUON_PP_WGRAD  # both sorted
+    assert predicate_call(dtype=torch.float16) == GLUON_PP_WGRAD
+    assert predicate_call(block_m=128) == GLUON_PP_WGRAD
+    # the by-token operand is copied first: its layout does not matter
+    assert predicate_call(b=torch.zeros(C, T, dtype=torch.bfloat16).T) == GLUON_PP_WGRAD
+
+
+@pytest.mark.parametrize("why", [
+    "env-off", "no-gluon", "not-sm90", "tiles", "tiles-env", "scaled", "no-padding-zero", "both-by-token",
+    "fp32", "dtype-mix", "grad-dtype", "block_m-32", "n-tile", "c-tile", "a-3d", "a-column-major",
+    "a-row-stride", "a-misaligned",
+])
+def test_gluon_wgrad_refused(on_hopper, monkeypatch, why):
+    bf16 = torch.bfloat16
+    rows = align_block_size(distinct_topk_ids(T, E, K), E, 64, backend="torch").sorted_ids.numel()
+    override = {}
+    if why == "env-off":
+        monkeypatch.setenv(gb.GLUON_WGRAD_ENV, "0")
+    elif why == "no-gluon":
+        monkeypatch.setattr(gluon_kernels, "GLUON_AVAILABLE", False)
+    elif why == "not-sm90":
+        monkeypatch.setattr(gb, "_sm90", lambda device: False)
+    elif why == "tiles":
+        override = {"tiles": WgradConfig()}
+    elif why == "tiles-env":
+        monkeypatch.setenv(WGRAD_ENV, "block_m=32")
+    elif why == "scaled":
+        override = {"topk_weights": torch.ones(T, K)}
+    elif why == "no-padding-zero":
+        override = {"padding_zero": False}
+    elif why == "fp32":
+        override = {"dtype": torch.float32, "a": torch.zeros(rows, N), "b": torch.zeros(T, C)}
+    elif why == "dtype-mix":
+        override = {"b": torch.zeros(T, C, dtype=torch.float16)}
+    elif why == "grad-dtype":
+        override = {"dtype": torch.float32}
+    elif why == "n-tile":
+        override = {"shape": (E, N + 64, C), "a": torch.zeros(rows, N + 64, dtype=bf16)}
+    elif why == "c-tile":
+        override = {"shape": (E, N, C - 64), "b": torch.zeros(T, C - 64, dtype=bf16)}
+    elif why == "a-3d":
+        override = {"a": torch.zeros(1, rows, N, dtype=bf16)}
+    elif why == "a-column-major":
+        override = {"a": torch.zeros(N, rows, dtype=bf16).T}
+    elif why == "a-row-stride":      # rows N + 1 elements apart: not a multiple of 16 bytes
+        override = {"a": torch.zeros(rows, N + 1, dtype=bf16)[:, :N]}
+    elif why == "a-misaligned":
+        override = {"a": torch.zeros(rows * N + 1, dtype=bf16)[1:].view(rows, N)}
+    if why == "both-by-token":
+        got = predicate_call(a=torch.zeros(T, N, dtype=bf16), a_by_token=True)
+    elif why == "block_m-32":
+        got = predicate_call(block_m=32)
+    else:
+        got = predicate_call(**override)
+    assert got is None
+
+
+def test_gluon_wgrad_picks_cooperative_tiles_from_512_rows_an_expert(on_hopper):
+    assert gluon_wgrad_tiles(GLUON_COOP_WGRAD_ROWS - 1) == GLUON_PP_WGRAD
+    assert gluon_wgrad_tiles(GLUON_COOP_WGRAD_ROWS) == GLUON_COOP_WGRAD
+    ids = torch.zeros(GLUON_COOP_WGRAD_ROWS * E // K, K, dtype=torch.int32)   # 512 pairs an expert
+    align = align_block_size(ids, E, 64, backend="torch")
+    assert predicate_call(align=align) == GLUON_COOP_WGRAD
+    for tiles in (GLUON_PP_WGRAD, GLUON_COOP_WGRAD):
+        assert tiles.smem_bytes() <= SHARED_MEMORY_LIMIT
+
+
+def test_sm90_is_capability_9_compiled(monkeypatch):
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(gb, "interpreting", lambda: False)
+    for major, want in ((8, False), (9, True), (10, False), (12, False)):
+        monkeypatch.setattr(gb, "capability_major", lambda index, major=major: major)
+        assert gb._sm90(cuda0) is want, major
+    assert gb._sm90(torch.device("cpu")) is False
+    monkeypatch.setattr(gb, "interpreting", lambda: True)
+    assert gb._sm90(cuda0) is False
+
+
+def test_wgrad_never_takes_the_gluon_path_on_the_cpu(monkeypatch):
+    """Even with a Gluon: a CPU device runs the Triton kernels (interpreted)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Gluon kernel launched on the CPU")
+
+    monkeypatch.setattr(gb, "gluon_wgrad", refuse)
+    monkeypatch.delenv(gb.GLUON_WGRAD_ENV, raising=False)
+    num_tokens, num_experts, hidden, inter, top_k = 9, 4, 32, 16, 2
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k)
+    align = align_block_size(ids, num_experts, 64, backend="torch")
+    rows = align.sorted_ids.numel()
+    x, dout = torch.randn(num_tokens, hidden), torch.randn(num_tokens, hidden)
+    pad = align.sorted_ids >= align.num_pairs
+    dpre, h = torch.randn(rows, 2 * inter), torch.randn(rows, inter)
+    dpre[pad], h[pad] = 0, 0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert predicate_call(dtype=dtype) is None
+    with poisoning():
+        d_gu = gb.gate_up_proj_grad(dpre, x, None, align, top_k, torch.float32, padding_zero=True)
+        d_down = gb.down_proj_grad(dout, h, None, align, top_k, torch.float32, padding_zero=True)
+    assert rel_err(d_gu, gb.gate_up_proj_grad_torch(dpre, x, None, align, top_k)) < 1e-5
+    assert rel_err(d_down, gb.down_proj_grad_torch(dout, h, None, align, top_k)) < 1e-5
+
+
+@pytest.mark.parametrize("launch", ["gate_up", "down"])
+def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
+    """`wgrad`'s Gluon branch on the CPU, the kernel launch recorded instead of run: the by-token
+    operand copied into sorted rows (the interpreted gather), the descriptors over the right tensors
+    and boxes, one program an SM at most (OFF_GPU_SMS here), the tiles' constexprs."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(gluon_kernels, "gluon_wgrad_kernel", Recorder())
+    num_tokens, num_experts, top_k, hidden, inter = 16, 4, 2, 256, 128
+    ids = distinct_topk_ids(num_tokens, num_experts, top_k)
+    align = align_block_size(ids, num_experts, 64, backend="torch")
+    rows = align.sorted_ids.numel()
+    x, dout = torch.randn(num_tokens, hidden).bfloat16(), torch.randn(num_tokens, hidden).bfloat16()
+    dpre, h = torch.randn(rows, 2 * inter).bfloat16(), torch.randn(rows, inter).bfloat16()
+    bf16 = torch.bfloat16
+    if launch == "gate_up":
+        grad = gb.gate_up_proj_grad(dpre, x, None, align, top_k, bf16, padding_zero=True)
+        sorted_op, gathered, token_major = dpre, 1, x
+    else:
+        grad = gb.down_proj_grad(dout, h, None, align, top_k, bf16, padding_zero=True)
+        sorted_op, gathered, token_major = h, 0, dout
+    (grid, args, kwargs), = launches
+    a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n = args
+    e, n_, c = grad.shape
+    assert (n_, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter)) and n == n_
+    tiles = GLUON_PP_WGRAD                                   # 8 rows an expert
+    assert (kwargs["STAGES"], kwargs["PINGPONG"]) == (tiles.stages, tiles.pingpong)
+    assert tiles_per_expert == (n // tiles.block_n) * (c // tiles.block_c) and c_tiles == c // tiles.block_c
+    assert num_items == e * tiles_per_expert and grid == (min(gb.num_sms(x.device), num_items),)
+    assert torch.equal(row_starts, align.row_starts())
+    descs = (a_desc, b_desc)
+    assert descs[1 - gathered].base is sorted_op
+    npad = int(align.num_padded)
+    copy = descs[gathered].base
+    assert torch.equal(copy[:npad], gb.sorted_rows_torch(token_major, align, top_k)[:npad])
+    assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
+    assert c_desc.base.data_ptr() == grad.data_ptr() and list(c_desc.shape) == [e * n, c]
+    assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
+
+
+def test_moekit_imports_without_gluon():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton.experimental.gluon' or name.startswith('triton.experimental.gluon.'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import moekit.kernels.gluon_wgrad as k, moekit.grouped_gemm_backward as gb\n"
+        "assert k.GLUON_AVAILABLE is False and k.gluon_wgrad_kernel is None, k.GLUON_ERROR\n"
+        "assert 'blocked' in k.GLUON_ERROR\n"
+        "import moekit.experts.triton\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("ok")
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+def _hopper_with_gluon() -> bool:
+    return (torch.cuda.is_available() and gluon_kernels.GLUON_AVAILABLE
+            and torch.cuda.get_device_capability()[0] == 9)
+
+
+hopper = pytest.mark.skipif(not _hopper_with_gluon(), reason="needs compute capability 9 and Gluon")
+OLMOE = (64, 2048, 1024, 8)            # E, H, I, K: an OLMoE-like shape
+QWEN = tuple(getattr(PRESETS["qwen3-30b-a3b"], f) for f in ("num_experts", "hidden_size",
+                                                            "intermediate_size", "top_k"))
+GPU_CASES = [  # (name, (E, H, I, K), T, routing, align block size)
+    ("qwen-T1", QWEN, 1, "softmax", 64),
+    ("qwen-T64", QWEN, 64, "softmax", 64),
+    ("qwen-T1000", QWEN, 1000, "softmax", 64),
+    ("qwen-T4096", QWEN, 4096, "softmax", 64),
+    ("qwen-T1000-m128", QWEN, 1000, "softmax", 128),
+    ("olmoe-T1000", OLMOE, 1000, "softmax", 64),
+    ("olmoe-T4096-coop", OLMOE, 4096, "softmax", 64),      # 512 rows an expert: cooperative tiles
+    ("qwen-T1000-one-expert", QWEN, 1000, "one-expert", 64),
+    ("qwen-T1000-sentinels", QWEN, 1000, "sentinels", 64),
+]
+
+
+def gpu_case(shape, num_tokens, kind, block_m, seed=0):
+    """Inputs of the two weight-gradient launches as the backward makes them: dpre_w and h_w random,
+    zero on every padding row (`swiglu_backward` writes them so); the last expert gets no pairs."""
+    num_experts, hidden, inter, top_k = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    logits[:, -1] = float("-inf")
+    ids = torch.softmax(logits, -1).topk(top_k, -1).indices.to(torch.int32)
+    if kind == "one-expert":
+        ids = torch.full_like(ids, 5)
+    elif kind == "sentinels":
+        ids[::3, 0] = -1
+        ids[1::3, -1] = num_experts
+    align = align_block_size(ids, num_experts, block_m, backend="triton")
+    rows = align.sorted_ids.numel()
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", generator=gen).to(torch.bfloat16)
+
+    x, dout = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    dpre_w, h_w = randn(rows, 2 * inter), randn(rows, inter)
+    pad = align.sorted_ids >= align.num_pairs
+    dpre_w[pad], h_w[pad] = 0, 0
+    return ids, align, x, dout, dpre_w, h_w
+
+
+@pytest.fixture
+def gluon_spy(monkeypatch):
+    """The tiles of every `gluon_wgrad` launch `wgrad` makes."""
+    launched = []
+    real = gb.gluon_wgrad
+
+    def spy(a, b, row_starts, out, tiles):
+        launched.append(tiles)
+        return real(a, b, row_starts, out, tiles)
+
+    monkeypatch.setattr(gb, "gluon_wgrad", spy)
+    monkeypatch.delenv(gb.GLUON_WGRAD_ENV, raising=False)
+    monkeypatch.delenv(WGRAD_ENV, raising=False)
+    return launched
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
+    name, shape, num_tokens, kind, block_m = case
+    ids, align, x, dout, dpre_w, h_w = gpu_case(shape, num_tokens, kind, block_m)
+    top_k = shape[3]
+    starts = align.row_starts()
+    bf16 = torch.bfloat16
+
+    def run():
+        with poisoning():
+            return (gb.gate_up_proj_grad(dpre_w, x, None, align, top_k, bf16, padding_zero=True,
+                                         row_starts=starts),
+                    gb.down_proj_grad(dout, h_w, None, align, top_k, bf16, padding_zero=True,
+                                      row_starts=starts))
+
+    got = run()
+    want = (gb.gate_up_proj_grad_torch(dpre_w, x, None, align, top_k),
+            gb.down_proj_grad_torch(dout, h_w, None, align, top_k))
+    plain = (gb.wgrad_torch(dpre_w, x, None, align, top_k, a_by_token=False, b_by_token=True,
+                            compute_dtype=bf16),
+             gb.wgrad_torch(dout, h_w, None, align, top_k, a_by_token=True, b_by_token=False,
+                            compute_dtype=bf16))
+    wanted_tiles = gluon_wgrad_tiles(align.num_pairs / shape[0])
+    assert gluon_spy == [wanted_tiles] * 2, gluon_spy
+    assert (wanted_tiles == GLUON_COOP_WGRAD) is name.endswith("-coop")
+    valid = (ids >= 0) & (ids < shape[0])
+    empty = torch.ones(shape[0], dtype=torch.bool, device="cuda")
+    empty[ids[valid].long()] = False
+    assert empty.any()
+    for launch, g, ref, base in zip(("gate_up", "down"), got, want, plain, strict=True):
+        assert g.dtype == bf16 and g.shape == ref.shape
+        assert rel_err(g, ref) <= 2 * rel_err(base, ref), (launch, rel_err(g, ref), rel_err(base, ref))
+        assert torch.equal(g[empty], torch.zeros_like(g[empty])), launch      # NaN (unwritten) fails too
+    again = run()
+    assert all(torch.equal(g, g2) for g, g2 in zip(got, again, strict=True))   # bitwise reproducible
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_wgrad_switch_off_runs_the_triton_kernels_gpu(gluon_spy, monkeypatch):
+    ids, align, x, dout, dpre_w, h_w = gpu_case(QWEN, 1000, "softmax", 64)
+    on = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
+    assert len(gluon_spy) == 1
+    monkeypatch.setenv(gb.GLUON_WGRAD_ENV, "0")
+    off = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
+    assert len(gluon_spy) == 1
+    ref = gb.down_proj_grad_torch(dout, h_w, None, align, QWEN[3])
+    assert rel_err(on, ref) < 1e-2 and rel_err(off, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
+    """The training step's backward (moe_experts, backend "triton") at T = 1000 with an align block
+    size of 64: both weight gradients take the Gluon kernel; all four gradients within 2x plain bf16
+    PyTorch's error (the fp32 reference through torch autograd), deterministic, no host sync."""
+    from helpers import check_exact_zeros, experts_plain
+    from moekit.reference import moe_experts_ref
+
+    num_tokens = 1000
+    shape = PRESETS["qwen3-30b-a3b"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, hdim, inter, k = QWEN
+    bf16 = torch.bfloat16
+    x = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
+    gate_up = (torch.randn(e, 2 * inter, hdim, device="cuda", generator=gen) / hdim**0.5).to(bf16)
+    down = (torch.randn(e, hdim, inter, device="cuda", generator=gen) / inter**0.5).to(bf16)
+    logits = torch.randn(num_tokens, e, device="cuda", generator=gen)
+    logits[:, -1] = float("-inf")
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    w, ids = w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+    dout = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
+    config = dataclasses.replace(get_config(shape, num_tokens, bf16, "cuda"), block_m=64)
+
+    ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts_ref(*ref_leaves, ids).backward(dout.float())
+    base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    experts_plain(*base, ids).backward(dout)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    out = moe_experts(*leaves, ids, backend="triton", config=config)
+    got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    assert gluon_spy == [GLUON_PP_WGRAD] * 2, gluon_spy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")        # the Gluon path reads nothing back to the host
+    try:
+        again = torch.autograd.grad(out, leaves, dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for g, b, ref, g2 in zip(got, (t.grad for t in base), (t.grad for t in ref_leaves), again, strict=True):
+        assert g.dtype == b.dtype
+        assert rel_err(g, ref) <= 2 * rel_err(b, ref), (rel_err(g, ref), rel_err(b, ref))
+        assert torch.equal(g, g2)
+    check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), e)
