@@ -84,12 +84,13 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_probe import Recorder, _capture, _compile, _cuobjdump, _error_head  # noqa: E402
-from gluon_wgrad_probe import (  # noqa: E402
+
+from moekit.grouped_gemm_backward import GATHER_BLOCK_C, GATHER_BLOCK_R  # noqa: E402
+from moekit.kernels.gluon_wgrad import (  # noqa: E402
+    # noqa: E402,
     GLUON_ERROR,
     GluonTensorDescriptor,
     fence_async_shared,
-    gather_rows,
-    gather_rows_kernel,
     gl,
     gluon,
     mbarrier,
@@ -99,7 +100,18 @@ from gluon_wgrad_probe import (  # noqa: E402
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel as gather_rows_kernel  # noqa: E402
 
+
+def gather_rows(src, sorted_ids, num_padded, top_k, out):
+    """out (L, H): src's token rows in sorted-row order, zeros on padding rows (moekit's gather kernel,
+    the one `moekit.grouped_gemm_backward.sorted_rows` launches, into a given buffer)."""
+    rows, cols = out.shape
+    gather_rows_kernel[(triton.cdiv(rows, GATHER_BLOCK_R), triton.cdiv(cols, GATHER_BLOCK_C))](
+        src, out, sorted_ids, num_padded, src.shape[0] * top_k, cols, src.stride(0), src.stride(1),
+        out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_R=GATHER_BLOCK_R, BLOCK_C=GATHER_BLOCK_C,
+        num_warps=4)
+    return out
 H200_SMS = 132
 SMEM_LIMIT = 232448          # sm_90's largest dynamic shared memory a block (227 KB)
 PRESET = "qwen3-30b-a3b"
