@@ -541,6 +541,7 @@ def run_gpu(args) -> int:
 # --------------------------------------------------------------------------------------------------
 
 def run_aot(args) -> int:
+    from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
     from triton.backends.compiler import GPUTarget
 
     from moekit.align import align_block_size_torch
@@ -567,8 +568,8 @@ def run_aot(args) -> int:
                 y = torch.empty(align.num_pairs, shape.hidden_size, dtype=torch.bfloat16)
                 launch = (lambda h=h, align=align, y=y, paired=paired, opts=opts:
                           gluon_gemm2(h, down, weights, align, y, paired=paired, num_sms=H200_SMS, **opts))
-                (kernel, kargs, kwargs), = gp._capture(launch, (gemm2_kernel,))
-                compiled, _ = gp._compile(kernel, kargs, kwargs, target)
+                (kernel, kargs, kwargs), = capture_launches(launch, (gemm2_kernel,))
+                compiled = compile_launch(kernel, kargs, kwargs, target)
                 res = gp._cuobjdump(compiled.asm["cubin"], "-res-usage")
                 regs = re.search(r"REG:(\d+)", res)
                 local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))

@@ -468,36 +468,6 @@ GROUPED_VARIANTS = (*GROUPED_TILES, "torch_grouped_mm", "gluon_ws_dense", "torch
 # --aot: compile every variant for sm_90 on the CPU
 # --------------------------------------------------------------------------------------------------
 
-def _capture(call, kernels):
-    """(kernel, args, kwargs) of each launch `call` makes of `kernels`; nothing runs."""
-    seen = []
-    for kernel in kernels:      # JITFunction[grid](...) calls self.run: an instance attribute wins
-        kernel.run = lambda *args, grid, warmup, _k=kernel, **kwargs: seen.append((_k, args, kwargs))
-    try:
-        call()
-    finally:
-        for kernel in kernels:
-            del kernel.run
-    return seen
-
-
-def _compile(kernel, args, kwargs, target):
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    backend = make_backend(target)
-    kwargs = dict(kwargs, debug=False)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, _ = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, None)
-    if getattr(kernel, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource
-        src = GluonASTSource(kernel, signature, constexprs, attrs)
-    else:
-        src = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=target, options=options.__dict__), signature
-
-
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     from triton import knobs
 
@@ -509,6 +479,7 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 
 
 def run_aot(args) -> int:
+    from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
     from triton.backends.compiler import GPUTarget
 
     if GLUON_ERROR:
@@ -538,9 +509,10 @@ def run_aot(args) -> int:
         started = time.perf_counter()
         try:
             with _patched_sms():
-                launches = _capture(call, kernels)
+                launches = capture_launches(call, kernels)
             (kernel, kargs, kwargs), = launches
-            compiled, signature = _compile(kernel, kargs, kwargs, target)
+            compiled = compile_launch(kernel, kargs, kwargs, target)
+            signature = compiled.src.signature
             res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
             regs = re.search(r"REG:(\d+)", res)
             local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))

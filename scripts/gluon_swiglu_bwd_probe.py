@@ -83,7 +83,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import Recorder, _capture, _compile, _cuobjdump, _error_head  # noqa: E402
+from gluon_probe import Recorder, _cuobjdump, _error_head  # noqa: E402
 
 from moekit.grouped_gemm_backward import GATHER_BLOCK_C, GATHER_BLOCK_R  # noqa: E402
 from moekit.kernels.gluon_wgrad import (  # noqa: E402
@@ -405,6 +405,7 @@ def tile_sum(part, align, out):
 # --------------------------------------------------------------------------------------------------
 
 def run_aot(args) -> int:
+    from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
     from triton.backends.compiler import GPUTarget
 
     if GLUON_ERROR:
@@ -436,8 +437,8 @@ def run_aot(args) -> int:
             continue
         started = time.perf_counter()
         try:
-            (kern, kargs, kwargs), = _capture(call, (kernel,))
-            compiled, _ = _compile(kern, kargs, kwargs, target)
+            (kern, kargs, kwargs), = capture_launches(call, (kernel,))
+            compiled = compile_launch(kern, kargs, kwargs, target)
             res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
             regs = re.search(r"REG:(\d+)", res)
             local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))
