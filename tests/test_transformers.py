@@ -1110,3 +1110,16 @@ def test_patched_blocks_decode_through_graphs_gpu():
     assert rel_err(got, plain) <= 2e-2
     layers = [mt._block_layers[layer.mlp] for layer in model.model.layers]
     assert all(graph_cache(layer).captures == 2 for layer in layers)   # the 7-token prompt, then 1
+
+
+def test_block_fast_path_checks_what_moe_layer_forward_would(monkeypatch):
+    """The patched block skips MoELayer's module call, so `_layer_replays` itself refuses an input
+    forward would refuse (another hidden size, another dtype) and a layer with its graphs off."""
+    layer = MoELayer(MoEShape(4, 32, 16, 2), dtype=torch.bfloat16).requires_grad_(False)
+    monkeypatch.setattr(MoELayer, "_graphable", lambda self, flat: True)
+    ok = torch.zeros(3, 32, dtype=torch.bfloat16)
+    assert mt._layer_replays(layer, ok)
+    assert not mt._layer_replays(layer, ok.float())                          # another dtype
+    assert not mt._layer_replays(layer, torch.zeros(3, 24, dtype=torch.bfloat16))   # another H
+    layer.eager_graphs = False
+    assert not mt._layer_replays(layer, ok)
