@@ -279,14 +279,15 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     n_tiles, c_tiles = cdiv(n, tiles.block_n), cdiv(c, tiles.block_c)
     scale = topk_weights is not None
     row_starts = align.row_starts() if row_starts is None else row_starts
-    if _range_rows(tiles, align, scale):
+    range_rows = _range_rows(tiles, align, scale)
+    if range_rows:
         experts = min(tiles.experts, num_experts)
         moe_wgrad_range_kernel[(cdiv(num_experts, experts) * n_tiles * c_tiles,)](
             a, b, grad, align.sorted_ids, align.expert_ids, row_starts,
             align.num_pairs, num_experts, n, c, n_tiles, c_tiles,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
             TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token,
-            BLOCK_M=_range_rows(tiles, align, scale), BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
+            BLOCK_M=range_rows, BLOCK_N=tiles.block_n, BLOCK_C=tiles.block_c,
             ALIGN_M=align.block_m, EXPERTS=experts, EXPERTS_POW2=next_power_of_2(experts),
             NUM_STAGES=tiles.stages,
             DOT_PRECISION=_dot_precision(b.dtype), PADDING_ZERO=padding_zero,
