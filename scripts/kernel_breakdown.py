@@ -32,13 +32,21 @@ duration would include that wait (a sum kernel after GEMM2 looked 6x its real ti
     back-to-back  20 calls issued without a sync between them, per call (the host runs ahead)
     host          median host time of one call (launch to return) within the back-to-back run
 On a CPU the three are host wall times (no device queue to run ahead of).
+
+--host-profile (triton backward only) adds where that host time goes: the training step's forward
+(`experts_triton_train`) and backward (`experts_triton_backward`) called directly on this thread
+(autograd runs a CUDA backward on a thread of its own, which cProfile does not see), back to back,
+their host ms a step each, then cProfile's top functions by own time over the loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import math
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -53,6 +61,7 @@ from moekit.bench.roofline import traffic, training_traffic
 from moekit.bench.runner import make_weights
 from moekit.bench.timing import sync, time_fn
 from moekit.experts import moe_experts
+from moekit.experts.triton import auto_config, experts_triton_backward, experts_triton_train
 from moekit.launch_hints import PDL_ENV
 from moekit.routing import route
 from moekit.shapes import PRESETS
@@ -98,6 +107,51 @@ def steady(fn, device: torch.device, isolated: int = 10, loop: int = 20) -> str:
     per_call = (time.perf_counter() - t_loop) * 1e3 / loop
     return (f"Steady: isolated {alone:.3f} ms, back-to-back {per_call:.3f} ms a call, "
             f"host {statistics.median(host):.3f} ms a call.")
+
+
+def host_profile(inputs, device: torch.device, loop: int = 20, top: int = 25) -> list[str]:
+    """Markdown lines: the triton training step's host time, forward and backward apart, and
+    cProfile's `top` functions by own time (see the module doc)."""
+    x, gate_up, down, w, ids, grad_out = inputs
+    needs = (True, True, True, True)
+
+    def fwd():
+        out, pre, align = experts_triton_train(x, gate_up, down, w, ids)
+        return pre, align
+
+    def bwd(pre, align):
+        experts_triton_backward(grad_out, x, gate_up, down, w, ids, align, _config(x, gate_up, ids),
+                                needs, pre=pre)
+
+    for _ in range(3):
+        bwd(*fwd())
+    sync(device)
+    t_fwd, t_bwd = [], []
+    for _ in range(loop):
+        t0 = time.perf_counter()
+        saved = fwd()
+        t1 = time.perf_counter()
+        bwd(*saved)
+        t_bwd.append((time.perf_counter() - t1) * 1e3)
+        t_fwd.append((t1 - t0) * 1e3)
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(loop):
+        bwd(*fwd())
+    prof.disable()
+    sync(device)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    body = buf.getvalue().strip().splitlines()
+    start = next((i for i, line in enumerate(body) if line.lstrip().startswith("ncalls")), 0)
+    return [f"Host, called on this thread: forward {statistics.median(t_fwd):.3f} ms, backward "
+            f"{statistics.median(t_bwd):.3f} ms a step (median of {loop}); cProfile over {loop} steps, "
+            f"top {top} by own time:", "", "```", *body[start:], "```"]
+
+
+def _config(x, gate_up, ids):
+    return auto_config(x.shape[0], gate_up, ids.shape[1], x.dtype, x.device)
 
 
 class KernelRow(NamedTuple):
@@ -223,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the tables to this Markdown file")
     p.add_argument("--steady", action="store_true",
                    help="also time each case alone, back to back, and its host time (see above)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="triton backward: the host time of forward and backward apart, and cProfile's top functions")
     p.add_argument("--pdl", action="store_true",
                    help="keep programmatic dependent launch on (default off here: see the module doc)")
     a = p.parse_args(argv)
@@ -270,6 +326,8 @@ def _run(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                 lines.append(idle)
             if a.steady:
                 lines.append(steady(_call(backend, a.backward, *inputs), device))
+            if a.host_profile and a.backward and backend == "triton":
+                lines += ["", *host_profile(inputs, device)]
             lines += [*summary(rows, busy, layer), "", *table(rows, a.top), ""]
     text = "\n".join(lines)
     print(text)

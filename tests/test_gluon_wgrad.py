@@ -239,23 +239,61 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
     else:
         grad = gb.down_proj_grad(dout, h, None, align, top_k, bf16, padding_zero=True)
         sorted_op, gathered, token_major = h, 0, dout
-    (grid, args, kwargs), = launches
-    a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n = args
-    e, n_, c = grad.shape
-    assert (n_, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter)) and n == n_
     tiles = GLUON_PP_WGRAD                                   # 8 rows an expert
-    assert (kwargs["STAGES"], kwargs["PINGPONG"]) == (tiles.stages, tiles.pingpong)
-    assert tiles_per_expert == (n // tiles.block_n) * (c // tiles.block_c) and c_tiles == c // tiles.block_c
-    assert num_items == e * tiles_per_expert and grid == (min(gb.num_sms(x.device), num_items),)
-    assert torch.equal(row_starts, align.row_starts())
-    descs = (a_desc, b_desc)
-    assert descs[1 - gathered].base is sorted_op
+    e, n, c = grad.shape
+    assert (n, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter))
+    # d down's dout (A by token) in column chunks through one buffer; d gate_up's x (B) whole.
+    chunks = gb.gluon_a_chunks(n, tiles) if launch == "down" else 1
+    assert chunks == (2 if launch == "down" else 1)
+    assert len(launches) == chunks
+    width = n // chunks
     npad = int(align.num_padded)
-    copy = descs[gathered].base
-    assert torch.equal(copy[:npad], gb.sorted_rows_torch(token_major, align, top_k)[:npad])
-    assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
-    assert c_desc.base.data_ptr() == grad.data_ptr() and list(c_desc.shape) == [e * n, c]
-    assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
+    for i, (grid, args, kwargs) in enumerate(launches):
+        a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n_arg = args
+        assert n_arg == n
+        assert (kwargs["STAGES"], kwargs["PINGPONG"]) == (tiles.stages, tiles.pingpong)
+        assert tiles_per_expert == (width // tiles.block_n) * (c // tiles.block_c)
+        assert c_tiles == c // tiles.block_c
+        assert num_items == e * tiles_per_expert and grid == (min(gb.num_sms(x.device), num_items),)
+        assert torch.equal(row_starts, align.row_starts())
+        descs = (a_desc, b_desc)
+        assert descs[1 - gathered].base is sorted_op
+        copy = descs[gathered].base
+        cols = slice(i * width, (i + 1) * width) if launch == "down" else slice(None)
+        # The buffer holds the last chunk once all launches are made: check the recorded last one.
+        if i == len(launches) - 1:
+            assert torch.equal(copy[:npad], gb.sorted_rows_torch(token_major[:, cols], align, top_k)[:npad])
+        assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
+        # The store view starts i * width rows into the (E * N, C) gradient: rows e * N + n land on
+        # the gradient's rows e * N + i * width + n.
+        row0 = i * width
+        assert c_desc.base.data_ptr() == grad.data_ptr() + row0 * c * grad.element_size()
+        assert list(c_desc.shape) == [e * n - row0, c]
+        assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
+    if launch == "down":
+        assert launches[0][1][0].base is launches[1][1][0].base    # one buffer for both chunks
+
+
+def test_gluon_a_chunks_and_launch_arguments_refused():
+    """d down's dout is copied in GLUON_A_CHUNKS column chunks when each is a whole number of the
+    tiles' rows, else whole; `gluon_wgrad` refuses a chunk that does not fit the gradient, and
+    `sorted_rows` an out buffer of another shape or dtype, naming them, before any launch."""
+    pp = GLUON_PP_WGRAD
+    assert gb.gluon_a_chunks(2048, pp) == gb.GLUON_A_CHUNKS == 2
+    assert gb.gluon_a_chunks(128, pp) == 1 and gb.gluon_a_chunks(384, pp) == 1
+    out = torch.empty(2, 256, 128, dtype=torch.bfloat16)
+    row_starts = torch.zeros(3, dtype=torch.int32)
+    a, b = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
+    for n_base in (-128, 64, 256):     # outside [0, N - Na], or not a multiple of block_n
+        with pytest.raises(ValueError, match="n_base"):
+            gb.gluon_wgrad(a, b, row_starts, out, pp, n_base=n_base)
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    align = align_block_size(ids, 2, 64, backend="torch")
+    t = torch.randn(2, 8)
+    for bad in (torch.empty(align.sorted_ids.numel(), 9), torch.empty(align.sorted_ids.numel(), 8,
+                                                                       dtype=torch.float16)):
+        with pytest.raises(ValueError, match="sorted_rows: out must be"):
+            gb.sorted_rows(t, align, 2, out=bad)
 
 
 def test_moekit_imports_without_gluon():
@@ -333,9 +371,9 @@ def gluon_spy(monkeypatch):
     launched = []
     real = gb.gluon_wgrad
 
-    def spy(a, b, row_starts, out, tiles):
+    def spy(a, b, row_starts, out, tiles, **kwargs):
         launched.append(tiles)
-        return real(a, b, row_starts, out, tiles)
+        return real(a, b, row_starts, out, tiles, **kwargs)
 
     monkeypatch.setattr(gb, "gluon_wgrad", spy)
     monkeypatch.delenv(gb.GLUON_WGRAD_ENV, raising=False)
@@ -368,7 +406,8 @@ def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
              gb.wgrad_torch(dout, h_w, None, align, top_k, a_by_token=True, b_by_token=False,
                             compute_dtype=bf16))
     wanted_tiles = gluon_wgrad_tiles(align.num_pairs / shape[0])
-    assert gluon_spy == [wanted_tiles] * 2, gluon_spy
+    # d gate_up once, d down once a column chunk of dout
+    assert gluon_spy == [wanted_tiles] * (1 + gb.gluon_a_chunks(shape[1], wanted_tiles)), gluon_spy
     assert (wanted_tiles == GLUON_COOP_WGRAD) is name.endswith("-coop")
     valid = (ids >= 0) & (ids < shape[0])
     empty = torch.ones(shape[0], dtype=torch.bool, device="cuda")
@@ -387,10 +426,11 @@ def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
 def test_gluon_wgrad_switch_off_runs_the_triton_kernels_gpu(gluon_spy, monkeypatch):
     ids, align, x, dout, dpre_w, h_w = gpu_case(QWEN, 1000, "softmax", 64)
     on = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
-    assert len(gluon_spy) == 1
+    launched = len(gluon_spy)
+    assert launched == gb.gluon_a_chunks(QWEN[1], GLUON_PP_WGRAD)
     monkeypatch.setenv(gb.GLUON_WGRAD_ENV, "0")
     off = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
-    assert len(gluon_spy) == 1
+    assert len(gluon_spy) == launched
     ref = gb.down_proj_grad_torch(dout, h_w, None, align, QWEN[3])
     assert rel_err(on, ref) < 1e-2 and rel_err(off, ref) < 1e-2
 
@@ -426,7 +466,7 @@ def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
     leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
     out = moe_experts(*leaves, ids, backend="triton", config=config)
     got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    assert gluon_spy == [GLUON_PP_WGRAD] * 2, gluon_spy
+    assert gluon_spy == [GLUON_PP_WGRAD] * (1 + gb.gluon_a_chunks(hdim, GLUON_PP_WGRAD)), gluon_spy
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")        # the Gluon path reads nothing back to the host
     try:

@@ -268,10 +268,18 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
                                      b_by_token=b_by_token, tiles=tiles, padding_zero=padding_zero)
     if gluon_tiles is not None:
         row_starts = align.row_starts() if row_starts is None else row_starts
-        a = sorted_rows(a, align, top_k) if a_by_token else a
-        b = sorted_rows(b, align, top_k) if b_by_token else b
         grad = _workspace.empty(*shape, dtype=dtype, device=a.device)
-        return gluon_wgrad(a, b, row_starts, grad, gluon_tiles)
+        if not a_by_token:
+            b = sorted_rows(b, align, top_k) if b_by_token else b
+            return gluon_wgrad(a, b, row_starts, grad, gluon_tiles)
+        # A by token (d down's dout): copied and reduced a column chunk at a time through one
+        # buffer, so the copy held beside both weight gradients is 1 / chunks of dout's rows.
+        width = shape[1] // gluon_a_chunks(shape[1], gluon_tiles)
+        buf = None
+        for n0 in range(0, shape[1], width):
+            buf = sorted_rows(a[:, n0:n0 + width], align, top_k, out=buf)
+            gluon_wgrad(buf, b, row_starts, grad, gluon_tiles, n_base=n0)
+        return grad
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device,
                                   rows_per_expert=align.num_pairs / shape[0])
     num_experts, n, c = shape
@@ -320,6 +328,19 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
     if tiles.experts == 1 or scaled or block < 16 or block & (block - 1):
         return 0
     return min(tiles.block_m, block)
+
+
+# The Gluon weight gradient copies a by-token A operand (d down's dout, (T, H)) into sorted rows in this
+# many column chunks, one buffer reused: at 4,096 Qwen3 tokens the whole copy (150 MB) lifted the
+# step's peak above grouped_mm's; two chunks cost one more gather and kernel launch (+10% on d down).
+GLUON_A_CHUNKS = 2
+
+
+def gluon_a_chunks(n: int, tiles: GluonWgradTiles) -> int:
+    """The column chunks of a by-token A operand with N columns: GLUON_A_CHUNKS where each chunk is
+    a whole number of tiles.block_n, else 1."""
+    chunks = max(GLUON_A_CHUNKS, 1)
+    return chunks if n % (chunks * tiles.block_n) == 0 else 1
 
 
 GLUON_WGRAD_ENV = "MOEKIT_GLUON_WGRAD"     # "0": `wgrad` never takes the Gluon kernel (read at each call)
@@ -392,26 +413,32 @@ def _gluon_descriptor(t: torch.Tensor, block: tuple[int, int]):
 
 
 def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor,
-                tiles: GluonWgradTiles) -> torch.Tensor:
+                tiles: GluonWgradTiles, *, n_base: int = 0) -> torch.Tensor:
     """out (E, N, C) = per expert e, a[rows_e]^T @ b[rows_e] in out's dtype (fp32 accumulation),
     rows_e = [row_starts[e], row_starts[e + 1]) (`gluon_wgrad_kernel`, persistent: one program an
-    SM). a (L, N) and b (L, C) in sorted-row order, bf16 or fp16, TMA-readable; zeros on every padding
-    row in one, finite values in the other; row_starts int32 (E + 1,), multiples of tiles.block_m;
-    out contiguous, tiles.block_n dividing N and tiles.block_c C. `wgrad` checks all this first
-    (`_gluon_wgrad_tiles`); experts with no rows get exact zeros."""
+    SM). a (L, Na) and b (L, C) in sorted-row order, bf16 or fp16, TMA-readable; zeros on every
+    padding row in one, finite values in the other; row_starts int32 (E + 1,), multiples of
+    tiles.block_m; out contiguous. a's columns are out's N rows [n_base, n_base + Na) (a column
+    chunk of the whole A; Na = N and n_base 0 for all of it); tiles.block_n divides Na and n_base,
+    tiles.block_c divides C. `wgrad` checks all this first (`_gluon_wgrad_tiles`); experts with no
+    rows get exact zeros."""
     num_experts, n, c = out.shape
-    if (a.shape[1], b.shape[1]) != (n, c) or n % tiles.block_n or c % tiles.block_c:
-        raise ValueError(f"gluon_wgrad: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)} with "
-                         f"{tiles.label()} tiles: need a (L, N), b (L, C), tiles dividing N and C")
+    n_a = a.shape[1]
+    if (b.shape[1] != c or n_a % tiles.block_n or n_base % tiles.block_n or c % tiles.block_c
+            or not 0 <= n_base <= n - n_a):
+        raise ValueError(f"gluon_wgrad: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}, "
+                         f"n_base {n_base} with {tiles.label()} tiles: need a (L, Na), b (L, C), "
+                         f"0 <= n_base <= N - Na, tiles dividing Na, n_base and C")
     if not (a.dtype == b.dtype == out.dtype and a.dtype in GLUON_WGRAD_DTYPES and out.is_contiguous()):
         raise ValueError(f"gluon_wgrad: a, b, out must share a 16-bit dtype ({a.dtype}, {b.dtype}, "
                          f"{out.dtype}), out contiguous")
     acc_n = tiles.block_n if tiles.pingpong else tiles.block_n // 2    # a warpgroup's rows (A box width)
     a_desc = _gluon_descriptor(a, (tiles.block_m, acc_n))
     b_desc = _gluon_descriptor(b, (tiles.block_m, tiles.block_c))
-    c_desc = _gluon_descriptor(out.view(num_experts * n, c), (acc_n, tiles.block_c))
+    # The store rows e * N + n (n < Na) of a view starting n_base rows in: out's rows e * N + n_base + n.
+    c_desc = _gluon_descriptor(out.view(num_experts * n, c)[n_base:], (acc_n, tiles.block_c))
     c_tiles = c // tiles.block_c
-    tiles_per_expert = (n // tiles.block_n) * c_tiles
+    tiles_per_expert = (n_a // tiles.block_n) * c_tiles
     num_items = num_experts * tiles_per_expert
     _gluon.gluon_wgrad_kernel[(min(num_sms(a.device), num_items),)](
         a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n,
@@ -424,13 +451,18 @@ def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out:
 GATHER_BLOCK_R, GATHER_BLOCK_C = 32, 256     # `moe_gather_rows_kernel`'s tile: rows by columns
 
 
-def sorted_rows(t: torch.Tensor, align: Alignment, top_k: int) -> torch.Tensor:
-    """(L, C): t's token rows (T, C) copied into sorted-row order (`moe_gather_rows_kernel`, into a
-    workspace buffer): t[sorted_ids[r] // K] at each placed row r < num_padded and 0 on the padding
-    rows; rows at or past num_padded are not written. A gathered weight-gradient operand in the order
-    of the other one, so `wgrad` can read both with no index. No host sync."""
+def sorted_rows(t: torch.Tensor, align: Alignment, top_k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(L, C): t's token rows (T, C) copied into sorted-row order (`moe_gather_rows_kernel`, into
+    `out` when given, (L, C) of t's dtype, else a workspace buffer): t[sorted_ids[r] // K] at each
+    placed row r < num_padded and 0 on the padding rows; rows at or past num_padded are not written.
+    A gathered weight-gradient operand in the order of the other one, so `wgrad` can read both with
+    no index. No host sync."""
     rows, cols = align.sorted_ids.numel(), t.shape[1]
-    out = _workspace.empty(rows, cols, dtype=t.dtype, device=t.device)
+    if out is None:
+        out = _workspace.empty(rows, cols, dtype=t.dtype, device=t.device)
+    elif out.shape != (rows, cols) or out.dtype != t.dtype or out.device != t.device:
+        raise ValueError(f"sorted_rows: out must be ({rows}, {cols}) {t.dtype} on {t.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if rows and cols:
         moe_gather_rows_kernel[(cdiv(rows, GATHER_BLOCK_R), cdiv(cols, GATHER_BLOCK_C))](
             t, out, align.sorted_ids, align.num_padded, align.num_pairs, cols, t.stride(0), t.stride(1),
