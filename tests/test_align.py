@@ -104,3 +104,39 @@ def test_size_bounds_hold_for_every_block_m():
                 assert packed_bound(num_pairs, num_experts) >= packed_size(*sizes)
             top = padded_length(num_pairs, num_experts, BLOCK_M_BOUND)
             assert pre_rows_bound(num_pairs, num_experts) == top
+
+
+@pytest.mark.parametrize("counts,block_m", [
+    ([0], 16), ([5], 64), ([0, 0, 0], 64), ([3, 0, 17, 64, 65, 1, 0], 64), ([1] * 129, 128),
+    (list(range(0, 300, 7)), 16),
+])
+def test_row_starts_kernel_matches_its_twin(counts, block_m):
+    """`row_starts_kernel` (interpreted here; CUDA's `Alignment.row_starts` launches it) against the
+    torch twin, exactly, on empty experts, one expert, and E not a power of two; the output poisoned
+    first (every element must be written)."""
+    from moekit._host import next_power_of_2
+    from moekit.align import Alignment
+    from moekit.kernels.align import row_starts_kernel
+
+    tpe = torch.tensor(counts, dtype=torch.int32)
+    e = tpe.numel()
+    align = Alignment(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32),
+                      torch.zeros(1, dtype=torch.int32), tpe, block_m, int(tpe.sum()),
+                      torch.empty(0, dtype=torch.int32))
+    out = torch.full((e + 1,), -7, dtype=torch.int32)
+    row_starts_kernel[(1,)](tpe, out, e, BLOCK_M=block_m, E_POW2=max(16, next_power_of_2(e)))
+    want = align.row_starts_torch()
+    assert torch.equal(out, want) and torch.equal(align.row_starts(), want)   # the CPU takes the twin
+    assert int(want[0]) == 0 and int(want[-1]) == sum(-(-c // block_m) * block_m for c in counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens,num_experts,block_m", [(1, 128, 64), (4096, 128, 64), (999, 60, 128),
+                                                           (5000, 4096, 16)])
+def test_row_starts_launch_matches_its_twin_gpu(num_tokens, num_experts, block_m):
+    ids = torch.randint(-1, num_experts + 1, (num_tokens, 8), device="cuda", dtype=torch.int32)
+    align = align_block_size(ids, num_experts, block_m)
+    got = align.row_starts()
+    assert got.dtype == torch.int32 and torch.equal(got, align.row_starts_torch())
+    assert torch.equal(got[-1], align.num_padded.to(torch.int32))

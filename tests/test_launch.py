@@ -3,10 +3,10 @@
 CPU: the specialization key tells apart every argument property Triton specializes on; with a
 stand-in kernel (the `kernel[grid]` path recorded) and a stand-in compiled kernel, the first call of a
 key takes `kernel[grid]`, later ones call the compiled launcher with every parameter in signature
-order (defaults filled in), and the switch, a shadowed `run`, a launch hook, a CPU tensor and an
-argument of another type all take `kernel[grid]`. GPU: moekit's kernels launched directly give the
-same bits as through Triton, a misaligned tensor gets its own compiled kernel, and the triton path's
-forward and backward are unchanged with the switch off.
+order (defaults filled in), and the switch, a shadowed `run`, a launch hook, a CPU tensor (the
+interpreter's launches) and an argument of another type all take `kernel[grid]`. GPU: moekit's
+kernels launched directly give the same bits as through Triton, a misaligned tensor gets its own
+compiled kernel, and the triton path's forward and backward are unchanged with the switch off.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_first_call_binds_later_calls_launch_directly(fake_cuda):
     (call,) = k.compiled.calls
     # grid, stream, function, metadata, no launch metadata or hooks, then every parameter in order
     assert call == (3, 2, 1, 123, "fn", "meta", None, None, None, "A2", "B2", 5, 64, True, 7)
-    _launch.launch(k, (1,), "A", "B", 6, BLOCK=64, num_warps=4)       # another int: its own key
+    _launch.launch(k, (1,), "A", "B", 16, BLOCK=64, num_warps=4)      # a multiple of 16: its own key
     assert len(k.slow) == 2
     _launch.launch(k, (1,), "A", "B", 5, BLOCK=32, num_warps=4)       # another constexpr
     _launch.launch(k, (1,), "A", "B", 5, BLOCK=64, num_warps=8)       # another launch option
@@ -101,9 +101,6 @@ def test_everything_else_takes_the_triton_path(fake_cuda, monkeypatch):
     monkeypatch.setenv(_launch.FAST_LAUNCH_ENV, "0")
     _launch.launch(k, (1,), "A", "B", 5, BLOCK=64)
     monkeypatch.setenv(_launch.FAST_LAUNCH_ENV, "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _launch.launch(k, (1,), "A", "B", 5, BLOCK=64)
-    monkeypatch.delenv("TRITON_INTERPRET")
     k.run = lambda *a, **kw: None                    # a stub shadowing run (scripts/host_overhead.py)
     _launch.launch(k, (1,), "A", "B", 5, BLOCK=64)
     del k.run
@@ -123,7 +120,7 @@ def test_everything_else_takes_the_triton_path(fake_cuda, monkeypatch):
         _launch.launch(k, (1,), "A", "B", 5, BLOCK=64)
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
         _launch.launch(k, (1,), "A", "B", 5, BLOCK=64)
-    assert len(k.slow) == 5 and len(k.compiled.calls) == 2
+    assert len(k.slow) == 4 and len(k.compiled.calls) == 2
 
 
 def test_cpu_tensors_and_unknown_arguments_take_the_triton_path(monkeypatch):
@@ -192,3 +189,15 @@ def test_training_step_same_bits_with_the_switch_off_gpu(monkeypatch):
         results.append((out.detach(), *torch.autograd.grad(out, leaves, dout)))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+def test_inline_key_agrees_with_spec_on_what_it_tells_apart(monkeypatch):
+    """`_key` (inline, every launch) tells apart exactly what `_spec` does for ints of every width."""
+    values = [0, 1, 2, 15, 16, 17, 2**31 - 16, 2**31, -(2**31), -(2**31) - 16, 2**40, 2**63, -(2**63) - 16]
+    monkeypatch.setattr(_launch, "_spec", _launch._spec)
+    for a in values:
+        for b in values:
+            same = _launch._key((a,)) == _launch._key((b,))
+            assert same == (_launch._spec(a) == _launch._spec(b)), (a, b)
+    with pytest.raises(ValueError):
+        _launch._key((torch.zeros(1),))

@@ -19,10 +19,11 @@ key always share Triton's (and so its compiled kernel):
     a TensorDescriptor its dtype, block shape, layout, padding and base alignment
     keyword arguments (constexprs and launch options): names and values, in the call's order
 
-Anything else (another argument type, an unhashable keyword value), the interpreter
-(TRITON_INTERPRET=1), a CPU tensor, a launch hook set in Triton's knobs, a kernel whose `run` is
-shadowed (the stubs of `scripts/host_overhead.py`), or `$MOEKIT_FAST_LAUNCH=0` (read at each call)
-takes `kernel[grid]` every time. The direct call uses the current device and stream as Triton does.
+Anything else (another argument type, an unhashable keyword value), a CPU tensor (so the
+interpreter's launches, TRITON_INTERPRET=1, never come here), a launch hook added to Triton's knobs,
+a kernel whose `run` is shadowed (the stubs of `scripts/host_overhead.py`), or
+`$MOEKIT_FAST_LAUNCH=0` (read at each call) takes `kernel[grid]` every time. The direct call uses
+the current device and stream as Triton does.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def _spec(a):
     """One argument's part of the key (see the module doc); raises TypeError when not handled,
     ValueError for a tensor off CUDA."""
     if isinstance(a, torch.Tensor):
-        if a.device.type != "cuda":
+        if not a.is_cuda:
             raise ValueError(a.device)
         return (a.dtype, a.data_ptr() & 15 == 0)
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, 0 if -_I32 <= a < _I32 else (1 if -_I64 <= a < _I64 else 2))
+        return (a == 1, a & 15 == 0, -_I32 <= a < _I32, -_I64 <= a < _I64)
     if t is bool or t is str:
         return (t, a)
     if a is None or t is float:
@@ -85,15 +86,30 @@ def _entry(kernel, compiled, args: tuple, kwargs: dict) -> _Entry | None:
     return _Entry(compiled, names, {n: params[n].default for n in rest})
 
 
+def _key(args: tuple) -> tuple:
+    """The arguments' part of the key: `_spec` of each, with tensors and ints (nearly every
+    argument) handled inline (this runs at every launch)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                raise ValueError(a.device)
+            out.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif type(a) is int and -_I32 <= a < _I32:
+            out.append((a == 1, a & 15 == 0))
+        else:
+            out.append(_spec(a))
+    return tuple(out)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)`, with Triton's per-call binding done once per
     specialization (see the module doc)."""
-    if (os.environ.get(FAST_LAUNCH_ENV, "1").strip() == "0" or "run" in vars(kernel)
-            or os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")):
+    if os.environ.get(FAST_LAUNCH_ENV, "1") == "0" or "run" in vars(kernel):
         kernel[grid](*args, **kwargs)
         return
     try:
-        specs = tuple(_spec(a) for a in args)       # first: a CPU tensor leaves here
+        specs = _key(args)          # first: a CPU tensor (the interpreter's) leaves here
         key = (id(kernel), torch.cuda.current_device(), len(args), tuple(kwargs.items()), specs)
         hash(key)
     except (TypeError, ValueError):

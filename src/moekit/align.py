@@ -17,7 +17,7 @@ from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
 from moekit._launch import launch
 from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
-from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel
+from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel, row_starts_kernel
 from moekit.launch_hints import pdl_kwargs
 
 ALIGN_BACKENDS = ("torch", "triton")
@@ -62,8 +62,20 @@ class Alignment:
     def row_starts(self) -> torch.Tensor:
         """int32 (E + 1,): the first sorted row of each expert's padded group, then num_padded.
 
-        Device ops only (no host sync); expert e's rows are [row_starts[e], row_starts[e + 1]).
-        """
+        Device work only (no host sync); expert e's rows are [row_starts[e], row_starts[e + 1]). On
+        CUDA one launch (`row_starts_kernel`), up to MAX_TRITON_EXPERTS experts; else, and for the
+        CPU, its twin `row_starts_torch` (seven torch ops)."""
+        counts = self.tokens_per_expert
+        num_experts = counts.numel()
+        if not counts.is_cuda or num_experts > MAX_TRITON_EXPERTS:
+            return self.row_starts_torch()
+        out = _workspace.empty(num_experts + 1, dtype=torch.int32, device=counts.device)
+        launch(row_starts_kernel, (1,), counts, out, num_experts, BLOCK_M=self.block_m,
+               E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4)
+        return out
+
+    def row_starts_torch(self) -> torch.Tensor:
+        """Twin of `row_starts` (torch ops, int64 sums)."""
         padded = (self.tokens_per_expert.long() + self.block_m - 1) // self.block_m * self.block_m
         return torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0)).to(torch.int32)
 

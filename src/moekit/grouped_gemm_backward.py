@@ -236,13 +236,19 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     return SwigluGrads(dpre, h, dw)
 
 
+@functools.lru_cache(maxsize=64)
+def _dx_config(cfg: ExpertsConfig) -> ExpertsConfig:
+    """dx's GEMM2 config: the forward's, without TMA weights or a persistent grid (memoised: a
+    dataclass replace at every backward is host time)."""
+    return replace(cfg, tma_weights=False, persistent=False)
+
+
 def hidden_states_grad(dpre_w: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
                        align: Alignment, cfg: ExpertsConfig) -> torch.Tensor:
     """dx (T, H): dpre_w[r] @ gate_up_e at each pair row (GEMM2 without the routing weight: dpre_w
     carries it), summed over the token's valid slots."""
     num_tokens, _ = topk_ids.shape
-    y = gemm2_weighted(dpre_w, gate_up_proj.transpose(1, 2), None, align, replace(cfg, tma_weights=False,
-                                                                                   persistent=False))
+    y = gemm2_weighted(dpre_w, gate_up_proj.transpose(1, 2), None, align, _dx_config(cfg))
     dx = _workspace.empty(num_tokens, gate_up_proj.shape[2], dtype=dpre_w.dtype, device=dpre_w.device)
     return moe_sum(y, topk_ids, gate_up_proj.shape[0], dx)
 

@@ -141,3 +141,15 @@ def align_scatter_kernel(
     tl.store(sorted_ids_ptr + base + pos, pair, mask=placed)
     _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, c * blocks_per_program,
                       blocks_per_program, max_blocks, BLOCK_M, E_PAD, BLOCK_B)
+
+
+@triton.jit
+def row_starts_kernel(tokens_per_expert_ptr, out_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """out (E + 1,) int32: 0, then the running sum of each expert's rows rounded up to BLOCK_M (the
+    first sorted row of each expert's padded group, then num_padded). One program."""
+    e = tl.arange(0, E_POW2)
+    n = tl.load(tokens_per_expert_ptr + e, mask=e < E, other=0)
+    padded = (n + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(out_ptr, 0)
+    tl.store(out_ptr + 1 + e, ends.to(tl.int32), mask=e < E)
