@@ -15,9 +15,13 @@ import torch
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._launch import launch
 from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
-from moekit.kernels.align import align_hist_kernel, align_scan_kernel, align_scatter_kernel, row_starts_kernel
+from moekit.kernels.align import (
+    align_hist_kernel,
+    align_scan_kernel,
+    align_scatter_kernel,
+    row_starts_kernel,
+)
 from moekit.launch_hints import pdl_kwargs
 
 ALIGN_BACKENDS = ("torch", "triton")
@@ -70,8 +74,8 @@ class Alignment:
         if not counts.is_cuda or num_experts > MAX_TRITON_EXPERTS:
             return self.row_starts_torch()
         out = _workspace.empty(num_experts + 1, dtype=torch.int32, device=counts.device)
-        launch(row_starts_kernel, (1,), counts, out, num_experts, BLOCK_M=self.block_m,
-               E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4)
+        row_starts_kernel[(1,)](counts, out, num_experts, BLOCK_M=self.block_m,
+                                E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4)
         return out
 
     def row_starts_torch(self) -> torch.Tensor:
@@ -263,7 +267,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     pdl = pdl_kwargs(dev)
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps, **pdl)
     if num_chunks == 1:
-        launch(align_scatter_kernel, (1,),
+        align_scatter_kernel[(1,)](
             ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
             num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True, **scatter,
         )
@@ -271,18 +275,18 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     counts = _workspace.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
     base = _workspace.empty_like(counts)
     pad_end = _workspace.empty(e_pad, device=dev, dtype=torch.int32)
-    launch(align_hist_kernel, (num_chunks,),
+    align_hist_kernel[(num_chunks,)](
         ids, counts, sorted_ids, num_pairs, num_experts, length, cdiv(length, num_chunks),
         CHUNK=chunk, E_PAD=e_pad, num_warps=num_warps, **pdl,
     )
     # The scan walks the (chunks, E_PAD) counts in slabs of at most SCAN_ELEMENTS, so its
     # registers and shared memory stay bounded at any T (long-context prefill).
     c_block = max(1, min(next_power_of_2(num_chunks), SCAN_ELEMENTS // e_pad))
-    launch(align_scan_kernel, (1,),
+    align_scan_kernel[(1,)](
         counts, base, pad_end, num_padded, tokens_per_expert, num_chunks, num_experts,
         BLOCK_M=block_m, C_BLOCK=c_block, E_PAD=e_pad, num_warps=8 if c_block * e_pad > 8192 else 4, **pdl,
     )
-    launch(align_scatter_kernel, (num_chunks,),
+    align_scatter_kernel[(num_chunks,)](
         ids, base, pad_end, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
         num_pairs, num_experts, length, max_blocks, cdiv(max_blocks, num_chunks),
         FUSED=False, **scatter,

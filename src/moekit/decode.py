@@ -38,7 +38,6 @@ import torch
 
 from moekit import _workspace
 from moekit._host import cdiv
-from moekit._launch import launch
 from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.launch_hints import pdl_kwargs, weight_evict
 from moekit.tuning import check_tile
@@ -159,7 +158,7 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
     if h.numel():
         tiles = cfg.gemv1
         grid = (topk_ids.numel(), cdiv(inter, tiles.block_n))
-        launch(decode_gemm1_swiglu_kernel, grid,
+        decode_gemm1_swiglu_kernel[grid](
             x, gate_up_proj, topk_ids, h, num_experts, inter, hidden,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -179,7 +178,7 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
     if out.numel():
         tiles = cfg.gemv2
         grid = (num_tokens, cdiv(hidden, tiles.block_n))
-        launch(decode_gemm2_sum_kernel, grid,
+        decode_gemm2_sum_kernel[grid](
             h, down_proj, topk_weights, topk_ids, out, num_experts, hidden, inter,
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,

@@ -48,7 +48,6 @@ import triton.language as tl
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._launch import launch
 from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
@@ -187,7 +186,7 @@ def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: t
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
     else:
         grid = max_blocks * n_tiles
-    launch(kernel, (grid,), *args, **kwargs)
+    kernel[(grid,)](*args, **kwargs)
 
 
 def twin_dtype(t: torch.Tensor) -> torch.dtype:
@@ -288,9 +287,8 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torc
     block_h = min(1024, next_power_of_2(hidden))
     block_t = max(1, min(16, 4096 // block_h))
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
-    launch(moe_sum_kernel, grid, y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0),
-           out.stride(1), TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-           **pdl_kwargs(out.device))
+    moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(out.device))
     return out
 
 

@@ -65,7 +65,6 @@ import torch
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._launch import launch
 from moekit._validation import interpreting
 from moekit.align import Alignment
 from moekit.grouped_gemm import (
@@ -211,7 +210,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
     dummy = x   # a pointer for the outputs (and pre) not given; their loads and stores are compiled out
     grid_tiles = cdiv(inter, tiles.block_n * tiles.halves)   # each program's columns
-    launch(moe_swiglu_bwd_kernel, (align.max_blocks * grid_tiles,),
+    moe_swiglu_bwd_kernel[(align.max_blocks * grid_tiles,)](
         x, dout, gate_up_proj, down_proj, dummy if recompute else pre, topk_weights.reshape(-1),
         dpre if want_dpre else dummy, h if want_h else dummy, part if want_topk_weights else dummy,
         align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, inter, hidden, grid_tiles,
@@ -229,7 +228,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     if want_topk_weights:
         dw = torch.zeros(align.num_pairs, dtype=torch.float32, device=dev)   # pairs never placed: 0
         block_t = min(64, max(16, next_power_of_2(n_tiles)))
-        launch(moe_tile_sum_kernel, (align.max_blocks,),
+        moe_tile_sum_kernel[(align.max_blocks,)](
             part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
             BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4,
         )
@@ -297,7 +296,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     range_rows = _range_rows(tiles, align, scale)
     if range_rows:
         experts = min(tiles.experts, num_experts)
-        launch(moe_wgrad_range_kernel, (cdiv(num_experts, experts) * n_tiles * c_tiles,),
+        moe_wgrad_range_kernel[(cdiv(num_experts, experts) * n_tiles * c_tiles,)](
             a, b, grad, align.sorted_ids, align.expert_ids, row_starts,
             align.num_pairs, num_experts, n, c, n_tiles, c_tiles,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
@@ -310,7 +309,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
             **({} if RANGE_MAX_REGS is None else {"maxnreg": RANGE_MAX_REGS}),
         )
         return grad
-    launch(moe_wgrad_kernel, (num_experts * n_tiles * c_tiles,),
+    moe_wgrad_kernel[(num_experts * n_tiles * c_tiles,)](
         a, b, topk_weights.reshape(-1) if scale else a, grad, align.sorted_ids,
         row_starts, align.num_pairs, n, c, n_tiles, c_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *grad.stride(),
@@ -447,7 +446,7 @@ def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out:
     c_tiles = c // tiles.block_c
     tiles_per_expert = (n_a // tiles.block_n) * c_tiles
     num_items = num_experts * tiles_per_expert
-    launch(_gluon.gluon_wgrad_kernel, (min(num_sms(a.device), num_items),),
+    _gluon.gluon_wgrad_kernel[(min(num_sms(a.device), num_items),)](
         a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n,
         STAGES=tiles.stages, PINGPONG=tiles.pingpong, PRODUCER_REGS=_gluon.PRODUCER_REGS,
         CONSUMER_REGS=_gluon.CONSUMER_REGS, num_warps=4, maxnreg=_gluon.MAX_REGS,
@@ -472,7 +471,7 @@ def sorted_rows(t: torch.Tensor, align: Alignment, top_k: int, *,
         raise ValueError(f"sorted_rows: out must be ({rows}, {cols}) {t.dtype} on {t.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if rows and cols:
-        launch(moe_gather_rows_kernel, (cdiv(rows, GATHER_BLOCK_R), cdiv(cols, GATHER_BLOCK_C)),
+        moe_gather_rows_kernel[(cdiv(rows, GATHER_BLOCK_R), cdiv(cols, GATHER_BLOCK_C))](
             t, out, align.sorted_ids, align.num_padded, align.num_pairs, cols, t.stride(0), t.stride(1),
             out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_R=GATHER_BLOCK_R, BLOCK_C=GATHER_BLOCK_C,
             num_warps=4,

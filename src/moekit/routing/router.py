@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._launch import launch
 from moekit._validation import (
     FLOAT_DTYPES,
     MAX_TRITON_EXPERTS,
@@ -105,7 +104,7 @@ def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
     e_pad = next_power_of_2(num_experts)
     block_t = max(1, min(16, 4096 // e_pad, next_power_of_2(num_tokens)))
     grid = (cdiv(num_tokens, block_t),)
-    launch(topk_softmax_kernel, grid,
+    topk_softmax_kernel[grid](
         logits, weights, ids, num_valid_tokens if num_valid_tokens is not None else ids,
         num_tokens, num_experts, logits.stride(0), logits.stride(1),
         TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
