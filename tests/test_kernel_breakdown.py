@@ -97,3 +97,23 @@ def test_gemm_kernels_get_their_flops_and_rate_by_launch_order():
         f"GEMM kernels: {counted / 1e9:.3g} GFLOP useful in 0.022 ms, 0.0251 TFLOP/s."]
     assert script.summary(rows, busy=math.nan, layer_flops=552_960) == [
         "Useful FLOPs per call: 0.000553 GFLOP (no device timeline on the CPU)."]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")
+def test_host_profile_times_forward_and_backward_apart(monkeypatch):
+    """--host-profile's lines: the forward's and the backward's host ms (both called on this thread,
+    the backward with every gradient asked for), then cProfile's table with the asked-for rows."""
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")
+    script = _script()
+    called = []
+    real = script.experts_triton_backward
+    monkeypatch.setattr(script, "experts_triton_backward",
+                        lambda *a, **kw: called.append(a[8]) or real(*a, **kw))
+    inputs = script._inputs("tiny", 5, torch.float32, torch.device("cpu"))
+    lines = script.host_profile(inputs, torch.device("cpu"), loop=2, top=5)
+    assert len(called) == 3 + 2 + 2 and set(called) == {(True, True, True, True)}   # warm, timed, profiled
+    head = re.fullmatch(r"Host, called on this thread: forward ([0-9.]+) ms, backward ([0-9.]+) ms a step "
+                        r"\(median of 2\); cProfile over 2 steps, top 5 by own time:", lines[0])
+    assert head and float(head[1]) > 0 and float(head[2]) > 0
+    table = lines[lines.index("```") + 1:-1]
+    assert lines[-1] == "```" and table[0].split()[:2] == ["ncalls", "tottime"] and len(table) == 1 + 5

@@ -267,7 +267,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     row_starts: `align.row_starts()`, when the caller has it (a backward's two launches share one).
     On Hopper the training step's launches take the Gluon kernel instead (`_gluon_wgrad_tiles` says
     when; $MOEKIT_GLUON_WGRAD=0 turns it off): the gathered operand copied into sorted-row order
-    (`sorted_rows`), then `gluon_wgrad`."""
+    (`sorted_rows`), then `gluon_wgrad`; a gathered A (d down's dout) a column chunk at a time
+    through one buffer (`gluon_a_chunks`), one launch a chunk, for a lower peak."""
     if padding_zero and a_by_token and b_by_token:
         raise ValueError("padding_zero needs an operand in sorted-row order (not gathered by token)")
     gluon_tiles = _gluon_wgrad_tiles(a, b, topk_weights, align, shape, dtype, a_by_token=a_by_token,
