@@ -674,3 +674,61 @@ def test_backward_makes_no_host_sync_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_pre_activations_freed_before_the_weight_gradients(monkeypatch):
+    """The backward frees the saved (L, 2I) pre-activations once the SwiGLU backward has read them:
+    neither weight gradient is computed while they are alive (the peak). A second backward through
+    the retained graph has the forward's GEMM1 store them again, and its gradients are the first's,
+    bit for bit."""
+    x, gate_up, down, w, ids, dout = make(30, 4, 48, 24, 3, "distinct")
+    leaves = [t.requires_grad_(True) for t in (x, gate_up, down, w)]
+    out = moe_experts(*leaves, ids, backend="triton", config=CFG)
+    seen, alive, stored = [], [], []
+    real_swiglu = triton_experts.swiglu_backward
+    monkeypatch.setattr(triton_experts, "swiglu_backward",
+                        lambda *a, **k: seen.append(k["pre"]) or real_swiglu(*a, **k))
+    for name in ("gate_up_proj_grad", "down_proj_grad"):
+        real = getattr(triton_experts, name)
+        monkeypatch.setattr(triton_experts, name, lambda *a, _f=real, **k: alive.append(
+            seen[-1].untyped_storage().nbytes()) or _f(*a, **k))
+    real_gemm1 = triton_experts.gemm1_swiglu_with_pre
+    monkeypatch.setattr(triton_experts, "gemm1_swiglu_with_pre",
+                        lambda *a, **k: stored.append(1) or real_gemm1(*a, **k))
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    assert len(seen) == 1 and seen[0].numel() > 0 and alive == [0, 0] and stored == []
+    second = torch.autograd.grad(out, leaves, dout)
+    assert len(seen) == 2 and stored == [1] and alive == [0, 0, 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    for got, ref in zip(first, ref_grads(x, gate_up, down, w, ids, dout), strict=True):
+        assert rel_err(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save-on-cpu"])
+def test_activation_checkpointing_and_saved_tensor_hooks(how):
+    """Under torch.utils.checkpoint (non-reentrant and reentrant: the forward recomputed in the
+    backward) and with the saved tensors packed by hooks (`save_on_cpu`), the four gradients are
+    those of a plain training step, bit for bit, and a second step on the same module gives them
+    again (nothing freed that a later step needs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, gate_up, down, w, ids, dout = make(20, 4, 32, 16, 2, "distinct")
+
+    def step(wrap):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+        fn = lambda *ts: moe_experts(*ts, ids, backend="triton", config=CFG)  # noqa: E731
+        out = wrap(fn, leaves)
+        out.backward(dout)
+        return [t.grad for t in leaves]
+
+    plain = step(lambda fn, leaves: fn(*leaves))
+    if how == "save-on-cpu":
+        def wrap(fn, leaves):
+            with torch.autograd.graph.save_on_cpu():
+                return fn(*leaves)
+    else:
+        def wrap(fn, leaves):
+            return checkpoint(fn, *leaves, use_reentrant=how.endswith("reentrant"))
+    for _ in range(2):
+        got = step(wrap)
+        assert all(g is not None and torch.equal(g, p) for g, p in zip(got, plain, strict=True)), how

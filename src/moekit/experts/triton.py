@@ -13,8 +13,10 @@ x, gate_up_proj or topk_weights needs a gradient, the (L, 2I) gate/up pre-activa
 stores beside h in the same launch (`gemm1_swiglu_with_pre`: 4I bytes per pair in bf16, 3 KiB at
 Qwen3-30B-A3B's I = 768, plus the padding rows), in place of recomputing them. The buffer is a fresh
 allocation per forward (`moekit._workspace.empty` allocates every call; nothing pools or reuses it),
-so a later forward never overwrites what an earlier one saved. Not saved: h (recomputed from the
-saved a, b in the SwiGLU backward's epilogue, silu(a) * b) and y. When only down_proj needs a
+so a later forward never overwrites what an earlier one saved. The backward frees it once the
+SwiGLU backward has read it, before the weight gradients are allocated (a lower peak); a second
+backward through a retained graph has GEMM1 store it again, bit for bit. Not saved: h (recomputed
+from the saved a, b in the SwiGLU backward's epilogue, silu(a) * b) and y. When only down_proj needs a
 gradient nothing extra is saved and the backward recomputes h by the forward's GEMM1 (one GEMM).
 Launches, each skipped when no input needs it:
     swiglu_backward     dpre_w (L, 2I), h_w (L, I), d topk_weights   if x, gate_up or weights need grad
@@ -99,13 +101,15 @@ def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
 def experts_triton_backward(
     dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, align: Alignment, config: ExpertsConfig,
-    needs: tuple[bool, bool, bool, bool], *, pre: torch.Tensor | None = None,
+    needs: tuple[bool, bool, bool, bool], *, pre: torch.Tensor | None = None, release_pre: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """(dx, d gate_up_proj, d down_proj, d topk_weights), None where `needs` is False.
 
     topk_weights and topk_ids must be the contiguous tensors the forward used with `align`; pre the
     (L, 2I) pre-activations that forward's GEMM1 stored (`gemm1_swiglu_with_pre`), or None to
-    recompute them.
+    recompute them. release_pre: free pre's memory once the SwiGLU backward has read it (its storage
+    resized to 0, whoever else holds the tensor; only when pre owns its whole storage), so it is not
+    alive beside the weight gradients.
     """
     need_x, need_gu, need_down, need_w = needs
     top_k = topk_ids.shape[1]
@@ -113,6 +117,9 @@ def experts_triton_backward(
     if need_x or need_gu or need_w:
         grads = swiglu_backward(x, gate_up_proj, down_proj, dout, topk_weights, align, top_k, config, pre=pre,
                                 want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
+        if release_pre and pre is not None and _owns_storage(pre):
+            # Stream-ordered: the allocator hands the block on only to work queued after the read.
+            pre.untyped_storage().resize_(0)
         if need_w:
             d_w = grads.topk_weights.view(topk_weights.shape).to(topk_weights.dtype)
         if need_x:
@@ -130,6 +137,11 @@ def experts_triton_backward(
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
         d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)
     return dx, d_gu, d_down, d_w
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether t is the whole of its storage (freeing the storage frees t and nothing else)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 class _TritonExperts(torch.autograd.Function):
@@ -152,8 +164,14 @@ class _TritonExperts(torch.autograd.Function):
     def backward(ctx, dout):
         x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes, pre = ctx.saved_tensors
         align = Alignment(*meta, ctx.block_m, ctx.num_pairs, block_codes)
+        if pre is not None and getattr(ctx, "pre_released", False):
+            # A second backward through a retained graph: the first one freed pre. The forward's
+            # GEMM1 (same inputs, alignment and config; deterministic) stores it again, bit for bit.
+            _, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, topk_ids.shape[1], ctx.config)
+        ctx.pre_released = pre is not None
         grads = experts_triton_backward(dout, x, gate_up_proj, down_proj, topk_weights, topk_ids, align,
-                                        ctx.config, tuple(ctx.needs_input_grad[:4]), pre=pre)
+                                        ctx.config, tuple(ctx.needs_input_grad[:4]), pre=pre,
+                                        release_pre=True)
         return (*grads, None, None)
 
 
