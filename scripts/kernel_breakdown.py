@@ -114,14 +114,15 @@ def host_profile(inputs, device: torch.device, loop: int = 20, top: int = 25) ->
     cProfile's `top` functions by own time (see the module doc)."""
     x, gate_up, down, w, ids, grad_out = inputs
     needs = (True, True, True, True)
+    # the backward gets the forward's config, as autograd's ctx keeps it: picked once, not per step
+    config = auto_config(x.shape[0], gate_up, ids.shape[1], x.dtype, x.device)
 
     def fwd():
-        out, pre, align = experts_triton_train(x, gate_up, down, w, ids)
+        _, pre, align = experts_triton_train(x, gate_up, down, w, ids)
         return pre, align
 
     def bwd(pre, align):
-        experts_triton_backward(grad_out, x, gate_up, down, w, ids, align, _config(x, gate_up, ids),
-                                needs, pre=pre)
+        experts_triton_backward(grad_out, x, gate_up, down, w, ids, align, config, needs, pre=pre)
 
     for _ in range(3):
         bwd(*fwd())
@@ -148,10 +149,6 @@ def host_profile(inputs, device: torch.device, loop: int = 20, top: int = 25) ->
     return [f"Host, called on this thread: forward {statistics.median(t_fwd):.3f} ms, backward "
             f"{statistics.median(t_bwd):.3f} ms a step (median of {loop}); cProfile over {loop} steps, "
             f"top {top} by own time:", "", "```", *body[start:], "```"]
-
-
-def _config(x, gate_up, ids):
-    return auto_config(x.shape[0], gate_up, ids.shape[1], x.dtype, x.device)
 
 
 class KernelRow(NamedTuple):

@@ -164,11 +164,10 @@ class _TritonExperts(torch.autograd.Function):
     def backward(ctx, dout):
         x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes, pre = ctx.saved_tensors
         align = Alignment(*meta, ctx.block_m, ctx.num_pairs, block_codes)
-        if pre is not None and getattr(ctx, "pre_released", False):
+        if pre is not None and pre.numel() and not pre.untyped_storage().nbytes():
             # A second backward through a retained graph: the first one freed pre. The forward's
             # GEMM1 (same inputs, alignment and config; deterministic) stores it again, bit for bit.
             _, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, topk_ids.shape[1], ctx.config)
-        ctx.pre_released = pre is not None
         grads = experts_triton_backward(dout, x, gate_up_proj, down_proj, topk_weights, topk_ids, align,
                                         ctx.config, tuple(ctx.needs_input_grad[:4]), pre=pre,
                                         release_pre=True)
