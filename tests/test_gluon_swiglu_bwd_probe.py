@@ -20,11 +20,17 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gluon_swiglu_bwd_pro
 def test_imports_with_its_variants():
     mod = load_script("gluon_swiglu_bwd_probe")
     assert mod.GLUON_ERROR is None
-    assert {"pp_64x128", "pp_64x64"} <= set(mod.VARIANTS)
-    for name, (block_n, stages, _tma_epi, (producer_regs, consumer_regs)) in mod.VARIANTS.items():
+    assert {"pp_64x128", "pp_64x128_s5", "pp_64x64"} <= set(mod.VARIANTS)
+    # the runtime's tiles are among the variants timed (the kernel is the runtime's)
+    from moekit.kernels.gluon_swiglu_bwd import gluon_swiglu_bwd_kernel
+    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
+
+    assert mod.gluon_swiglu_bwd_kernel is gluon_swiglu_bwd_kernel
+    assert {GLUON_SWIGLU_128, GLUON_SWIGLU_64} <= set(mod.VARIANTS.values())
+    for name, tiles in mod.VARIANTS.items():
         assert mod.smem_bytes(name) <= mod.SMEM_LIMIT, name
-        assert 768 % block_n == 0 and 2048 % mod.BK == 0 and 2048 // mod.BK > mod.PRE_STEP, name
-        assert stages >= 2 and producer_regs + 2 * consumer_regs <= 512, name
+        assert 768 % tiles.block_n == 0 and 2048 % mod.BK == 0 and 2048 // mod.BK > mod.PRE_STEP, name
+        assert tiles.stages >= 2 and tiles.producer_regs + 2 * tiles.consumer_regs <= 512, name
 
 
 def test_help():

@@ -79,6 +79,7 @@ from moekit.grouped_gemm import (
     num_sms,
     twin_dtype,
 )
+from moekit.kernels import gluon_swiglu_bwd as _gluon_swiglu
 from moekit.kernels import gluon_wgrad as _gluon
 from moekit.kernels.grouped_gemm_backward import (
     moe_gather_rows_kernel,
@@ -91,8 +92,10 @@ from moekit.launch_hints import capability_major
 from moekit.tuning import (
     WGRAD_ENV,
     ExpertsConfig,
+    GluonSwigluTiles,
     GluonWgradTiles,
     WgradConfig,
+    gluon_swiglu_tiles,
     gluon_wgrad_tiles,
     shared_memory_budget,
     shrink_to_fit,
@@ -200,14 +203,39 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     rows = align.sorted_ids.numel()
     dev, dtype = x.device, x.dtype
     recompute = pre is None
+    explicit = tiles
     if tiles is None:
         tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
     elif tiles.recompute is not recompute:
         raise ValueError(f"tiles: recompute={tiles.recompute} but pre is {'None' if recompute else 'given'}")
-    n_tiles = cdiv(inter, tiles.block_n)                  # part's columns: one per block_n columns
+    gluon_tiles = _gluon_swiglu_tiles(dout, down_proj, pre, align) if explicit is None else None
+    n_tiles = inter // gluon_tiles.block_n if gluon_tiles else cdiv(inter, tiles.block_n)   # part's columns
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
+    if gluon_tiles is not None:
+        gluon_swiglu_backward(sorted_rows(dout, align, top_k), down_proj, pre, topk_weights, align,
+                              gluon_tiles, dpre=dpre, h=h, part=part)
+    else:
+        _triton_swiglu_backward(x, gate_up_proj, down_proj, dout, pre, topk_weights, align, top_k, cfg, tiles,
+                                dpre, h, part, n_tiles)
+    dw = None
+    if want_topk_weights:
+        dw = torch.zeros(align.num_pairs, dtype=torch.float32, device=dev)   # pairs never placed: 0
+        block_t = min(64, max(16, next_power_of_2(n_tiles)))
+        moe_tile_sum_kernel[(align.max_blocks,)](
+            part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
+            BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4,
+        )
+    return SwigluGrads(dpre, h, dw)
+
+
+def _triton_swiglu_backward(x, gate_up_proj, down_proj, dout, pre, topk_weights, align, top_k, cfg,
+                            tiles: BackwardTiles, dpre, h, part, n_tiles: int) -> None:
+    """`moe_swiglu_bwd_kernel` into dpre, h, part (None: not stored), part with n_tiles columns."""
+    inter, hidden, dtype = down_proj.shape[2], gate_up_proj.shape[2], x.dtype
+    recompute = pre is None
+    want_dpre, want_h, want_topk_weights = dpre is not None, h is not None, part is not None
     dummy = x   # a pointer for the outputs (and pre) not given; their loads and stores are compiled out
     grid_tiles = cdiv(inter, tiles.block_n * tiles.halves)   # each program's columns
     moe_swiglu_bwd_kernel[(align.max_blocks * grid_tiles,)](
@@ -224,15 +252,6 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         HALVES=tiles.halves,
         num_warps=tiles.warps or cfg.warps1, num_stages=tiles.stages,
     )
-    dw = None
-    if want_topk_weights:
-        dw = torch.zeros(align.num_pairs, dtype=torch.float32, device=dev)   # pairs never placed: 0
-        block_t = min(64, max(16, next_power_of_2(n_tiles)))
-        moe_tile_sum_kernel[(align.max_blocks,)](
-            part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
-            BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4,
-        )
-    return SwigluGrads(dpre, h, dw)
 
 
 @functools.lru_cache(maxsize=64)
@@ -453,6 +472,79 @@ def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out:
         CONSUMER_REGS=_gluon.CONSUMER_REGS, num_warps=4, maxnreg=_gluon.MAX_REGS,
     )
     return out
+
+
+GLUON_SWIGLU_ENV = "MOEKIT_GLUON_SWIGLU"   # "0": `swiglu_backward` never takes the Gluon kernel (each call)
+
+
+def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor | None,
+                        align: Alignment) -> GluonSwigluTiles | None:
+    """The Gluon SwiGLU backward's tiles (`moekit.tuning.gluon_swiglu_tiles`, by I) when
+    `swiglu_backward` takes it, else None. It takes it when all of these hold (host values only: no
+    sync; the caller asked for no Triton tiles):
+
+        $MOEKIT_GLUON_SWIGLU is not "0", and this Triton has Gluon
+        a CUDA device of compute capability 9.x, not interpreted (`_sm90`)
+        the saved pre-activations given (pre (>= L, 2I): the training step's launch)
+        dout, pre and down_proj of one dtype, bf16 or fp16
+        the align block size a multiple of the tiles' 64 rows; at least one sorted row
+        H a multiple of 64 with more ring steps than PRE_STEP; tiles dividing I
+        down_proj contiguous, E * H rows within TMA's int32 coordinates; pre TMA-readable as it lies
+    """
+    if pre is None or os.environ.get(GLUON_SWIGLU_ENV, "1").strip() == "0":
+        return None
+    if not _gluon.GLUON_AVAILABLE:
+        return None
+    if not _sm90(dout.device):
+        return None
+    if dout.dtype not in GLUON_WGRAD_DTYPES or not (pre.dtype == down_proj.dtype == dout.dtype):
+        return None
+    num_experts, hidden, inter = down_proj.shape
+    rows = align.sorted_ids.numel()
+    tiles = gluon_swiglu_tiles(inter)
+    if tiles is None or rows == 0 or align.block_m % tiles.block_m or dout.dim() != 2:
+        return None
+    if hidden % tiles.block_k or hidden // tiles.block_k <= _gluon_swiglu.PRE_STEP:
+        return None
+    if not down_proj.is_contiguous() or not _tma_operand(down_proj.view(num_experts * hidden, inter)):
+        return None
+    if pre.dim() != 2 or pre.shape[0] < rows or pre.shape[1] != 2 * inter or not _tma_operand(pre):
+        return None
+    return tiles
+
+
+def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor,
+                          topk_weights: torch.Tensor, align: Alignment, tiles: GluonSwigluTiles, *,
+                          dpre: torch.Tensor | None, h: torch.Tensor | None,
+                          part: torch.Tensor | None) -> None:
+    """dpre (L, 2I), h (L, I), part (L, I / tiles.block_n) fp32 of the rows < num_padded, each None
+    when not wanted (`gluon_swiglu_bwd_kernel`, persistent: one program an SM): dout_sorted (L, H)
+    dout in sorted-row order with zeros on the padding rows (`sorted_rows`), pre the saved (>= L, 2I)
+    pre-activations, topk_weights (T, K) contiguous. `swiglu_backward` checks the rest first
+    (`_gluon_swiglu_tiles`)."""
+    num_experts, hidden, inter = down_proj.shape
+    rows = align.sorted_ids.numel()
+    n_tiles = inter // tiles.block_n
+    if dout_sorted.shape != (rows, hidden) or (part is not None and part.shape != (rows, n_tiles)):
+        raise ValueError(f"gluon_swiglu_backward: dout_sorted {tuple(dout_sorted.shape)} and part "
+                         f"{None if part is None else tuple(part.shape)} must be ({rows}, {hidden}) and "
+                         f"({rows}, {inter // tiles.block_n})")
+    bm, bn = tiles.block_m, tiles.block_n
+    pre_desc = _gluon_descriptor(pre, (bm, bn))
+    items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
+    _gluon_swiglu.gluon_swiglu_bwd_kernel[(max(1, min(num_sms(pre.device), items)),)](
+        _gluon_descriptor(dout_sorted, (bm, tiles.block_k)),
+        _gluon_descriptor(down_proj.view(num_experts * hidden, inter), (tiles.block_k, bn)),
+        pre_desc,
+        pre_desc if dpre is None else _gluon_descriptor(dpre, (bm, bn)),     # not stored when None
+        pre_desc if h is None else _gluon_descriptor(h, (bm, bn)),
+        pre if part is None else part, topk_weights.reshape(-1), align.sorted_ids, align.expert_ids,
+        align.num_padded, align.num_pairs, hidden, inter, n_tiles,
+        ALIGN_M=align.block_m, STAGES=tiles.stages, PRE_STEP_=_gluon_swiglu.PRE_STEP,
+        STORE_DPRE=dpre is not None, STORE_H=h is not None, STORE_PART=part is not None,
+        PRODUCER_REGS=tiles.producer_regs, CONSUMER_REGS=tiles.consumer_regs, num_warps=4,
+        maxnreg=_gluon_swiglu.MAX_REGS,
+    )
 
 
 GATHER_BLOCK_R, GATHER_BLOCK_C = 32, 256     # `moe_gather_rows_kernel`'s tile: rows by columns

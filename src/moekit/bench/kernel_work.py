@@ -7,6 +7,7 @@ the padding rows; H hidden, I intermediate:
     forward   moe_gemm1_swiglu_kernel  GEMM1  x rows (S, H) @ gate_up_e^T (H, 2I)        2 S H 2I
               moe_gemm2_kernel         GEMM2  h (S, I) @ down_e^T (I, H)                  2 S I H
     backward  moe_swiglu_bwd_kernel    g = dout @ down_e (a, b saved by the forward)      2 S H I
+              (on Hopper gluon_swiglu_bwd_kernel after moe_gather_rows_kernel's dout copy: the same)
               moe_gemm2_kernel         dx = dpre (S, 2I) @ gate_up_e (2I, H)              2 S 2I H
               moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
               moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
@@ -62,6 +63,7 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
            KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2)]
     if backward:
         out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
+                KernelFlops("gluon_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
                 KernelFlops("moe_gemm2_kernel", "dx: dpre @ gate_up", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_kernel", "d down_proj", 2 * s * h * i),

@@ -1,6 +1,7 @@
 """Tile configurations as data: one frozen dataclass, JSON tables per device, a default heuristic.
 The weight-gradient kernel's tiles are apart (`WgradConfig`, `wgrad_config`): one default per dtype,
-or $MOEKIT_WGRAD_TILES; so are the Hopper Gluon weight gradient's (`GluonWgradTiles`, `gluon_wgrad_tiles`).
+or $MOEKIT_WGRAD_TILES; so are the Hopper Gluon weight gradient's (`GluonWgradTiles`, `gluon_wgrad_tiles`)
+and the Hopper Gluon SwiGLU backward's (`GluonSwigluTiles`, `gluon_swiglu_tiles`).
 
 Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cased, spaces -> '_'):
 
@@ -287,6 +288,53 @@ def gluon_wgrad_tiles(rows_per_expert: float) -> GluonWgradTiles:
     """The Gluon weight gradient's tiles: GLUON_PP_WGRAD below GLUON_COOP_WGRAD_ROWS rows an expert,
     GLUON_COOP_WGRAD from there."""
     return GLUON_COOP_WGRAD if rows_per_expert >= GLUON_COOP_WGRAD_ROWS else GLUON_PP_WGRAD
+
+
+@dataclass(frozen=True)
+class GluonSwigluTiles:
+    """Tiles of the Hopper Gluon SwiGLU backward (`moekit.kernels.gluon_swiglu_bwd`), which
+    `moekit.grouped_gemm_backward.swiglu_backward` runs where it applies (`gluon_swiglu_tiles`).
+
+    Attributes:
+        block_n: columns of I a work item (one wgmma accumulator a warpgroup); must divide I.
+        stages: the shared-memory ring's depth (dout rows [block_m, block_k], down [block_k, block_n]).
+        producer_regs, consumer_regs: registers a thread after setmaxnreg (the producer's warp and the
+            two consumer warpgroups; producer + 2 consumers <= 512).
+        block_m, block_k: rows a work item (one warpgroup's m64: the align block size must be a
+            multiple) and H a ring step.
+    """
+
+    block_n: int
+    stages: int
+    producer_regs: int
+    consumer_regs: int
+    block_m: int = 64
+    block_k: int = 64
+
+    def smem_bytes(self, itemsize: int = 2) -> int:
+        """Shared memory: the ring and both consumers' three epilogue slots [block_m, block_n]."""
+        ring = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n)
+        return (ring + 6 * self.block_m * self.block_n) * itemsize
+
+    def label(self) -> str:
+        return f"pp_{self.block_m}x{self.block_n}_s{self.stages}"
+
+
+# H200, Qwen3-30B-A3B bf16, dout copied into sorted rows first (`scripts/gluon_swiglu_bwd_probe.py`,
+# 2026-12-01, session 10): ping-pong 64 x 128, 5 stages, 0.301 ms at 4,096 tokens and 1.023 at 16,384
+# against 0.398 and 1.403 for the Triton kernel (1.14x and 1.16x with the copy). 64 x 64 (8 stages)
+# serves an I that 128 does not divide.
+GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=24, consumer_regs=240)
+GLUON_SWIGLU_64 = GluonSwigluTiles(block_n=64, stages=8, producer_regs=40, consumer_regs=232)
+
+
+def gluon_swiglu_tiles(inter: int) -> GluonSwigluTiles | None:
+    """The Gluon SwiGLU backward's tiles for intermediate size `inter`: GLUON_SWIGLU_128 where 128
+    divides it, GLUON_SWIGLU_64 where 64 does, else None (the Triton kernel runs)."""
+    for tiles in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
+        if inter % tiles.block_n == 0:
+            return tiles
+    return None
 
 
 def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,
