@@ -26,6 +26,9 @@ from moekit.launch_hints import pdl_kwargs
 
 ALIGN_BACKENDS = ("torch", "triton")
 FUSED_MAX_PAIRS = 1024
+# Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
+# the default by chunk size (None). Read at each call.
+ALIGN_WARPS: int | None = None
 SCAN_ELEMENTS = 16384
 
 
@@ -263,7 +266,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     chunk = _chunk_size(num_pairs)
     num_chunks = cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // e_pad))
-    num_warps = 4 if chunk * max(1, e_pad // 128) <= 1024 else 8
+    num_warps = ALIGN_WARPS or (4 if chunk * max(1, e_pad // 128) <= 1024 else 8)
     pdl = pdl_kwargs(dev)
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps, **pdl)
     if num_chunks == 1:

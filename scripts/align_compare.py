@@ -1,0 +1,158 @@
+"""The align step's device time at decode and small-prefill sizes (Qwen3-30B-A3B: E = 128, K = 8),
+variants side by side, each kernel's pieces timed apart. A measurement script (issue 14: at 16-256
+tokens the align is 4-5% of the expert path).
+
+Per T (default 16, 64, 128, 256; the H200 table's block_m for T), a CUDA graph of N back-to-back
+`align_block_size(ids, 128, block_m, backend="triton")` calls is replayed; the median of the
+replays over N is the time an align adds in a chain of launches (launch gaps included, as in the
+expert path's graph). Variants:
+
+    default      as shipped: one program up to FUSED_MAX_PAIRS pairs, else hist + scan + scatter
+    fused        FUSED_MAX_PAIRS raised to 4096 (one program at every T here)
+    warps2/8     the align kernels with 2 / 8 warps (`moekit.align.ALIGN_WARPS`)
+Pieces (kernels of this script built from the align kernels' own helpers, one program, the fused
+kernel's CHUNK and warps): empty (a kernel doing nothing: the floor of a launch in a graph), keys
+(load the ids and store their keys), sort (+ tl.sort), hist (+ histogram and cumsum), fill (the
+sentinel fill of sorted_ids), expert_ids (`_write_expert_ids` over every block).
+Every variant's alignment is checked equal to the torch twin's first.
+
+    PYTHONPATH=src python scripts/align_compare.py [--tokens 16,64,256] [--out align.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit import align as align_mod
+from moekit._host import next_power_of_2
+from moekit.kernels.align import _chunk_keys, _fill, _write_expert_ids
+
+E, K = 128, 8
+BLOCK_M = {16: 16, 64: 16, 128: 32, 256: 32, 512: 64}
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+@triton.jit
+def _piece_kernel(ids_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, codes_ptr, S, E, length, max_blocks,
+                  PIECE: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_B: tl.constexpr):
+    if PIECE == "fill":
+        _fill(sorted_ids_ptr, S, 0, length, length, 1024)
+    else:
+        e, keys = _chunk_keys(ids_ptr, 0, S, E, CHUNK)
+        if PIECE == "sort":
+            keys = tl.sort(keys)
+        if PIECE == "hist" or PIECE == "expert_ids":
+            total = tl.histogram(e, E_PAD, mask=e < E)
+            padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            pad_end = tl.cumsum(padded, axis=0)
+            if PIECE == "hist":
+                tl.store(out_ptr + tl.arange(0, E_PAD), pad_end)
+            else:
+                num_padded = tl.sum(padded, axis=0)
+                _write_expert_ids(expert_ids_ptr, codes_ptr, pad_end, num_padded, E, 0, max_blocks,
+                                  max_blocks, BLOCK_M, E_PAD, BLOCK_B)
+        else:
+            tl.store(out_ptr + tl.arange(0, CHUNK), keys)
+
+
+def graph_time(fn, n: int, replays: int) -> float:
+    """µs per call: a graph of n calls, the median of `replays` replays over n."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for _ in range(n):
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(times)
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in
+               ("sorted_ids", "expert_ids", "num_padded", "tokens_per_expert", "block_codes"))
+
+
+def measure(tokens: int, args, gen) -> dict:
+    bm = BLOCK_M.get(tokens, 64)
+    ids = torch.randn(tokens, E, device="cuda", generator=gen).topk(K, -1).indices.to(torch.int32)
+    want = align_mod.align_block_size(ids, E, bm, backend="torch")
+    variants = {"default": {}, "fused": {"FUSED_MAX_PAIRS": 4096}, "warps2": {"ALIGN_WARPS": 2},
+                "warps8": {"ALIGN_WARPS": 8}}
+    line = {"tokens": tokens, "pairs": tokens * K, "block_m": bm}
+
+    def call():
+        return align_mod.align_block_size(ids, E, bm, backend="triton")
+
+    for name, patch in variants.items():
+        saved = {k: getattr(align_mod, k) for k in patch}
+        for k, v in patch.items():
+            setattr(align_mod, k, v)
+        try:
+            line[name] = graph_time(call, args.n, args.replays) if same(call(), want) else "WRONG"
+        finally:
+            for k, v in saved.items():
+                setattr(align_mod, k, v)
+    s = tokens * K
+    chunk = max(16, next_power_of_2(s))
+    length = align_mod.padded_length(s, E, bm)
+    max_blocks = triton.cdiv(length, bm)
+    flat = ids.reshape(-1)
+    out = torch.empty(max(chunk, 256), dtype=torch.int32, device="cuda")
+    sid = torch.empty(length, dtype=torch.int32, device="cuda")
+    eid = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
+    codes = torch.empty_like(eid)
+    warps = 4 if chunk <= 1024 else 8
+    line["empty"] = graph_time(lambda: _empty_kernel[(1,)](out), args.n, args.replays)
+    for piece in ("keys", "sort", "hist", "fill", "expert_ids"):
+        def launch(piece=piece):
+            _piece_kernel[(1,)](flat, out, sid, eid, codes, s, E, length, max_blocks, PIECE=piece,
+                                CHUNK=chunk, E_PAD=E, BLOCK_M=bm, BLOCK_B=32, num_warps=warps)
+        line[piece] = graph_time(launch, args.n, args.replays)
+    print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()),
+          flush=True)
+    return line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="16,64,128,256")
+    parser.add_argument("--n", type=int, default=64, help="calls a graph (default 64)")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", help="JSON lines here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [measure(int(t), args, gen) for t in args.tokens.split(",")]
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
