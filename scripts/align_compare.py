@@ -16,7 +16,14 @@ kernel's CHUNK and warps): empty (a kernel doing nothing: the floor of a launch 
 sentinel fill of sorted_ids), expert_ids (`_write_expert_ids` over every block).
 Every variant's alignment is checked equal to the torch twin's first.
 
+--paths: the whole triton expert path and the whole `MoELayer` (router included) instead, each
+captured in a CUDA graph and timed as the bench times it (after an L2 flush, `time_fn`), with the
+fused align writing the blocks' expert ids expert by expert (`moekit.align.FUSED_IDS_BY_EXPERT`,
+"by-expert", the default) and by the search over experts a block ("search", before session 12),
+alternating for --rounds rounds; outputs checked bitwise equal first.
+
     PYTHONPATH=src python scripts/align_compare.py [--tokens 16,64,256] [--out align.jsonl]
+    PYTHONPATH=src python scripts/align_compare.py --paths [--tokens 16,32,64,128] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -135,18 +142,76 @@ def measure(tokens: int, args, gen) -> dict:
     return line
 
 
+def compare_paths(args) -> list[dict]:
+    import functools
+    import os
+
+    import moekit
+    from moekit import eager_graphs
+    from moekit.bench.ceilings import measure_ceilings
+    from moekit.bench.roofline import floor_ms
+    from moekit.bench.timing import time_fn
+    from moekit.experts.triton import experts_triton
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    eager_graphs.set_enabled(False)
+    ceil = measure_ceilings(dev, dtype)
+    print(f"{torch.cuda.get_device_name(dev)}: copy {ceil.copy_gbps:.0f} GB/s, matmul "
+          f"{ceil.matmul_tflops:.0f} TFLOP/s; commit {os.environ.get('MOEKIT_COMMIT', '?')}", flush=True)
+    torch.manual_seed(0)
+    layer = moekit.MoELayer(moekit.get_shape("qwen3-30b-a3b"), dtype=dtype, device=dev).requires_grad_(False)
+    settings = {"by-expert": True, "search": False}
+
+    def under(setting, fn):
+        saved = align_mod.FUSED_IDS_BY_EXPERT
+        align_mod.FUSED_IDS_BY_EXPERT = settings[setting]
+        try:
+            return fn()
+        finally:
+            align_mod.FUSED_IDS_BY_EXPERT = saved
+
+    rows = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        x = torch.randn(t, layer.shape.hidden_size, device=dev, dtype=dtype)
+        w, ids = layer.route(x)
+        fl = floor_ms(layer.shape, t, ids, dtype, ceil)
+        for path, fn in (("experts", functools.partial(experts_triton, x, layer.gate_up_proj, layer.down_proj,
+                                                       w, ids)),
+                         ("layer", functools.partial(layer, x))):
+            ref = under("search", fn)
+            if not torch.equal(under("by-expert", fn), ref):
+                raise SystemExit(f"T={t} {path}: by-expert not bitwise equal to search")
+            times = {s: [] for s in settings}
+            for _ in range(args.rounds):
+                for s in settings:
+                    timed = functools.partial(time_fn, fn, graph=True, device=dev)
+                    times[s].append(under(s, timed).median_ms)
+            med = {s: statistics.median(v) for s, v in times.items()}
+            rows.append(dict(tokens=t, path=path, floor_ms=fl, **{f"{s}_ms": m for s, m in med.items()},
+                             **{f"{s}_rounds": v for s, v in times.items()}))
+            cells = "  ".join(f"{s} {m:.4f} ms ({100 * fl / m:4.1f}%)" for s, m in med.items())
+            print(f"T={t:>5} {path:>7}: {cells}  search/by-expert {med['search'] / med['by-expert']:.3f}x",
+                  flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="16,64,128,256")
     parser.add_argument("--n", type=int, default=64, help="calls a graph (default 64)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", help="JSON lines here")
+    parser.add_argument("--paths", action="store_true", help="time the expert path and the layer instead")
+    parser.add_argument("--rounds", type=int, default=5, help="--paths: alternating rounds (default 5)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [measure(int(t), args, gen) for t in args.tokens.split(",")]
+    if args.paths:
+        rows = compare_paths(args)
+    else:
+        rows = [measure(int(t), args, gen) for t in args.tokens.split(",")]
     if args.out:
         with open(args.out, "w") as f:
             for r in rows:

@@ -36,7 +36,7 @@ def test_random_routing(case, dtype):
     _both(ids, num_experts, block_m)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 600])
+@pytest.mark.parametrize("num_tokens", [1, 5, 600, FUSED_MAX_PAIRS])   # the last: the fused kernel, full
 def test_all_pairs_on_one_expert(num_tokens):
     ids = torch.zeros(num_tokens, 1, dtype=torch.int32)
     a = _both(ids, 16, 8)
@@ -140,3 +140,21 @@ def test_row_starts_launch_matches_its_twin_gpu(num_tokens, num_experts, block_m
     got = align.row_starts()
     assert got.dtype == torch.int32 and torch.equal(got, align.row_starts_torch())
     assert torch.equal(got[-1], align.num_padded.to(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["random", "one-expert", "sentinels"])
+def test_fused_expert_ids_writers_agree(monkeypatch, kind):
+    """The fused kernel's two ways of writing expert_ids and block_codes (expert by expert, the
+XX
+    alignment, field for field."""
+    import moekit.align as align_mod
+
+    if kind == "one-expert":
+        ids = torch.full((97, 2), 3, dtype=torch.int32)
+    else:
+        ids = distinct_topk_ids(61, 12, 4)
+        if kind == "sentinels":
+            ids[0, 0], ids[5, 3] = -1, 12
+    for by_expert in (True, False):
+        monkeypatch.setattr(align_mod, "FUSED_IDS_BY_EXPERT", by_expert)
+        _both(ids, 12, 4)

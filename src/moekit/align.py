@@ -29,6 +29,11 @@ FUSED_MAX_PAIRS = 1024
 # Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
 # the default by chunk size (None). Read at each call.
 ALIGN_WARPS: int | None = None
+# The fused kernel writes the blocks' expert ids expert by expert (True, the default: 1.5-2 us at
+# up to 1,024 pairs on an H200) or by the multi-program kernels' search over experts a block
+# (False: 10-12 us in one program). For measurements (scripts/align_compare.py --paths); the
+# outputs are the same. Read at each call.
+FUSED_IDS_BY_EXPERT = True
 SCAN_ELEMENTS = 16384
 
 
@@ -272,7 +277,8 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     if num_chunks == 1:
         align_scatter_kernel[(1,)](
             ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
-            num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True, **scatter,
+            num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True,
+            IDS_BY_EXPERT=FUSED_IDS_BY_EXPERT, **scatter,
         )
         return out
     counts = _workspace.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)
