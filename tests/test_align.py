@@ -145,8 +145,8 @@ def test_row_starts_launch_matches_its_twin_gpu(num_tokens, num_experts, block_m
 @pytest.mark.parametrize("kind", ["random", "one-expert", "sentinels"])
 def test_fused_expert_ids_writers_agree(monkeypatch, kind):
     """The fused kernel's two ways of writing expert_ids and block_codes (expert by expert, the
-XX
-    alignment, field for field."""
+    default, and the multi-program kernels' search over experts a block) give the tests' own
+    alignment (`helpers.align_ref`), field for field."""
     import moekit.align as align_mod
 
     if kind == "one-expert":
