@@ -66,3 +66,17 @@ def qwen_layer():
 
     torch.manual_seed(0)
     return MoELayer(PRESETS["qwen3-30b-a3b"], dtype=torch.bfloat16, device="cuda").requires_grad_(False)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The Hopper Gluon kernels' dispatch predicates as on an H200 with Gluon, for CPU tensors (the
+    device check is `moekit.grouped_gemm_backward._sm90`); their switches and Triton tiles unset."""
+    import moekit.grouped_gemm_backward as gb
+    from moekit.kernels import gluon_wgrad
+    from moekit.tuning import WGRAD_ENV
+
+    monkeypatch.setattr(gluon_wgrad, "GLUON_AVAILABLE", True)
+    monkeypatch.setattr(gb, "_sm90", lambda device: True)
+    for env in (gb.GLUON_WGRAD_ENV, gb.GLUON_SWIGLU_ENV, WGRAD_ENV):
+        monkeypatch.delenv(env, raising=False)

@@ -257,3 +257,65 @@ def error_line(capsys, prog: str) -> str:
     lines = [ln for ln in err.strip().splitlines() if ln.startswith(f"{prog}: error: ")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def hopper_with_gluon() -> bool:
+    """A CUDA device of compute capability 9 and a Triton with Gluon: where the Hopper Gluon kernels'
+    GPU tests run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+def softmax_routing(num_tokens, num_experts, top_k, *, generator, device="cuda", kind="softmax"):
+    """(weights (T, K) fp32 renormalised and contiguous, ids (T, K) int32) from softmax(randn) top-k
+    with the last expert never picked (it gets no pairs); kind "one-expert": every id 5; "sentinels":
+    every third token's first slot -1 and the next token's last slot E (pairs never placed)."""
+    logits = torch.randn(num_tokens, num_experts, device=device, generator=generator)
+    logits[:, -1] = float("-inf")
+    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    w, ids = (w / w.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
+    if kind == "one-expert":
+        ids = torch.full_like(ids, 5)
+    elif kind == "sentinels":
+        ids[::3, 0] = -1
+        ids[1::3, -1] = num_experts
+    return w, ids
+
+
+def check_training_step(run, shape, num_tokens, *, seed=0, device="cuda", dtype=torch.bfloat16):
+    """A training step of the experts at shape (E, H, I, K) on fresh random inputs: run(x, gate_up,
+    down, w, ids) -> out is the call under test. Its four gradients must lie within 2x plain PyTorch's
+    error in `dtype` against fp32 autograd through `moe_experts_ref`, a second backward through the
+    retained graph must give them bit for bit while making no host sync (CUDA), and experts without
+    pairs must get exact zeros. Returns the first backward's gradients."""
+    num_experts, hidden, inter, top_k = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device=device, generator=gen) / hidden**0.5
+    gate_up = gate_up.to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, device=device, generator=gen) / inter**0.5).to(dtype)
+    w, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, device=device)
+    dout = torch.randn(num_tokens, hidden, device=device, generator=gen).to(dtype)
+    ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    moe_experts_ref(*ref_leaves, ids).backward(dout.float())
+    base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    experts_plain(*base, ids).backward(dout)
+    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    out = run(*leaves, ids)
+    got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = torch.autograd.grad(out, leaves, dout)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    for g, b, ref, g2 in zip(got, (t.grad for t in base), (t.grad for t in ref_leaves), again, strict=True):
+        assert g.dtype == b.dtype
+        assert rel_err(g, ref) <= 2 * rel_err(b, ref), (rel_err(g, ref), rel_err(b, ref))
+        assert torch.equal(g, g2)
+    check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), num_experts)
+    return got

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import moekit.grouped_gemm_backward as gb
-from helpers import distinct_topk_ids, rel_err
+from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
 from moekit import PRESETS, align_block_size
 from moekit._workspace import poisoning
 from moekit.kernels import gluon_swiglu_bwd as swiglu_kernels
@@ -48,14 +48,6 @@ def test_tiles_by_intermediate_size():
 
 
 E, H, I, T, K = 4, 512, 256, 40, 2
-
-
-@pytest.fixture
-def on_hopper(monkeypatch):
-    """The predicate as on an H200 with Gluon, for CPU tensors (the device check is `_sm90`)."""
-    monkeypatch.setattr(gluon_kernels, "GLUON_AVAILABLE", True)
-    monkeypatch.setattr(gb, "_sm90", lambda device: True)
-    monkeypatch.delenv(gb.GLUON_SWIGLU_ENV, raising=False)
 
 
 def predicate_args(dtype=torch.bfloat16, block_m=64, hidden=H, inter=I):
@@ -227,12 +219,8 @@ def test_gluon_swiglu_backward_refuses_mismatched_buffers():
 
 # ---- GPU -----------------------------------------------------------------------------------------
 
-def _hopper_with_gluon() -> bool:
-    return (torch.cuda.is_available() and gluon_kernels.GLUON_AVAILABLE
-            and torch.cuda.get_device_capability()[0] == 9)
-
-
-hopper = pytest.mark.skipif(not _hopper_with_gluon(), reason="needs compute capability 9 and Gluon")
+hopper = pytest.mark.skipif(not (hopper_with_gluon() and gluon_kernels.GLUON_AVAILABLE),
+                            reason="needs compute capability 9 and Gluon")
 QWEN = tuple(getattr(PRESETS["qwen3-30b-a3b"], f) for f in ("num_experts", "hidden_size",
                                                             "intermediate_size", "top_k"))
 GPU_CASES = [  # (name, (E, H, I, K), T, routing, align block size)
@@ -253,15 +241,7 @@ def gpu_case(shape, num_tokens, kind, block_m, seed=0):
     the pre-activations' padding rows NaN (never read into a result)."""
     num_experts, hidden, inter, top_k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
-    logits[:, -1] = float("-inf")
-    w, ids = torch.softmax(logits, -1).topk(top_k, -1)
-    w, ids = (w / w.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32)
-    if kind == "one-expert":
-        ids = torch.full_like(ids, 5)
-    elif kind == "sentinels":
-        ids[::3, 0] = -1
-        ids[1::3, -1] = num_experts
+    w, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, kind=kind)
     align = align_block_size(ids, num_experts, block_m, backend="triton")
     rows = align.sorted_ids.numel()
 
@@ -359,41 +339,10 @@ def test_gluon_swiglu_through_moe_experts_autograd_gpu(gluon_spy):
     """The training step (moe_experts, backend "triton") at Qwen3's shape runs the Gluon SwiGLU
     backward once; all four gradients within 2x plain bf16 PyTorch's error against the fp32 reference,
     deterministic, no host sync."""
-    from helpers import check_exact_zeros, experts_plain
     from moekit import moe_experts
-    from moekit.reference import moe_experts_ref
 
-    num_tokens = 777
-    e, hdim, inter, k = QWEN
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    bf16 = torch.bfloat16
-    x = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
-    gate_up = (torch.randn(e, 2 * inter, hdim, device="cuda", generator=gen) / hdim**0.5).to(bf16)
-    down = (torch.randn(e, hdim, inter, device="cuda", generator=gen) / inter**0.5).to(bf16)
-    logits = torch.randn(num_tokens, e, device="cuda", generator=gen)
-    logits[:, -1] = float("-inf")
-    w, ids = torch.softmax(logits, -1).topk(k, -1)
-    w, ids = w / w.sum(-1, keepdim=True), ids.to(torch.int32)
-    dout = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
-    ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    moe_experts_ref(*ref_leaves, ids).backward(dout.float())
-    base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    experts_plain(*base, ids).backward(dout)
-    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    out = moe_experts(*leaves, ids, backend="triton")
-    got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    assert gluon_spy == [GLUON_SWIGLU_128], gluon_spy
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = torch.autograd.grad(out, leaves, dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for g, b, ref, g2 in zip(got, (t.grad for t in base), (t.grad for t in ref_leaves), again, strict=True):
-        assert g.dtype == b.dtype
-        assert rel_err(g, ref) <= 2 * rel_err(b, ref), (rel_err(g, ref), rel_err(b, ref))
-        assert torch.equal(g, g2)
-    check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), e)
+    check_training_step(lambda *a: moe_experts(*a, backend="triton"), QWEN, 777, seed=1)
+    assert gluon_spy == [GLUON_SWIGLU_128] * 2, gluon_spy          # the first backward and the second
 
 
 # ---- the training backward's plumbing (CPU: the Gluon launch stood in for by the fp32 twin) ---------

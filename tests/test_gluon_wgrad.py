@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import moekit.grouped_gemm_backward as gb
-from helpers import distinct_topk_ids, rel_err
+from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
 from moekit import PRESETS, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.kernels import gluon_wgrad as gluon_kernels
@@ -84,15 +84,6 @@ def test_sorted_rows_matches_its_twin(case, dtype):
 # ---- the dispatch predicate (CPU, with the device's answers monkeypatched) ---------------------
 
 E, N, C, T, K = 4, 256, 512, 64, 2
-
-
-@pytest.fixture
-def on_hopper(monkeypatch):
-    """The predicate as on an H200 with Gluon, for CPU tensors (the device check is `_sm90`)."""
-    monkeypatch.setattr(gluon_kernels, "GLUON_AVAILABLE", True)
-    monkeypatch.setattr(gb, "_sm90", lambda device: True)
-    monkeypatch.delenv(gb.GLUON_WGRAD_ENV, raising=False)
-    monkeypatch.delenv(WGRAD_ENV, raising=False)
 
 
 def predicate_call(dtype=torch.bfloat16, block_m=64, a_by_token=False, b_by_token=True, **override):
@@ -317,12 +308,8 @@ def test_moekit_imports_without_gluon():
 
 # ---- GPU -----------------------------------------------------------------------------------------
 
-def _hopper_with_gluon() -> bool:
-    return (torch.cuda.is_available() and gluon_kernels.GLUON_AVAILABLE
-            and torch.cuda.get_device_capability()[0] == 9)
-
-
-hopper = pytest.mark.skipif(not _hopper_with_gluon(), reason="needs compute capability 9 and Gluon")
+hopper = pytest.mark.skipif(not (hopper_with_gluon() and gluon_kernels.GLUON_AVAILABLE),
+                            reason="needs compute capability 9 and Gluon")
 OLMOE = (64, 2048, 1024, 8)            # E, H, I, K: an OLMoE-like shape
 QWEN = tuple(getattr(PRESETS["qwen3-30b-a3b"], f) for f in ("num_experts", "hidden_size",
                                                             "intermediate_size", "top_k"))
@@ -344,14 +331,7 @@ def gpu_case(shape, num_tokens, kind, block_m, seed=0):
     zero on every padding row (`swiglu_backward` writes them so); the last expert gets no pairs."""
     num_experts, hidden, inter, top_k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
-    logits[:, -1] = float("-inf")
-    ids = torch.softmax(logits, -1).topk(top_k, -1).indices.to(torch.int32)
-    if kind == "one-expert":
-        ids = torch.full_like(ids, 5)
-    elif kind == "sentinels":
-        ids[::3, 0] = -1
-        ids[1::3, -1] = num_experts
+    _, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, kind=kind)
     align = align_block_size(ids, num_experts, block_m, backend="triton")
     rows = align.sorted_ids.numel()
 
@@ -441,40 +421,11 @@ def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
     """The training step's backward (moe_experts, backend "triton") at T = 1000 with an align block
     size of 64: both weight gradients take the Gluon kernel; all four gradients within 2x plain bf16
     PyTorch's error (the fp32 reference through torch autograd), deterministic, no host sync."""
-    from helpers import check_exact_zeros, experts_plain
-    from moekit.reference import moe_experts_ref
-
     num_tokens = 1000
-    shape = PRESETS["qwen3-30b-a3b"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    e, hdim, inter, k = QWEN
-    bf16 = torch.bfloat16
-    x = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
-    gate_up = (torch.randn(e, 2 * inter, hdim, device="cuda", generator=gen) / hdim**0.5).to(bf16)
-    down = (torch.randn(e, hdim, inter, device="cuda", generator=gen) / inter**0.5).to(bf16)
-    logits = torch.randn(num_tokens, e, device="cuda", generator=gen)
-    logits[:, -1] = float("-inf")
-    w, ids = torch.softmax(logits, -1).topk(k, -1)
-    w, ids = w / w.sum(-1, keepdim=True), ids.to(torch.int32)
-    dout = torch.randn(num_tokens, hdim, device="cuda", generator=gen).to(bf16)
-    config = dataclasses.replace(get_config(shape, num_tokens, bf16, "cuda"), block_m=64)
-
-    ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    moe_experts_ref(*ref_leaves, ids).backward(dout.float())
-    base = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    experts_plain(*base, ids).backward(dout)
-    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-    out = moe_experts(*leaves, ids, backend="triton", config=config)
-    got = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    assert gluon_spy == [GLUON_PP_WGRAD] * (1 + gb.gluon_a_chunks(hdim, GLUON_PP_WGRAD)), gluon_spy
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")        # the Gluon path reads nothing back to the host
-    try:
-        again = torch.autograd.grad(out, leaves, dout)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for g, b, ref, g2 in zip(got, (t.grad for t in base), (t.grad for t in ref_leaves), again, strict=True):
-        assert g.dtype == b.dtype
-        assert rel_err(g, ref) <= 2 * rel_err(b, ref), (rel_err(g, ref), rel_err(b, ref))
-        assert torch.equal(g, g2)
-    check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), e)
+    config = dataclasses.replace(get_config(PRESETS["qwen3-30b-a3b"], num_tokens, torch.bfloat16, "cuda"),
+                                 block_m=64)
+    check_training_step(lambda *a: moe_experts(*a, backend="triton", config=config), QWEN, num_tokens)
+    # two backwards (the second one checked bitwise, with no host sync): d gate_up once each, d down
+    # once a column chunk of dout each
+    launches = 1 + gb.gluon_a_chunks(QWEN[1], GLUON_PP_WGRAD)
+    assert gluon_spy == [GLUON_PP_WGRAD] * (2 * launches), gluon_spy

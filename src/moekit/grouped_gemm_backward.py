@@ -36,8 +36,8 @@ gathered operand (x or dout) into sorted-row order (`sorted_rows`): 1.3-1.8x the
 speed on an H200 at Qwen3-30B-A3B, the copies included. $MOEKIT_GLUON_WGRAD=0 turns it off;
 `_gluon_wgrad_tiles` lists every condition. So does the SwiGLU backward reading the saved
 pre-activations (`moekit.kernels.gluon_swiglu_bwd`, `gluon_swiglu_backward`: dout copied into
-sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers; 1.29x
-the Triton kernel at 4,096 tokens and 1.36x at 16,384 on an H200, 2026-12-01, 1.12x and 1.16x with
+sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers; 1.30x
+the Triton kernel at 4,096 tokens and 1.37x at 16,384 on an H200, 2026-12-01, 1.12x and 1.16x with
 the copy); $MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. The
 copy is freed once the kernel has read it: d down copies dout again, a column chunk at a time
 (sharing one whole copy saved 2% of the step's device time but raised its peak by 27% at 16,384
