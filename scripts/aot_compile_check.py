@@ -55,6 +55,11 @@ tiles `moekit.grouped_gemm_backward.wgrad` picks from, `moekit.tuning.GLUON_PP_W
 `GLUON_COOP_WGRAD`, and the row gather that feeds it); a Gluon kernel compiles through Gluon's own AST
 source; --regs as above, and spills or shared memory past the limit fail. Exit 2 without Gluon.
 
+`--gluon-swiglu` checks the Hopper Gluon SwiGLU backward instead (`moekit.kernels.gluon_swiglu_bwd`, both
+tiles `moekit.grouped_gemm_backward.swiglu_backward` picks from, `GLUON_SWIGLU_128` and `GLUON_SWIGLU_64`,
+in bf16 and fp16, and the 128-column tiles with only dpre_w stored); shared memory past the limit fails;
+spills are reported (the 128-column tiles spill loop counters: 72 B with Triton 3.6, 184 B with 3.9).
+
 `--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.kernels.decode`:
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 (`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
@@ -65,6 +70,7 @@ Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M
        python scripts/aot_compile_check.py --backward [--tiles S,M,MP,L] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
+       python scripts/aot_compile_check.py --gluon-swiglu [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -513,6 +519,63 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
     return 1 if failed else 0
 
 
+def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
+    """One line per Gluon SwiGLU-backward launch (`moekit.tuning.GLUON_SWIGLU_128`, `GLUON_SWIGLU_64`
+    in bf16 and fp16, and the 128-column tiles storing dpre_w alone, as
+    `moekit.grouped_gemm_backward.gluon_swiglu_backward` launches them at Qwen3-30B-A3B's H and I):
+    shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills.
+    Exit 2 where this Triton has no Gluon."""
+    import types
+
+    from moekit.grouped_gemm_backward import gluon_swiglu_backward
+    from moekit.kernels import gluon_swiglu_bwd as kernels
+    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, SHARED_MEMORY_LIMIT
+
+    if kernels.gluon_swiglu_bwd_kernel is None:
+        print("cannot check: no Gluon")
+        return 2
+    e, hidden, inter, rows, top_k = 8, 2048, 768, 8 * 256, 8
+    align = types.SimpleNamespace(sorted_ids=torch.zeros(rows, dtype=torch.int32),
+                                  expert_ids=torch.zeros(rows // 64, dtype=torch.int32),
+                                  num_padded=torch.zeros((), dtype=torch.int32), num_pairs=rows, block_m=64)
+    w = torch.empty(rows // top_k, top_k)
+    checks = {}
+    for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
+        dout = torch.empty(rows, hidden, dtype=dtype)
+        down = torch.empty(e, hidden, inter, dtype=dtype)
+        pre, dpre = torch.empty(rows, 2 * inter, dtype=dtype), torch.empty(rows, 2 * inter, dtype=dtype)
+        h = torch.empty(rows, inter, dtype=dtype)
+        for t in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
+            part = torch.empty(rows, inter // t.block_n)
+            checks[t.label() + suffix] = functools.partial(gluon_swiglu_backward, dout, down, pre, w, align, t,
+                                                           dpre=dpre, h=h, part=part)
+        if dtype == torch.bfloat16:
+            checks[GLUON_SWIGLU_128.label() + ".dpre-only"] = functools.partial(
+                gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, dpre=dpre, h=None, part=None)
+    failed = 0
+    for name, call in checks.items():
+        started = time.perf_counter()
+        try:
+            launches = capture_launches(call, (kernels.gluon_swiglu_bwd_kernel,))
+            compiled = compile_launch(*launches[0], target)
+            shared = compiled.metadata.shared
+            usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
+            if shared > SHARED_MEMORY_LIMIT:
+                raise RuntimeError(f"shared {shared}B (limit {SHARED_MEMORY_LIMIT}B){usage}")
+            status = f"OK  shared {shared}B{usage}"
+            if dump is not None:
+                (dump / f"gluon_swiglu.{name}.ptx").write_text(compiled.asm["ptx"])
+                (dump / f"gluon_swiglu.{name}.sass").write_text(sass(compiled.asm["cubin"]))
+        except Exception as exc:
+            failed += 1
+            text = str(exc).strip().splitlines()
+            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+        print(f"gluon-swiglu {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(checks) - failed}/{len(checks)} gluon swiglu kernels compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -529,6 +592,8 @@ def main() -> int:
                    help="the SwiGLU backward (saved pre-activations and RECOMPUTE) for --tiles instead")
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="the Hopper Gluon weight gradient's tiles and its row gather instead")
+    p.add_argument("--gluon-swiglu", action="store_true",
+                   help="the Hopper Gluon SwiGLU backward's tiles instead")
     p.add_argument("--decode", nargs="?", const="all", default=None,
                    help="the direct decode kernels' tiles instead: all, or default,<index>,...")
     args = p.parse_args()
@@ -550,6 +615,8 @@ def main() -> int:
         return check_wgrad(inp, wgrad_variants(args.wgrad), target, args.dump, args.regs)
     if args.gluon_wgrad:
         return check_gluon_wgrad(target, args.dump, args.regs)
+    if args.gluon_swiglu:
+        return check_gluon_swiglu(target, args.dump, args.regs)
     if args.backward:
         return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
     if args.decode is not None:

@@ -50,6 +50,7 @@ from moekit.kernels.gluon_wgrad import (
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma,
     tma_load,
     tma_store,
@@ -157,7 +158,7 @@ def _swiglu_epilogue(acc, a_s, b_s, h_s, dpre_desc, h_desc, part_ptr, w_ptr, sor
     # the stores must have read the slots before the producer refills them (under the other
     # warpgroup's main loop)
     tma.store_wait(pendings=0)
-    gl.thread_barrier()
+    thread_barrier()
     mbarrier.arrive(pre_empty_bar)
 
 

@@ -49,7 +49,8 @@ An expert with no rows has items with no steps: the consumers store the zero acc
 gradient is exactly 0. Results are deterministic: each output tile is one program's sum in row order.
 
 Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global, later
-versions async_load / async_store: `tma_load` and `tma_store` are whichever exists. Without Gluon (an
+versions async_load / async_store: `tma_load` and `tma_store` are whichever exists; likewise
+`thread_barrier` (the CTA barrier: gl.thread_barrier in 3.6, gl.barrier in 3.9). Without Gluon (an
 older Triton, or a build without it) GLUON_AVAILABLE is False and the kernel names are None; moekit's
 core imports everywhere.
 """
@@ -72,6 +73,7 @@ try:
 
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared      # 3.6 names
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier                   # 3.9: barrier
     GLUON_AVAILABLE = True
     GLUON_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:   # the kernels below are defined on stubs, then dropped
@@ -80,6 +82,7 @@ except (ImportError, AttributeError) as exc:   # the kernels below are defined o
     gluon = types.SimpleNamespace(jit=lambda fn=None, **_: fn, constexpr_function=lambda fn: fn)
     gl = None
     fence_async_shared = mbarrier = tma = tma_load = tma_store = warpgroup_mma = warpgroup_mma_wait = None
+    thread_barrier = None
     GluonTensorDescriptor = None
 
 # setmaxnreg: the launch caps every thread at MAX_REGS (2 consumer warpgroups and the producer's padded
