@@ -478,7 +478,7 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
     from moekit.grouped_gemm_backward import gluon_wgrad, sorted_rows
     from moekit.kernels import gluon_wgrad as kernels
     from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel
-    from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD, SHARED_MEMORY_LIMIT
+    from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD
 
     if not kernels.GLUON_AVAILABLE:
         print(f"cannot check: no Gluon ({kernels.GLUON_ERROR})")
@@ -495,6 +495,17 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
             call = functools.partial(gluon_wgrad, a, b, row_starts, out, t)
             checks[t.label() + suffix] = (call, kernels.gluon_wgrad_kernel)
     checks["gather_rows"] = (lambda: sorted_rows(x, align, top_k), moe_gather_rows_kernel)
+    return run_gluon_checks("gluon-wgrad", "gluon wgrad kernels", checks, target, dump, regs,
+                            allow_local=False)
+
+
+def run_gluon_checks(prefix: str, what: str, checks: dict, target, dump: Path | None, regs: bool, *,
+                     allow_local: bool) -> int:
+    """Compile each check's launch ({name: (call, kernel)}: the kernel's launch that call makes) for
+    the target and print a line a check: shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`),
+    with --regs registers and local memory (spills fail unless allow_local); then the count."""
+    from moekit.tuning import SHARED_MEMORY_LIMIT
+
     failed = 0
     for name, (call, kernel) in checks.items():
         started = time.perf_counter()
@@ -503,19 +514,19 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
             compiled = compile_launch(*launches[0], target)
             shared = compiled.metadata.shared
             usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
-            if shared > SHARED_MEMORY_LIMIT or " local " in usage:
+            if shared > SHARED_MEMORY_LIMIT or (" local " in usage and not allow_local):
                 raise RuntimeError(f"shared {shared}B (limit {SHARED_MEMORY_LIMIT}B){usage}")
             status = f"OK  shared {shared}B{usage}"
             if dump is not None:
-                (dump / f"gluon_wgrad.{name}.ptx").write_text(compiled.asm["ptx"])
-                (dump / f"gluon_wgrad.{name}.sass").write_text(sass(compiled.asm["cubin"]))
+                stem = prefix.replace("-", "_")
+                (dump / f"{stem}.{name}.ptx").write_text(compiled.asm["ptx"])
+                (dump / f"{stem}.{name}.sass").write_text(sass(compiled.asm["cubin"]))
         except Exception as exc:
             failed += 1
             text = str(exc).strip().splitlines()
             status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
-        print(f"gluon-wgrad {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
-    print(f"{len(checks) - failed}/{len(checks)} gluon wgrad kernels compile"
-          + (f", {failed} FAILED" if failed else ""))
+        print(f"{prefix} {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(checks) - failed}/{len(checks)} {what} compile" + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0
 
 
@@ -529,7 +540,7 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
 
     from moekit.grouped_gemm_backward import gluon_swiglu_backward
     from moekit.kernels import gluon_swiglu_bwd as kernels
-    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, SHARED_MEMORY_LIMIT
+    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
 
     if kernels.gluon_swiglu_bwd_kernel is None:
         print("cannot check: no Gluon")
@@ -547,33 +558,15 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
         h = torch.empty(rows, inter, dtype=dtype)
         for t in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
             part = torch.empty(rows, inter // t.block_n)
-            checks[t.label() + suffix] = functools.partial(gluon_swiglu_backward, dout, down, pre, w, align, t,
-                                                           dpre=dpre, h=h, part=part)
+            checks[t.label() + suffix] = functools.partial(
+                gluon_swiglu_backward, dout, down, pre, w, align, t, dpre=dpre, h=h, part=part)
         if dtype == torch.bfloat16:
             checks[GLUON_SWIGLU_128.label() + ".dpre-only"] = functools.partial(
-                gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, dpre=dpre, h=None, part=None)
-    failed = 0
-    for name, call in checks.items():
-        started = time.perf_counter()
-        try:
-            launches = capture_launches(call, (kernels.gluon_swiglu_bwd_kernel,))
-            compiled = compile_launch(*launches[0], target)
-            shared = compiled.metadata.shared
-            usage = f" {resource_usage(compiled.asm['cubin'])}" if regs else ""
-            if shared > SHARED_MEMORY_LIMIT:
-                raise RuntimeError(f"shared {shared}B (limit {SHARED_MEMORY_LIMIT}B){usage}")
-            status = f"OK  shared {shared}B{usage}"
-            if dump is not None:
-                (dump / f"gluon_swiglu.{name}.ptx").write_text(compiled.asm["ptx"])
-                (dump / f"gluon_swiglu.{name}.sass").write_text(sass(compiled.asm["cubin"]))
-        except Exception as exc:
-            failed += 1
-            text = str(exc).strip().splitlines()
-            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
-        print(f"gluon-swiglu {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
-    print(f"{len(checks) - failed}/{len(checks)} gluon swiglu kernels compile"
-          + (f", {failed} FAILED" if failed else ""))
-    return 1 if failed else 0
+                gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, dpre=dpre, h=None,
+                part=None)
+    kernel = kernels.gluon_swiglu_bwd_kernel
+    return run_gluon_checks("gluon-swiglu", "gluon swiglu kernels",
+                            {n: (c, kernel) for n, c in checks.items()}, target, dump, regs, allow_local=True)
 
 
 def main() -> int:
