@@ -178,7 +178,7 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants):
     assert (kwargs["STAGES"], kwargs["ALIGN_M"]) == (tiles.stages, 64)
     assert kwargs["PRE_STEP_"] == swiglu_kernels.PRE_STEP
     assert (kwargs["PRODUCER_REGS"], kwargs["CONSUMER_REGS"]) == (tiles.producer_regs, tiles.consumer_regs)
-    assert kwargs["num_warps"] == 4 and kwargs["maxnreg"] == swiglu_kernels.MAX_REGS
+    assert kwargs["num_warps"] == 4 and kwargs["maxnreg"] == gluon_kernels.MAX_REGS
 
 
 def test_explicit_tiles_and_the_cpu_run_the_triton_kernel(on_hopper, monkeypatch):

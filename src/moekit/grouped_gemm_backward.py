@@ -210,12 +210,11 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     rows = align.sorted_ids.numel()
     dev, dtype = x.device, x.dtype
     recompute = pre is None
-    explicit = tiles
-    if tiles is None:
-        tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
-    elif tiles.recompute is not recompute:
+    if tiles is not None and tiles.recompute is not recompute:
         raise ValueError(f"tiles: recompute={tiles.recompute} but pre is {'None' if recompute else 'given'}")
-    gluon_tiles = _gluon_swiglu_tiles(dout, down_proj, pre, align) if explicit is None else None
+    gluon_tiles = _gluon_swiglu_tiles(dout, down_proj, pre, align) if tiles is None else None
+    if gluon_tiles is None and tiles is None:
+        tiles = BackwardTiles.fit(cfg, x.element_size(), dev, recompute=recompute)
     n_tiles = inter // gluon_tiles.block_n if gluon_tiles else cdiv(inter, tiles.block_n)   # part's columns
     dpre = _workspace.empty(rows, two_i, dtype=dtype, device=dev) if want_dpre else None
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
@@ -535,7 +534,7 @@ def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pr
     if dout_sorted.shape != (rows, hidden) or (part is not None and part.shape != (rows, n_tiles)):
         raise ValueError(f"gluon_swiglu_backward: dout_sorted {tuple(dout_sorted.shape)} and part "
                          f"{None if part is None else tuple(part.shape)} must be ({rows}, {hidden}) and "
-                         f"({rows}, {inter // tiles.block_n})")
+                         f"({rows}, {n_tiles})")
     bm, bn = tiles.block_m, tiles.block_n
     pre_desc = _gluon_descriptor(pre, (bm, bn))
     items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
@@ -550,7 +549,7 @@ def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pr
         ALIGN_M=align.block_m, STAGES=tiles.stages, PRE_STEP_=_gluon_swiglu.PRE_STEP,
         STORE_DPRE=dpre is not None, STORE_H=h is not None, STORE_PART=part is not None,
         PRODUCER_REGS=tiles.producer_regs, CONSUMER_REGS=tiles.consumer_regs, num_warps=4,
-        maxnreg=_gluon_swiglu.MAX_REGS,
+        maxnreg=_gluon.MAX_REGS,     # the same register cap as the weight gradient's launch
     )
 
 

@@ -61,7 +61,6 @@ from moekit.kernels.gluon_wgrad import (
 SUB_M = 64            # rows of a work item: one warpgroup's wgmma m64
 BLOCK_K = 64          # H a ring step
 PRE_STEP = 4          # the item's ring step at which the producer fetches its a, b tiles (H / BK > it)
-MAX_REGS = 168        # the launch's register cap: 2 consumer warpgroups + the producer's padded one
 
 
 @gluon.constexpr_function
