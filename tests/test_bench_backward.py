@@ -22,6 +22,7 @@ from moekit.bench.results import COLUMNS, read_csv, write_csv
 from moekit.bench.runner import make_weights, make_workload
 from moekit.bench.sweep import Plan
 from moekit.experts import has_backward
+from moekit.graphs import capture_graph
 from moekit.shapes import PRESETS
 from result_rows import make_row, sample_rows
 
@@ -56,7 +57,6 @@ def test_the_flag_parses_and_defaults_follow_the_registry():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--graph"], "--graph: --backward times eager calls only"),
     (["--peers"], "--backward: Transformers' experts"),
 ])
 def test_backward_refuses_what_it_cannot_time(tmp_path, capsys, monkeypatch, argv, message):
@@ -114,7 +114,7 @@ def test_a_broken_backward_fails_the_gate_and_is_not_timed(tmp_path, monkeypatch
     assert loop.status == "ok"
     assert tri.status == "failed" and tri.reason.startswith("d down_proj: max error")
     assert math.isnan(tri.median_ms) and tri.n_rep is None and tri.max_err > tri.tol
-    assert f"T=2 triton: **failed**: {tri.reason}" in (out / "report.md").read_text()
+    assert f"T=2 triton (eager): **failed**: {tri.reason}" in (out / "report.md").read_text()
 
 
 def test_the_gradient_check_names_what_is_wrong():
@@ -133,10 +133,15 @@ def test_the_gradient_check_names_what_is_wrong():
     assert not expected.check(good[:3]).ok and not expected.check(good[0]).ok
 
 
-def test_a_fwd_bwd_plan_is_eager_only():
+def test_a_fwd_bwd_plan_takes_both_modes_and_the_gpu_default_graphs_the_step():
     layer = cli.arg_types.preset_layer("tiny")
-    with pytest.raises(ValueError, match="eager calls only"):
-        Plan((layer,), (1,), ("triton",), ("eager", "graph"), torch.float32, CPU, direction="fwd+bwd")
+    plan = Plan((layer,), (1,), ("triton",), ("eager", "graph"), torch.float32, CPU, direction="fwd+bwd")
+    assert plan.num_cases == 2
+    args = parse(["--backward", "--device", "cpu", "--graph"])
+    assert cli._resolve_plan(args, cli.Console(quiet=True))[0].modes == ("eager", "graph")
+    if torch.cuda.is_available():
+        gpu, _ = cli._resolve_plan(parse(["--backward", "--device", "cuda"]), cli.Console(quiet=True))
+        assert gpu.modes == ("eager", "graph")
     with pytest.raises(ValueError, match="direction must be one of"):
         Plan((layer,), (1,), ("triton",), ("eager",), torch.float32, CPU, direction="backward")
 
@@ -176,10 +181,35 @@ def test_report_of_forward_and_backward_rows():
     for t in (4, 16):
         base = next(r for r in train if r.tokens == t and r.backend == BACKWARD_BASELINE)
         tri = next(r for r in train if r.tokens == t and r.backend == "triton")
-        line = next(ln for ln in section.splitlines() if ln.startswith(f"| triton | {t} |"))
+        line = next(ln for ln in section.splitlines() if ln.startswith(f"| triton | eager | {t} |"))
         assert line.endswith(f"| {tri.peak_mib:.0f} | {base.median_ms / tri.median_ms:.2f}× |"), line
-    assert "- T=16 loop: **failed**: d hidden_states: max error 1 > 0.1" in section
+    assert "- T=16 loop (eager): **failed**: d hidden_states: max error 1 > 0.1" in section
+    assert "CUDA graph" not in section                                    # no graph rows: not mentioned
     assert "3 × the forward's" in text
+
+
+def test_report_sets_graph_rows_against_the_baseline_of_their_own_mode():
+    train = [make_row(direction="fwd+bwd", backend=b, tokens=8, mode=m, median_ms=ms,
+                      peak_mib=mib if m == "eager" else math.nan)
+             for m, scale in (("eager", 1.0), ("graph", 0.5))
+             for b, ms, mib in ((BACKWARD_BASELINE, 6.0 * scale, 30.0), ("triton", 2.0 * scale, 10.0))]
+    section = render(train).split(": forward + backward")[1]
+    assert "recorded in one CUDA graph" in section
+    eager = next(ln for ln in section.splitlines() if ln.startswith("| triton | eager | 8 |"))
+    graph = next(ln for ln in section.splitlines() if ln.startswith("| triton | graph | 8 |"))
+    assert eager.endswith("| 10 | 3.00× |") and graph.endswith("| 3.00× |"), (eager, graph)
+    assert "| 10 |" not in graph                       # no peak for a graph row: its pool holds memory
+
+
+def test_graph_rows_on_the_cpu_are_not_capturable_and_say_why(tmp_path, fake_ceilings):
+    out = tmp_path / "run"
+    assert bench(["--backward", "--graph", "--tokens", "2", "--backends", "loop", "--rep", "1",
+                  "--warmup", "0", "--device", "cpu", "--out", str(out)]) == 0
+    eager, graph = read_csv(out / "results.csv")
+    assert (eager.mode, eager.status) == ("eager", "ok")
+    assert (graph.mode, graph.status) == ("graph", "not_capturable")
+    assert "CUDA device" in graph.reason and math.isnan(graph.median_ms)
+    assert f"T=2 loop (graph): **not capturable**: {graph.reason}" in (out / "report.md").read_text()
 
 
 def test_peak_memory_is_not_measured_on_the_cpu():
@@ -210,3 +240,32 @@ def test_gpu_rows_are_timed_with_their_peak_memory(backend):
     assert math.isfinite(m.median_ms) and m.median_ms > 0
     grad_bytes = shape.num_experts * shape.expert_bytes(torch.bfloat16)
     assert m.peak_mib * backward.MIB >= grad_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_gpu_the_step_in_a_cuda_graph_is_checked_and_timed(backend):
+    """Qwen3-30B-A3B bf16 at T = 1024, the whole step in one CUDA graph: the replay's gradients
+    (poisoned first) pass the fp32 gate and the replays are timed; triton's equal its eager
+    step's bit for bit (deterministic kernels, same alignment), and a second replay gives them
+    again."""
+    device = torch.device("cuda")
+    shape = PRESETS["qwen3-30b-a3b"]
+    weights = make_weights(shape, torch.bfloat16, device)
+    work = backward.training_workload(make_workload("qwen3-30b-a3b", shape, 1024, weights, torch.bfloat16,
+                                                    device, routing_draws=1))
+    m = backward.run_training_case(work, backend, Ceilings(4000.0, 700.0), cli.QUICK, mode="graph")
+    assert m.status == "ok", m.reason
+    assert math.isfinite(m.median_ms) and m.median_ms > 0 and math.isnan(m.peak_mib)
+    if backend != "triton":
+        return
+    step = backward.TrainingStep(work, backend)
+    eager = [g.clone() for g in step()]
+    graph, grads = capture_graph(step, device)
+    for g in grads:
+        g.fill_(math.nan)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(GRAD_NAMES, grads, eager):
+            assert torch.equal(a, b), f"d {name}: the graph's gradient differs from the eager step's"

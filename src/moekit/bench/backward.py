@@ -1,4 +1,4 @@
-"""`moekit bench --backward`: one forward + backward of the expert path per call, timed eager.
+"""`moekit bench --backward`: one forward + backward of the expert path per call, eager and in a CUDA graph.
 
 For one workload (`runner.make_workload`), `training_workload` adds
 
@@ -11,14 +11,22 @@ One call (`TrainingStep`) is one training step of the experts: the inputs' .grad
 `zero_grad(set_to_none=True)`), `moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids,
 backend=...)` with x, both weights and the routing weights requiring grad, then `.backward(grad_out)`.
 
-`run_training_case`, for one backend:
+`run_training_case`, for one backend and mode:
     0. skipped when the registry says it has no backward on this device (`Backend.backward_devices`);
     1. runs one step and checks the four gradients: a failure is reported, never timed; then times
-       the step (an L2 flush before each call) and profiles one (`runner.run_case`, eager only:
-       a training step is not captured in a CUDA graph here);
-    2. on CUDA, the peak memory of one step above what was held before it
+       the step (an L2 flush before each call) and profiles one (`runner.run_case`);
+       mode "graph": the whole step, forward and backward, is recorded in one CUDA graph
+       (`moekit.graphs.capture_graph`, as PyTorch's whole-network capture records a training
+       step: the grads set to None, then the backward allocates them from the graph's pool, and
+       every replay rewrites the same tensors), its gradients poisoned (NaN) and checked after one
+       replay, then its replays timed. What an eager training loop pays in host time (Python,
+       launches, the autograd engine) is gone there: the two modes side by side say how much of a
+       step is the host's. A step that syncs the host or cannot be captured is reported
+       not_capturable;
+    2. on CUDA, eager: the peak memory of one step above what was held before it
        (`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`); NaN on the CPU, where it
-       is not measured.
+       is not measured, and for graph rows (the graph's pool holds its memory for its lifetime:
+       the eager row of the same backend gives the step's peak).
 """
 
 from __future__ import annotations
@@ -92,17 +100,17 @@ def peak_mib(step: TrainingStep, device: torch.device) -> float:
 
 
 def run_training_case(work: Workload, backend: str, ceilings: Ceilings,
-                      options: Options = DEFAULT_OPTIONS) -> Measurement:
-    """Check, time, profile and measure the memory of one training step (see module doc)."""
+                      options: Options = DEFAULT_OPTIONS, mode: str = "eager") -> Measurement:
+    """Check, time, profile and measure the memory of one training step in `mode` (see module doc)."""
     devices = get_backend(backend).backward_devices       # ValueError naming the backends if unknown
     if work.device.type not in devices:
         where = ", ".join(sorted(devices)) or "no device"
         return not_run(work, ceilings, "skipped",
                        f"no backward on {work.device.type} (backend {backend!r} differentiates on {where})")
     step = TrainingStep(work, backend)
-    m = run_case(work, backend, "eager", ceilings, options, factory=lambda _: step)
+    m = run_case(work, backend, mode, ceilings, options, factory=lambda _: step)
     step.zero_grad()
-    if m.status != "ok":
+    if m.status != "ok" or mode == "graph":
         return m
     try:
         return replace(m, peak_mib=peak_mib(step, work.device))

@@ -11,9 +11,10 @@ the same way; the report sets triton's time against it ("% of dense pair"). On b
 with backend "layer"): `moekit.MoELayer`, router included, called as a user calls it, whose eager calls
 of at most 16 tokens replay its eager graphs: the eager layer call a decoding model pays.
 
---backward times one forward + backward per call instead (`moekit.bench.backward`), eager, for each
-backend the registry says has a backward on the device: the rows' direction is "fwd+bwd", their
-floor that of `roofline.training_traffic`, and on CUDA they carry the call's peak memory.
+--backward times one forward + backward per call instead (`moekit.bench.backward`), eager and (on a
+GPU, by default) the whole step in one CUDA graph, for each backend the registry says has a backward
+on the device: the rows' direction is "fwd+bwd", their floor that of `roofline.training_traffic`, and
+on CUDA the eager rows carry the call's peak memory.
 
 Every argument is checked while parsing and the output folder before anything is measured; a folder
 that already holds results is refused unless --overwrite is given. All outputs are rendered in
@@ -107,8 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it (default; leaves dirty lines the call writes back), or clean: write it, then "
                         "read another as large (see moekit.bench.timing); the CPU times warm caches")
     p.add_argument("--backward", action="store_true",
-                   help="time forward + backward of the expert path (eager; gradients of x, both weights "
-                        "and the routing weights, checked first) for each backend with a backward on the "
+                   help="time forward + backward of the expert path (eager, and on a GPU the step in a "
+                        "CUDA graph too; gradients of x, both weights and the routing weights, checked "
+                        "first) for each backend with a backward on the "
                         f"device; default tokens {','.join(map(str, BACKWARD_GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, BACKWARD_CPU_TOKENS))} on the CPU")
 
@@ -135,8 +137,6 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
         if with_peers:
             raise ValueError("--backward: Transformers' experts (--peers, or a peer in --backends) are timed "
                              "forward only; drop them")
-        if args.graph:
-            raise ValueError("--graph: --backward times eager calls only; drop --graph")
         if args.dense:
             raise ValueError("--dense: the dense pair is timed forward only; drop --dense or --backward")
         if args.layer:
@@ -155,7 +155,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
         backends.append(DENSE)
     tokens = args.tokens or list(_default_tokens(on_gpu, args.quick, args.backward))
     dtype = arg_types.resolve_dtype(args.dtype, device)
-    graph = arg_types.pick(args.graph, device, not args.backward, False)
+    graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
     plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed,
                 direction="fwd+bwd" if args.backward else "fwd")

@@ -198,34 +198,41 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
 
 
 def _backward_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
-    """The fwd+bwd rows of one layer: one line per backend and T."""
+    """The fwd+bwd rows of one layer: one line per backend, mode and T."""
     rs = [r for r in rows if r.preset == preset]
-    base = {r.tokens: r for r in rs if r.backend == BACKWARD_BASELINE and r.status == "ok"}
+    base = {(r.tokens, r.mode): r for r in rs if r.backend == BACKWARD_BASELINE and r.status == "ok"}
     vs = f"speed-up over {BACKWARD_BASELINE}"
+    graphed = any(r.mode == "graph" for r in rs)
     out = [f"## {shape_label(rs[0])}: forward + backward", "",
-           "One call = `moe_experts(...)` then `.backward(grad_out)`, eager; the gradients of x, "
-           "gate_up_proj, down_proj and topk_weights were each checked against the fp32 reference first. "
-           + (f"{vs.capitalize()} = its time / this time, at the same T." if base else
+           "One call = `moe_experts(...)` then `.backward(grad_out)`"
+           + (": eager, and the whole step recorded in one CUDA graph (mode graph: no host work between "
+              "the kernels; peak memory for eager rows only, the graph's pool holds its memory)"
+              if graphed else ", eager")
+           + "; the gradients of x, gate_up_proj, down_proj and topk_weights were each checked against the "
+           "fp32 reference first. "
+           + (f"{vs.capitalize()} = its time / this time, at the same T and mode." if base else
               f"No {vs}: {BACKWARD_BASELINE} was not timed forward + backward here."), "",
-           "| backend | T | median ms | p20–p80 ms | floor ms | % of floor | peak MiB |"
+           "| backend | mode | T | median ms | p20–p80 ms | floor ms | % of floor | peak MiB |"
            + (f" {vs} |" if base else ""),
-           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if base else "")]
+           "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if base else "")]
     backends = list(dict.fromkeys(r.backend for r in rs))
-    for r in sorted(rs, key=lambda r: (backends.index(r.backend), r.tokens)):
+    modes = list(dict.fromkeys(r.mode for r in rs))
+    for r in sorted(rs, key=lambda r: (backends.index(r.backend), modes.index(r.mode), r.tokens)):
         if r.status == "ok":
             cells = [fmt_number(r.median_ms), spread(r.p20_ms, r.p80_ms), fmt_number(r.floor_ms),
                      fmt_pct(r.pct_floor), fmt_number(r.peak_mib)]
         else:
             cells = [r.status.replace("_", " "), "", fmt_number(r.floor_ms), "", ""]
         if base:
-            b = base.get(r.tokens)
+            b = base.get((r.tokens, r.mode))
             ok = r.status == "ok" and b is not None and b is not r
             cells.append(f"{b.median_ms / r.median_ms:.2f}×" if ok else "–")
-        out.append(f"| {r.backend} | {r.tokens} | " + " | ".join(cells) + " |")
+        out.append(f"| {r.backend} | {r.mode} | {r.tokens} | " + " | ".join(cells) + " |")
     untimed = [r for r in rs if r.status != "ok"]
     if untimed:
         out += ["", "### Not timed (forward + backward)", ""]
-        out += [f"- T={r.tokens} {r.backend}: **{r.status.replace('_', ' ')}**: {r.reason}" for r in untimed]
+        out += [f"- T={r.tokens} {r.backend} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
+                for r in untimed]
     return [*out, ""]
 
 

@@ -255,9 +255,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _poison(out: object) -> None:
-    """NaN-fill a graph's static output so rows a replay never writes fail the check."""
-    if isinstance(out, torch.Tensor) and out.is_floating_point():
-        out.fill_(math.nan)
+    """NaN-fill a graph's static output (a tensor, or a tuple of them: a training step's gradients)
+    so rows a replay never writes fail the check."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.fill_(math.nan)
 
 
 def not_run(work: Workload, ceilings: Ceilings, status: str, reason: str) -> Measurement:

@@ -5,7 +5,8 @@ Backends may include the dense pair (`moekit.bench.dense.DENSE`, checked against
 `moekit.bench.kernel_work.triton_rows`: the alignment of the call's config, read back once per T).
 
 A "fwd+bwd" plan (`moekit bench --backward`) times one forward + backward per call instead, eager
-only, through `bench.backward.run_training_case`.
+and (when the plan has the mode) the whole step in one CUDA graph, through
+`bench.backward.run_training_case`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ CACHE_LABELS = {True: "flushed", "write": "flushed", "clean": "flushed clean", F
 @dataclass(frozen=True)
 class Plan:
     """layers: presets, --shape or --config layers (`moekit.bench.layers`); each one's name is its
-    rows' preset column. direction: "fwd", or "fwd+bwd" (one forward + backward per call; eager only)."""
+    rows' preset column. direction: "fwd", or "fwd+bwd" (one forward + backward per call)."""
 
     layers: tuple[Layer, ...]
     tokens: tuple[int, ...]
@@ -63,8 +64,6 @@ class Plan:
             raise ValueError(f"modes must be in {MODES}, got {bad}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
-        if self.direction == "fwd+bwd" and self.modes != ("eager",):
-            raise ValueError(f"a fwd+bwd plan times eager calls only, got modes {self.modes}")
 
     @property
     def presets(self) -> tuple[str, ...]:
@@ -136,8 +135,10 @@ def run_sweep(plan: Plan, ceilings: Ceilings, prov: Provenance, options: Options
                     what = f"{preset} T={tokens} {backend} {mode}"
                     if on_case:
                         on_case(what, None)
-                    m = (run_training_case(work, backend, ceilings, options) if plan.direction == "fwd+bwd"
-                         else run_case(case_work, backend, mode, ceilings, options))
+                    if plan.direction == "fwd+bwd":
+                        m = run_training_case(work, backend, ceilings, options, mode)
+                    else:
+                        m = run_case(case_work, backend, mode, ceilings, options)
                     row = to_row(prov, work, backend, mode, m, plan.direction, options.flush_l2, per_pair)
                     rows.append(row)
                     if on_case:

@@ -1,0 +1,182 @@
+"""Where the host time of one eager training step of the triton expert path goes (issue 10), on a GPU.
+
+    PYTHONPATH=$PWD/src python3 scripts/step_host.py [--tokens 1024,4096,16384] [--out step_host.md]
+
+For each T, the inputs as `scripts/kernel_breakdown.py` draws them (the preset's router), then the
+step `moekit bench --backward` times (`TrainingStep`: the inputs' grads set to None, moe_experts with
+x, both weights and the routing weights requiring grad, `.backward(grad_out)`) in these variants:
+
+    autograd        as the bench runs it (the backward on autograd's CUDA device thread)
+    one-thread      the same under torch.autograd.set_multithreading_enabled(False): the backward
+                    on the calling thread
+    no-gc           autograd with Python's garbage collector off
+    direct          experts_triton_train + experts_triton_backward called on this thread (no
+                    autograd at all: what the step would cost with none of its machinery)
+
+and for each:
+    isolated        median ms of 15 steps, each after an L2 flush and a sync, CUDA events
+                    around the step (what `moekit bench --backward` times)
+    host            median host ms of one step from a synced device (perf_counter), with its
+                    forward (until moe_experts returns) and backward (until .backward returns) apart
+    first launch    median µs from the step's start to its first kernel's start on the device is
+                    not measurable without the profiler, so the profiled step below gives it
+
+Then one step of each variant under torch.profiler (CPU + CUDA, from a synced device): the device
+busy time, the span from the profile's first CPU op to the last kernel's end, and the gaps before
+each kernel (the host work it waited for), and the CPU ops by self time (top 20), with the thread
+each ran on. The numbers are for attribution; the timings to quote come from `moekit bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_breakdown import _inputs  # noqa: E402
+
+from moekit.bench.timing import sync, time_fn  # noqa: E402
+from moekit.experts import moe_experts  # noqa: E402
+from moekit.experts.triton import auto_config, experts_triton_backward, experts_triton_train  # noqa: E402
+
+
+def make_steps(inputs):
+    x, gate_up, down, w, ids, grad_out = inputs
+    leaves = [t.detach().requires_grad_(True) for t in (x, gate_up, down, w)]
+    marks: dict[str, float] = {}
+
+    def autograd_step():
+        for t in leaves:
+            t.grad = None
+        with torch.enable_grad():
+            out = moe_experts(*leaves, ids, backend="triton")
+            marks["fwd"] = time.perf_counter()
+            out.backward(grad_out)
+
+    def one_thread_step():
+        with torch.autograd.set_multithreading_enabled(False):
+            autograd_step()
+
+    def no_gc_step():
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            autograd_step()
+        finally:
+            if was:
+                gc.enable()
+
+    config = auto_config(x.shape[0], gate_up, ids.shape[1], x.dtype, x.device)
+
+    def direct_step():
+        _, pre, align = experts_triton_train(x, gate_up, down, w, ids)
+        marks["fwd"] = time.perf_counter()
+        experts_triton_backward(grad_out, x, gate_up, down, w, ids, align, config, (True,) * 4, pre=pre,
+                                release_pre=True)
+
+    return {"autograd": autograd_step, "one-thread": one_thread_step, "no-gc": no_gc_step,
+            "direct": direct_step}, marks
+
+
+def host_times(step, marks, device, n: int = 25) -> tuple[float, float, float]:
+    tot, fwd = [], []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        tot.append((t1 - t0) * 1e3)
+        fwd.append((marks["fwd"] - t0) * 1e3)
+    sync(device)
+    f, t = statistics.median(fwd), statistics.median(tot)
+    return t, f, t - f
+
+
+def profiled(step, device, top: int = 20) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    events = prof.events()
+    kern = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    if not kern or not cpu:
+        return ["(no events)"]
+    t0 = min(e.time_range.start for e in cpu)
+    busy = sum(e.time_range.elapsed_us() for e in kern) / 1e3
+    end = max(e.time_range.end for e in kern)
+    lines = [f"Profiled step: device busy {busy:.3f} ms, span from the first CPU op to the last kernel's "
+             f"end {(end - t0) / 1e3:.3f} ms; first kernel starts {(kern[0].time_range.start - t0):.0f} µs "
+             "after the first CPU op.", "",
+             "| kernel | starts at µs | gap before µs | µs |", "|---|---:|---:|---:|"]
+    prev = t0
+    for e in kern:
+        s = e.time_range.start
+        lines.append(f"| `{e.name[:50]}` | {s - t0:.0f} | {s - prev:.0f} | {e.time_range.elapsed_us():.0f} |")
+        prev = e.time_range.end
+    lines += ["", "CPU ops by self time (µs), with their thread:", "",
+              "| op | thread | calls | self µs | total µs |", "|---|---:|---:|---:|---:|"]
+    agg: dict[tuple[str, int], list[float]] = {}
+    for e in cpu:
+        key = (e.name[:60], e.thread)
+        a = agg.setdefault(key, [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += e.self_cpu_time_total
+        a[2] += e.cpu_time_total
+    for (name, thread), (c, s, tt) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| `{name}` | {thread} | {c} | {s:.0f} | {tt:.0f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1024,4096,16384")
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--variants", default="autograd,one-thread,no-gc,direct")
+    p.add_argument("--profile", default="autograd,one-thread",
+                   help="variants profiled one step each ('' for none)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    device = torch.device("cuda")
+    lines = [f"# Host time of one training step, {a.preset}, bf16, {torch.cuda.get_device_name()}", ""]
+    for t in (int(v) for v in a.tokens.split(",")):
+        inputs = _inputs(a.preset, t, torch.bfloat16, device)
+        steps, marks = make_steps(inputs)
+        for name in a.variants.split(","):
+            for _ in range(3):
+                steps[name]()
+        sync(device)
+        lines += [f"## T = {t}", "", "| variant | isolated ms | host ms | forward | backward |",
+                  "|---|---:|---:|---:|---:|"]
+        for name in a.variants.split(","):
+            iso = time_fn(steps[name], warmup=3, rep=15, flush_l2=True, device=device).median_ms
+            tot, f, b = host_times(steps[name], marks, device)
+            lines.append(f"| {name} | {iso:.3f} | {tot:.3f} | {f:.3f} | {b:.3f} |")
+            print(lines[-1], flush=True)
+        for name in filter(None, a.profile.split(",")):
+            lines += ["", f"### {name}, profiled", "", *profiled(steps[name], device)]
+        lines.append("")
+        del steps, inputs
+        torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
