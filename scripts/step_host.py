@@ -21,6 +21,11 @@ and for each:
     first launch    median µs from the step's start to its first kernel's start on the device is
                     not measurable without the profiler, so the profiled step below gives it
 
+--graph adds the step recorded whole in a CUDA graph (as `moekit bench --backward` times it), once
+with programmatic dependent launch on (MOEKIT_PDL=1, read at each launch, so baked into the graph)
+and once off: isolated replays (L2 flushed before each) in alternating rounds, medians, and one
+replay with PDL on under the profiler, kernel by kernel with the gaps between them.
+
 Then one step of each variant under torch.profiler (CPU + CUDA, from a synced device): the device
 busy time, the span from the profile's first CPU op to the last kernel's end, and the gaps before
 each kernel (the host work it waited for), and the CPU ops by self time (top 20), with the thread
@@ -138,6 +143,28 @@ def profiled(step, device, top: int = 20) -> list[str]:
     return lines
 
 
+def graph_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
+    from unittest import mock
+
+    from moekit.graphs import capture_graph
+    from moekit.launch_hints import PDL_ENV
+
+    graphs = {}
+    for pdl in ("1", "0"):
+        with mock.patch.dict(os.environ, {PDL_ENV: pdl}):
+            graphs[pdl] = capture_graph(step, device)[0]
+    times: dict[str, list[float]] = {k: [] for k in graphs}
+    for _ in range(rounds):
+        for k, g in graphs.items():
+            t = time_fn(g.replay, warmup=1, rep=per_round, flush_l2=True, device=device)
+            times[k].append(t.median_ms)
+    on, off = statistics.median(times["1"]), statistics.median(times["0"])
+    lines = [f"Whole step in a CUDA graph, isolated replays (median of {rounds} rounds' medians of "
+             f"{per_round}): PDL on {on:.4f} ms, off {off:.4f} ms ({off / on:.3f}x)", ""]
+    lines += profiled(graphs["1"].replay, device)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1024,4096,16384")
@@ -145,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="autograd,one-thread,no-gc,direct")
     p.add_argument("--profile", default="autograd,one-thread",
                    help="variants profiled one step each ('' for none)")
+    p.add_argument("--graph", action="store_true", help="also the whole step in a CUDA graph, PDL on / off")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             print(lines[-1], flush=True)
         for name in filter(None, a.profile.split(",")):
             lines += ["", f"### {name}, profiled", "", *profiled(steps[name], device)]
+        if a.graph:
+            lines += ["", "### the step in a CUDA graph", "", *graph_ab(steps["autograd"], device)]
+            print("\n".join(lines[-3:]), flush=True)
         lines.append("")
         del steps, inputs
         torch.cuda.empty_cache()

@@ -83,7 +83,8 @@ class Alignment:
             return self.row_starts_torch()
         out = _workspace.empty(num_experts + 1, dtype=torch.int32, device=counts.device)
         row_starts_kernel[(1,)](counts, out, num_experts, BLOCK_M=self.block_m,
-                                E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4)
+                                E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4,
+                                **pdl_kwargs(counts.device))
         return out
 
     def row_starts_torch(self) -> torch.Tensor:

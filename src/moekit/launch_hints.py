@@ -3,7 +3,10 @@ environment switch read at every launch ("0" turns it off), so one process can t
 side by side (`scripts/hints_compare.py`):
 
     MOEKIT_PDL                  programmatic dependent launch. The router, align, GEMM1, GEMM2, sum
-                                and direct-decode kernels are launched with the programmatic stream
+                                and direct-decode kernels, and in the backward the row gathers, tile
+                                sums, row starts and dx (GEMM2 and its sum; the Gluon kernels and the
+                                Triton fallbacks of the SwiGLU backward and the weight gradients are
+                                launched plainly) are launched with the programmatic stream
                                 serialization attribute: a kernel's programs may start (and wait on
                                 the SM) while the kernel before it in the stream finishes, so each
                                 launch and ramp overlaps the tail of the kernel before. Every such

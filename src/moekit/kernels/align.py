@@ -179,9 +179,12 @@ def align_scatter_kernel(
 
 
 @triton.jit
-def row_starts_kernel(tokens_per_expert_ptr, out_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+def row_starts_kernel(tokens_per_expert_ptr, out_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """out (E + 1,) int32: 0, then the running sum of each expert's rows rounded up to BLOCK_M (the
-    first sorted row of each expert's padded group, then num_padded). One program."""
+    first sorted row of each expert's padded group, then num_padded). One program. USE_PDL: as the
+    align kernels'."""
+    pdl_enter(USE_PDL)
     e = tl.arange(0, E_POW2)
     n = tl.load(tokens_per_expert_ptr + e, mask=e < E, other=0)
     padded = (n + BLOCK_M - 1) // BLOCK_M * BLOCK_M

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from moekit.kernels.grouped_gemm import _tile_ids
+from moekit.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -198,9 +199,11 @@ def moe_swiglu_bwd_kernel(
 @triton.jit
 def moe_tile_sum_kernel(
     part_ptr, out_ptr, sorted_ids_ptr, num_padded_ptr, S, num_tiles, stride_qm,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """out[p] = sum over tiles of part[r] (tile order) for each placed pair p = sorted_ids[r]."""
+    """out[p] = sum over tiles of part[r] (tile order) for each placed pair p = sorted_ids[r].
+    USE_PDL: launched with programmatic dependent launch (`moekit.launch_hints`)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     if pid * BLOCK_M < tl.load(num_padded_ptr):
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
@@ -387,12 +390,13 @@ def moe_wgrad_range_kernel(
 def moe_gather_rows_kernel(
     src_ptr, dst_ptr, sorted_ids_ptr, num_padded_ptr, S, C,
     stride_st, stride_sc, stride_dr, stride_dc,
-    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """dst[r] = src[t] for each sorted row r < num_padded of pair p = sorted_ids[r] < S (t = p // K),
     0 on its padding rows (p = S); rows at or past num_padded are not written (nobody reads them).
     A weight gradient's gathered operand copied into sorted-row order, so the Gluon kernel reads
-    both operands by TMA with no index."""
+    both operands by TMA with no index. USE_PDL: as `moe_tile_sum_kernel`'s."""
+    pdl_enter(USE_PDL)
     pid_r = tl.program_id(0)
     num_padded = tl.load(num_padded_ptr)
     if pid_r * BLOCK_R < num_padded:
