@@ -26,6 +26,10 @@ with programmatic dependent launch on (MOEKIT_PDL=1, read at each launch, so bak
 and once off: isolated replays (L2 flushed before each) in alternating rounds, medians, and one
 replay with PDL on under the profiler, kernel by kernel with the gaps between them.
 
+--dx-ab times the whole-step graph with dx's GEMM2 config (`grouped_gemm_backward._dx_config`:
+the forward's tiles, pointer weights, one tile a program) against variants of it: a persistent
+grid, 128-wide column tiles, both; each variant's gradients checked bitwise against the default's.
+
 Then one step of each variant under torch.profiler (CPU + CUDA, from a synced device): the device
 busy time, the span from the profile's first CPU op to the last kernel's end, and the gaps before
 each kernel (the host work it waited for), and the CPU ops by self time (top 20), with the thread
@@ -165,6 +169,40 @@ def graph_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
     return lines
 
 
+def dx_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
+    from dataclasses import replace
+    from unittest import mock
+
+    import moekit.grouped_gemm_backward as gb
+    from moekit.graphs import capture_graph
+
+    base = gb._dx_config
+    variants = {"default": base,
+                "persistent": lambda c: replace(base(c), persistent=True),
+                "n128": lambda c: replace(base(c), block_n2=128),
+                "n128 persistent": lambda c: replace(base(c), block_n2=128, persistent=True)}
+    graphs, grads = {}, {}
+    for name, fn in variants.items():
+        with mock.patch.object(gb, "_dx_config", fn):
+            graphs[name], grads[name] = capture_graph(step, device)
+    lines = []
+    for name in variants:
+        graphs[name].replay()
+    sync(device)
+    for name in variants:
+        same = all(torch.equal(a, b) for a, b in zip(grads[name], grads["default"]))
+        lines.append(f"- {name}: gradients {'bitwise the default' if same else 'DIFFER from the default'}")
+    times: dict[str, list[float]] = {k: [] for k in graphs}
+    for _ in range(rounds):
+        for k, g in graphs.items():
+            t = time_fn(g.replay, warmup=1, rep=per_round, flush_l2=True, device=device)
+            times[k].append(t.median_ms)
+    ref = statistics.median(times["default"])
+    for k, v in times.items():
+        lines.append(f"- {k}: {statistics.median(v):.4f} ms ({ref / statistics.median(v):.3f}x the default)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1024,4096,16384")
@@ -173,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="autograd,one-thread",
                    help="variants profiled one step each ('' for none)")
     p.add_argument("--graph", action="store_true", help="also the whole step in a CUDA graph, PDL on / off")
+    p.add_argument("--dx-ab", action="store_true", help="also dx's GEMM2 config variants, whole-step graphs")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -198,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.graph:
             lines += ["", "### the step in a CUDA graph", "", *graph_ab(steps["autograd"], device)]
             print("\n".join(lines[-3:]), flush=True)
+        if a.dx_ab:
+            lines += ["", "### dx's config, whole-step graphs", "", *dx_ab(steps["autograd"], device)]
+            print("\n".join(lines[-6:]), flush=True)
         lines.append("")
         del steps, inputs
         torch.cuda.empty_cache()
