@@ -148,6 +148,17 @@ def profiled(step, device, top: int = 20) -> list[str]:
     return lines
 
 
+def alternating(graphs: dict, device, rounds: int, per_round: int) -> dict[str, float]:
+    """Median over `rounds` of each graph's median isolated replay (L2 flushed before each) of
+    `per_round` replays; the graphs take turns within every round, so drift hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in graphs}
+    for _ in range(rounds):
+        for k, g in graphs.items():
+            t = time_fn(g.replay, warmup=1, rep=per_round, flush_l2=True, device=device)
+            times[k].append(t.median_ms)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def graph_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
     from unittest import mock
 
@@ -158,12 +169,8 @@ def graph_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
     for pdl in ("1", "0"):
         with mock.patch.dict(os.environ, {PDL_ENV: pdl}):
             graphs[pdl] = capture_graph(step, device)[0]
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, g in graphs.items():
-            t = time_fn(g.replay, warmup=1, rep=per_round, flush_l2=True, device=device)
-            times[k].append(t.median_ms)
-    on, off = statistics.median(times["1"]), statistics.median(times["0"])
+    times = alternating(graphs, device, rounds, per_round)
+    on, off = times["1"], times["0"]
     lines = [f"Whole step in a CUDA graph, isolated replays (median of {rounds} rounds' medians of "
              f"{per_round}): PDL on {on:.4f} ms, off {off:.4f} ms ({off / on:.3f}x)", ""]
     lines += profiled(graphs["1"].replay, device)
@@ -193,14 +200,9 @@ def dx_ab(step, device, rounds: int = 8, per_round: int = 5) -> list[str]:
     for name in variants:
         same = all(torch.equal(a, b) for a, b in zip(grads[name], grads["default"]))
         lines.append(f"- {name}: gradients {'bitwise the default' if same else 'DIFFER from the default'}")
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, g in graphs.items():
-            t = time_fn(g.replay, warmup=1, rep=per_round, flush_l2=True, device=device)
-            times[k].append(t.median_ms)
-    ref = statistics.median(times["default"])
-    for k, v in times.items():
-        lines.append(f"- {k}: {statistics.median(v):.4f} ms ({ref / statistics.median(v):.3f}x the default)")
+    times = alternating(graphs, device, rounds, per_round)
+    for k, ms in times.items():
+        lines.append(f"- {k}: {ms:.4f} ms ({times['default'] / ms:.3f}x the default)")
     return lines
 
 
