@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moekit.experts.triton as triton_experts
-from moekit.bench import backward, cli, study
+from moekit.bench import backward, cli, runner, study
 from moekit.bench.args import default_backends
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.correctness import GRAD_NAMES, expected_grads
@@ -269,3 +269,16 @@ def test_gpu_the_step_in_a_cuda_graph_is_checked_and_timed(backend):
         torch.cuda.synchronize()
         for name, a, b in zip(GRAD_NAMES, grads, eager):
             assert torch.equal(a, b), f"d {name}: the graph's gradient differs from the eager step's"
+
+
+def test_a_graphs_static_gradients_are_poisoned_before_its_first_replay():
+    """The graph mode's static output is a training step's tuple of gradients: every float tensor
+    in it is NaN-filled (so a gradient a replay never writes fails the check), nothing else."""
+    grads = (torch.ones(3), None, torch.ones(2, 2, dtype=torch.float16))
+    ids = torch.arange(4)
+    runner._poison((*grads, ids))
+    assert torch.isnan(grads[0]).all() and torch.isnan(grads[2]).all()
+    assert torch.equal(ids, torch.arange(4))
+    single = torch.zeros(5)
+    runner._poison(single)
+    assert torch.isnan(single).all()
