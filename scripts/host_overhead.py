@@ -54,13 +54,16 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# decode: the direct path (the default at small T); the backward's Triton and Gluon kernels for
+# scripts/step_host.py's stubbed training step
 KERNEL_MODULES = ("moekit.kernels.align", "moekit.kernels.grouped_gemm", "moekit.kernels.router",
-                  "moekit.kernels.decode")     # decode: the direct path (the default at small T)
+                  "moekit.kernels.decode", "moekit.kernels.grouped_gemm_backward",
+                  "moekit.kernels.gluon_wgrad", "moekit.kernels.gluon_swiglu_bwd")
 PHASES = ("router", "checks", "prepare", "align", "gemm1", "gemm2", "sum", "experts", "layer")
 
 
 def kernels() -> list:
-    """moekit's @triton.jit kernels that the forward path launches, each once (a helper such as
+    """moekit's @triton.jit and Gluon kernels (forward and backward), each once (a helper such as
     `moekit.kernels.pdl.pdl_enter` is imported by several modules)."""
     found = {}
     for name in KERNEL_MODULES:

@@ -12,6 +12,10 @@ x, both weights and the routing weights requiring grad, `.backward(grad_out)`) i
     no-gc           autograd with Python's garbage collector off
     direct          experts_triton_train + experts_triton_backward called on this thread (no
                     autograd at all: what the step would cost with none of its machinery)
+    stubbed         autograd with every moekit kernel's launch a no-op (`host_overhead.stubbed_launches`,
+                    Triton and Gluon kernels alike): the host time less Triton's launch path, so
+                    host - stubbed is what the launches themselves cost (its isolated time is no
+                    step's and is not given)
 
 and for each:
     isolated        median ms of 15 steps, each after an L2 flush and a sync, CUDA events
@@ -49,6 +53,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from host_overhead import stubbed_launches  # noqa: E402
 from kernel_breakdown import _inputs  # noqa: E402
 
 from moekit.bench.timing import sync, time_fn  # noqa: E402
@@ -92,7 +97,7 @@ def make_steps(inputs):
                                 release_pre=True)
 
     return {"autograd": autograd_step, "one-thread": one_thread_step, "no-gc": no_gc_step,
-            "direct": direct_step}, marks
+            "direct": direct_step, "stubbed": autograd_step}, marks
 
 
 def host_times(step, marks, device, n: int = 25) -> tuple[float, float, float]:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1024,4096,16384")
     p.add_argument("--preset", default="qwen3-30b-a3b")
-    p.add_argument("--variants", default="autograd,one-thread,no-gc,direct")
+    p.add_argument("--variants", default="autograd,one-thread,no-gc,direct,stubbed")
     p.add_argument("--profile", default="autograd,one-thread",
                    help="variants profiled one step each ('' for none)")
     p.add_argument("--graph", action="store_true", help="also the whole step in a CUDA graph, PDL on / off")
@@ -225,12 +230,19 @@ def main(argv: list[str] | None = None) -> int:
         inputs = _inputs(a.preset, t, torch.bfloat16, device)
         steps, marks = make_steps(inputs)
         for name in a.variants.split(","):
-            for _ in range(3):
+            for _ in range(3 if name != "stubbed" else 0):
                 steps[name]()
         sync(device)
         lines += [f"## T = {t}", "", "| variant | isolated ms | host ms | forward | backward |",
                   "|---|---:|---:|---:|---:|"]
         for name in a.variants.split(","):
+            if name == "stubbed":
+                with stubbed_launches():
+                    steps[name]()
+                    tot, f, b = host_times(steps[name], marks, device)
+                lines.append(f"| {name} | – | {tot:.3f} | {f:.3f} | {b:.3f} |")
+                print(lines[-1], flush=True)
+                continue
             iso = time_fn(steps[name], warmup=3, rep=15, flush_l2=True, device=device).median_ms
             tot, f, b = host_times(steps[name], marks, device)
             lines.append(f"| {name} | {iso:.3f} | {tot:.3f} | {f:.3f} | {b:.3f} |")
