@@ -46,9 +46,14 @@ def run(args) -> None:
         torch.cuda.cudart().cudaProfilerStop()
 
 
+# ncu's units, to seconds and bytes (it picks one per row)
+UNITS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3,
+         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "%": 1.0}
+
+
 def report(path: str, preset: str, tokens: list[int]) -> str:
     """A Markdown table of the ncu CSV: kernel, µs, DRAM read / write MB, L2 hit rate."""
-    rows: dict[tuple[str, str], dict[str, str]] = {}
+    rows: dict[tuple[str, str], dict[str, float]] = {}
     order: list[tuple[str, str]] = []
     with open(path, newline="") as f:
         lines = [line for line in f if line.startswith('"')]
@@ -57,21 +62,21 @@ def report(path: str, preset: str, tokens: list[int]) -> str:
         if key not in rows:
             rows[key] = {}
             order.append(key)
-        rows[key][rec["Metric Name"]] = rec["Metric Value"].replace(",", "")
+        value = float(rec["Metric Value"].replace(",", ""))
+        rows[key][rec["Metric Name"]] = value * UNITS.get(rec.get("Metric Unit", ""), 1.0)
     shape = PRESETS[preset]
     weights_mb = shape.num_experts * 3 * shape.hidden_size * shape.intermediate_size * 2 / 1e6
     out = [f"# DRAM traffic per kernel, {preset} (weights {weights_mb:.0f} MB in bf16, gate_up 2/3 of it)",
            "",
            f"Tokens per profiled call, in order: {', '.join(map(str, tokens))}.", "",
            "| # | kernel | µs | DRAM read MB | DRAM write MB | L2 hit % |", "|---:|---|---:|---:|---:|---:|"]
+    nan = float("nan")
     for key in order:
         m = rows[key]
-        dur = float(m.get("gpu__time_duration.sum", "nan"))
-        scale = 1e-3 if dur > 1e4 else 1.0        # ncu reports ns or us by version
-        out.append(f"| {key[0]} | `{key[1]}` | {dur * scale:.1f} | "
-                   f"{float(m.get('dram__bytes_read.sum', 'nan')) / 1e6:.1f} | "
-                   f"{float(m.get('dram__bytes_write.sum', 'nan')) / 1e6:.1f} | "
-                   f"{float(m.get('lts__t_sector_hit_rate.pct', 'nan')):.1f} |")
+        out.append(f"| {key[0]} | `{key[1]}` | {m.get('gpu__time_duration.sum', nan) * 1e6:.1f} | "
+                   f"{m.get('dram__bytes_read.sum', nan) / 1e6:.1f} | "
+                   f"{m.get('dram__bytes_write.sum', nan) / 1e6:.1f} | "
+                   f"{m.get('lts__t_sector_hit_rate.pct', nan):.1f} |")
     return "\n".join(out) + "\n"
 
 
