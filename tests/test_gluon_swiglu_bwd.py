@@ -351,9 +351,12 @@ def test_gluon_swiglu_through_moe_experts_autograd_gpu(gluon_spy):
                          ids=["all", "frozen-down", "frozen-router"])
 def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
     """Where the Gluon SwiGLU backward runs (its launch stood in for here by the fp32 twin writing the
-    same buffers), the training step copies dout into sorted rows once for it and passes the saved
-    pre-activations, and dx and the weight gradients computed from its outputs match torch autograd
-    through the fp32 reference; an expert without pairs gets exact zeros."""
+    same buffers), the training step copies dout into sorted rows once, passes that copy and the
+    saved pre-activations to it, and d down reads the same copy with no index (both operands sorted:
+    one launch, no column chunks); with down_proj frozen the SwiGLU backward makes its own copy. dx
+    and the weight gradients computed from its outputs match torch autograd through the fp32
+    reference; an expert without pairs gets exact zeros."""
+    import moekit.experts.triton as triton_experts
     from helpers import check_exact_zeros
     from moekit import ExpertsConfig, moe_experts
     from moekit.grouped_gemm import _placed_rows
@@ -370,10 +373,22 @@ def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
     dout = torch.randn(num_tokens, hidden, generator=gen)
     cfg = ExpertsConfig(block_m=16, block_n1=16, block_k1=16, warps1=4, stages1=1, block_n2=16, block_k2=16,
                         warps2=4, stages2=1, group_m=2)
-    launches = []
+    launches, copies, kernel_reads, down_reads = [], [], [], []
+    real_sorted_rows, real_down = gb.sorted_rows, triton_experts.down_proj_grad
+
+    def counting_sorted_rows(t, align, k, **kwargs):
+        out = real_sorted_rows(t, align, k, **kwargs)
+        if t.shape == dout.shape:
+            copies.append(out)
+        return out
+
+    def spy_down(a, *args, dout_by_token=True, **kwargs):
+        down_reads.append((a, dout_by_token))
+        return real_down(a, *args, dout_by_token=dout_by_token, **kwargs)
 
     def twin_launch(dout_sorted, down_proj, pre, topk_weights, align, tiles, *, dpre, h, part):
         launches.append((dpre is not None, h is not None, part is not None))
+        kernel_reads.append(dout_sorted)
         placed, pair, _ = _placed_rows(align)
         assert torch.equal(dout_sorted[placed], dout[pair // top_k])       # the copy the kernel reads
         assert pre.shape[1] == 2 * inter and tiles is GLUON_SWIGLU_128
@@ -387,12 +402,20 @@ def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
 
     monkeypatch.setattr(gb, "_gluon_swiglu_tiles", lambda *a: GLUON_SWIGLU_128 if a[2] is not None else None)
     monkeypatch.setattr(gb, "gluon_swiglu_backward", twin_launch)
+    monkeypatch.setattr(gb, "sorted_rows", counting_sorted_rows)
+    monkeypatch.setattr(triton_experts, "sorted_rows", counting_sorted_rows)
+    monkeypatch.setattr(triton_experts, "down_proj_grad", spy_down)
     names = ("x", "gate_up_proj", "down_proj", "topk_weights")
     leaves = [t.clone().requires_grad_(frozen != name) for name, t in zip(names, (x, gate_up, down, w))]
     with poisoning():
         out = moe_experts(*leaves, ids, backend="triton", config=cfg, ignore_invalid_ids=True)
         got = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dout)
     assert launches == [(True, frozen != "down_proj", frozen != "topk_weights")]
+    assert len(copies) == 1 and kernel_reads[0] is copies[0]
+    if frozen == "down_proj":
+        assert down_reads == []
+    else:
+        assert len(down_reads) == 1 and down_reads[0][0] is copies[0] and down_reads[0][1] is False
     ref_leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
     moe_experts_ref(*ref_leaves, ids).backward(dout)
     want = [r.grad for r, t in zip(ref_leaves, leaves) if t.requires_grad]

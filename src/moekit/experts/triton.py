@@ -29,9 +29,9 @@ dpre_w and h_w carry the routing weight (`moekit.grouped_gemm_backward`), so dx 
 gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
 Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
 per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). On Hopper (the Gluon
-SwiGLU backward, `moekit.grouped_gemm_backward`) also dout copied into sorted rows (L, H), freed
-once the SwiGLU backward has read it (before dx and the weight gradients); the weight gradients'
-copies of x and of dout (a column chunk at a time) are made inside `wgrad`. Deterministic (no
+SwiGLU backward, `moekit.grouped_gemm_backward`) also dout copied into sorted rows (L, H), made once
+and read by the SwiGLU backward and by d down, alive until d down has run; the weight gradients'
+copies of x (and of dout where d down runs alone) are made inside `wgrad`. Deterministic (no
 atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
 `moekit::experts_train` custom op (`experts_triton_train`): it saves the same things as the eager
 autograd (the alignment, packed into one buffer, and the pre-activations under the same rule), and
@@ -68,7 +68,9 @@ from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weigh
 from moekit.grouped_gemm_backward import (
     down_proj_grad,
     gate_up_proj_grad,
+    gluon_swiglu_applies,
     hidden_states_grad,
+    sorted_rows,
     swiglu_backward,
 )
 from moekit.shapes import MoEShape
@@ -118,8 +120,14 @@ def experts_triton_backward(
     top_k = topk_ids.shape[1]
     dx = d_gu = d_down = d_w = None
     if need_x or need_gu or need_w:
+        # Hopper: the Gluon SwiGLU backward reads dout copied into sorted-row order; d down then reads
+        # the same copy (one copy of dout, not two; one d down launch, not one a column chunk)
+        dout_sorted = None
+        if need_down and gluon_swiglu_applies(dout, down_proj, pre, align):
+            dout_sorted = sorted_rows(dout, align, top_k)
         grads = swiglu_backward(x, gate_up_proj, down_proj, dout, topk_weights, align, top_k, config, pre=pre,
-                                want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
+                                want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w,
+                                dout_sorted=dout_sorted)
         if release_pre and pre is not None and _owns_storage(pre):
             # Stream-ordered: the allocator hands the block on only to work queued after the read.
             pre.untyped_storage().resize_(0)
@@ -134,8 +142,9 @@ def experts_triton_backward(
                                      padding_zero=True, row_starts=starts)
         grads = grads._replace(dpre_w=None)     # freed before d down's buffers: a lower peak
         if need_down:
-            d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
-                                    row_starts=starts)
+            a_down = dout if dout_sorted is None else dout_sorted
+            d_down = down_proj_grad(a_down, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
+                                    row_starts=starts, dout_by_token=dout_sorted is None)
     elif need_down:          # frozen everything else: h alone, unscaled, by the forward's GEMM1
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
         d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)
