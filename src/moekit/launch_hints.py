@@ -78,9 +78,9 @@ def pdl_enabled(device: torch.device, num_pairs: int = 0) -> bool:
     """Whether a launch on `device` for a call of num_pairs (token, slot) pairs uses programmatic
     dependent launch: $MOEKIT_PDL, Hopper+, and at most PDL_MAX_PAIRS pairs or recorded into a CUDA
     graph (the module docstring says why)."""
-    if not (_on(PDL_ENV, PDL_DEFAULT) and _hopper(device)):
-        return False
-    return num_pairs <= PDL_MAX_PAIRS or torch.cuda.is_current_stream_capturing()
+    if num_pairs > PDL_MAX_PAIRS and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
+        return False          # before the switches: the cheap answer for a large eager call
+    return _on(PDL_ENV, PDL_DEFAULT) and _hopper(device)
 
 
 def pdl_kwargs(device: torch.device, num_pairs: int = 0) -> dict:
