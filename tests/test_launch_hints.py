@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import load_script, poisoned, rel_err, same_dtype_bound
+from helpers import poisoned, rel_err, same_dtype_bound
 from moekit import PRESETS, eager_graphs, launch_hints
 from moekit.decode import experts_decode
 from moekit.experts.triton import experts_triton
 from moekit.reference import moe_experts_ref
-from moekit.routing import route
 
 HINTS = (launch_hints.PDL_ENV, launch_hints.EVICT_ENV)
 
@@ -57,53 +56,6 @@ def test_both_hints_are_on_by_default_on_hopper(monkeypatch):
     assert launch_hints.weight_evict(dev, 8) == ""
 
 
-def test_pdl_skips_eager_calls_above_its_pair_limit_but_not_a_graph_capture(monkeypatch):
-    monkeypatch.setattr(launch_hints, "_hopper", lambda device: True)
-    monkeypatch.delenv(launch_hints.PDL_ENV, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    dev = torch.device("cuda")
-    limit = launch_hints.PDL_MAX_PAIRS
-    assert launch_hints.pdl_enabled(dev, limit)
-    assert not launch_hints.pdl_enabled(dev, limit + 1)
-    assert launch_hints.pdl_kwargs(dev, limit + 1) == {}
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert launch_hints.pdl_kwargs(dev, limit + 1) == {"USE_PDL": True, "launch_pdl": True}
-    monkeypatch.setenv(launch_hints.PDL_ENV, "0")                 # the switch still rules a capture
-    assert not launch_hints.pdl_enabled(dev, limit + 1)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="launches stubbed on the CPU")
-@pytest.mark.parametrize("num_tokens, pdl", [(2, True), (3, False)], ids=["at-the-limit", "past-it"])
-def test_every_pdl_launch_of_a_training_step_follows_the_call_pair_count(monkeypatch, num_tokens, pdl):
-    """Router, align, GEMMs, sums, row starts, the backward's row gathers and tile sums (every
-    launch of a kernel with a USE_PDL switch) ask with the call's own pair count: with the limit at
-    8 pairs, a 2-token top-4 call launches each with PDL, a 3-token one none."""
-
-    monkeypatch.setattr(launch_hints, "_hopper", lambda device: True)
-    monkeypatch.setattr(launch_hints, "PDL_MAX_PAIRS", 8)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.delenv(launch_hints.PDL_ENV, raising=False)
-    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")
-    num_experts, hidden, inter, top_k = 6, 32, 16, 4
-    g = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, hidden, generator=g).requires_grad_()
-    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g).requires_grad_()
-    down = torch.randn(num_experts, hidden, inter, generator=g).requires_grad_()
-    router = torch.randn(num_experts, hidden, generator=g)
-    sink: list = []
-    with load_script("host_overhead").stubbed_launches(sink):
-        w, ids = route(x.detach(), router, top_k, backend="triton")
-        w = torch.full((num_tokens, top_k), 0.25, requires_grad=True)
-        ids = torch.arange(num_tokens * top_k, dtype=torch.int32).view(num_tokens, top_k) % num_experts
-        experts_triton(x, gate_up, down, w, ids).sum().backward()
-    switched = [(k.fn.__name__, kwargs.get("USE_PDL", False))
-                for k, _, kwargs in sink if "USE_PDL" in k.arg_names]
-    names = {name for name, _ in switched}
-    assert {"topk_softmax_kernel", "moe_gemm1_swiglu_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
-            "moe_tile_sum_kernel"} <= names
-    assert switched and all(on is pdl for _, on in switched), switched
-
-
 def test_evict_first_loads_compute_the_same_values_interpreted(monkeypatch):
     """The interpreter runs the decode kernels with W_EVICT = "evict_first" (the policy compiled in;
     PDL's inline assembly cannot run interpreted): bitwise the plain launch."""
@@ -132,11 +84,9 @@ QWEN = PRESETS["qwen3-30b-a3b"]
 def test_hints_on_gpu_bitwise_plain_launch_eager_and_in_a_graph(qwen_layer, monkeypatch, num_tokens):
     """Router, align, GEMMs, sum and the decode kernels with both hints on: bitwise the plain launch,
     eager and replayed from a CUDA graph captured with the hints on (new inputs copied in), and
-    within the fp32 reference's bound. PDL's pair limit is lifted so that eager calls of every size
-    take it too."""
+    within the fp32 reference's bound."""
     if not launch_hints._hopper(torch.device("cuda")):
         pytest.skip("the hints need compute capability 9 or later")
-    monkeypatch.setattr(launch_hints, "PDL_MAX_PAIRS", 1 << 30)
     torch.manual_seed(num_tokens)
     x = torch.randn(num_tokens, QWEN.hidden_size, device="cuda", dtype=torch.bfloat16)
     monkeypatch.setattr(eager_graphs, "_enabled", False)   # the layer's own launches, not a replay
@@ -188,11 +138,10 @@ def test_hints_on_gpu_make_no_host_sync(qwen_layer, monkeypatch):
 @pytest.mark.parametrize("num_tokens", [64, 1000])
 def test_pdl_in_the_backward_gives_the_plain_launch_gradients_bitwise(qwen_layer, monkeypatch, num_tokens):
     """The backward's row gathers, tile sums and row starts launched with PDL (and the forward's
-    kernels): every gradient bitwise that of the plain launch, eager (the pair limit lifted) and
-    from a whole-step CUDA graph captured with PDL on."""
+    kernels): every gradient bitwise that of the plain launch, eager and from a whole-step CUDA
+    graph captured with PDL on."""
     if not launch_hints._hopper(torch.device("cuda")):
         pytest.skip("the hints need compute capability 9 or later")
-    monkeypatch.setattr(launch_hints, "PDL_MAX_PAIRS", 1 << 30)
     from moekit.experts import moe_experts
     from moekit.graphs import capture_graph
 

@@ -84,7 +84,7 @@ class Alignment:
         out = _workspace.empty(num_experts + 1, dtype=torch.int32, device=counts.device)
         row_starts_kernel[(1,)](counts, out, num_experts, BLOCK_M=self.block_m,
                                 E_POW2=max(16, next_power_of_2(num_experts)), num_warps=4,
-                                **pdl_kwargs(counts.device, self.num_pairs))
+                                **pdl_kwargs(counts.device))
         return out
 
     def row_starts_torch(self) -> torch.Tensor:
@@ -273,7 +273,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     num_chunks = cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // e_pad))
     num_warps = ALIGN_WARPS or (4 if chunk * max(1, e_pad // 128) <= 1024 else 8)
-    pdl = pdl_kwargs(dev, num_pairs)
+    pdl = pdl_kwargs(dev)
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps, **pdl)
     if num_chunks == 1:
         align_scatter_kernel[(1,)](

@@ -164,7 +164,7 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
             W_EVICT=weight_evict(x.device, topk_ids.numel()),
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device, topk_ids.numel()))
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device))
     return h
 
 
@@ -184,7 +184,7 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
             W_EVICT=weight_evict(h.device, topk_ids.numel()), num_warps=tiles.warps, num_stages=tiles.stages,
-            **pdl_kwargs(h.device, topk_ids.numel()))
+            **pdl_kwargs(h.device))
     return out
 
 

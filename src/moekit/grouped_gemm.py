@@ -173,15 +173,14 @@ def programs_per_sm(kernel, args: tuple, kwargs: dict, device: torch.device) -> 
     return _RESIDENT[key]
 
 
-def _launch(kernel, align: Alignment, n_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
+def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
             kwargs: dict) -> None:
-    """kernel over the alignment's max_blocks row blocks (an upper bound) times n_tiles column tiles:
-    one program per tile, or with cfg.persistent as many as the device holds at once, at most the
-    persistent tiles (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles), with
-    programmatic dependent launch where `moekit.launch_hints` turns it on for the call's pairs."""
-    max_blocks = align.max_blocks
+    """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
+    tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
+    (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles), with programmatic
+    dependent launch where `moekit.launch_hints` turns it on."""
     kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
-    kwargs.update(pdl_kwargs(device, align.num_pairs))
+    kwargs.update(pdl_kwargs(device))
     if cfg.persistent:
         units = cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
@@ -254,7 +253,7 @@ def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k:
         num_warps=cfg.warps1, num_stages=cfg.stages1,
         STORE_PRE=store_pre,
     )
-    _launch(moe_gemm1_swiglu_kernel, align, n_tiles, cfg, x.device, args, flags)
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, flags)
     return h, pre
 
 
@@ -271,7 +270,7 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
             hidden, inter, n_tiles,
             h.stride(0), h.stride(1), *down_proj.stride(), y.stride(0), y.stride(1),
             *_bias_args(bias, down_proj))
-    _launch(moe_gemm2_kernel, align, n_tiles, cfg, h.device, args, dict(
+    _launch(moe_gemm2_kernel, align.max_blocks, n_tiles, cfg, h.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k2 == 0, PAIRED=cfg.pair_blocks == 2,
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
@@ -289,8 +288,7 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torc
     block_t = max(1, min(16, 4096 // block_h))
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
-                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-                         **pdl_kwargs(out.device, topk_ids.numel()))
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(out.device))
     return out
 
 

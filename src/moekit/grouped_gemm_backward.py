@@ -240,7 +240,7 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         block_t = min(64, max(16, next_power_of_2(n_tiles)))
         moe_tile_sum_kernel[(align.max_blocks,)](
             part, dw, align.sorted_ids, align.num_padded, align.num_pairs, n_tiles, part.stride(0),
-            BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4, **pdl_kwargs(dev, align.num_pairs),
+            BLOCK_M=align.block_m, BLOCK_T=block_t, num_warps=4, **pdl_kwargs(dev),
         )
     return SwigluGrads(dpre, h, dw)
 
@@ -588,7 +588,7 @@ def sorted_rows(t: torch.Tensor, align: Alignment, top_k: int, *,
         moe_gather_rows_kernel[(cdiv(rows, GATHER_BLOCK_R), cdiv(cols, GATHER_BLOCK_C))](
             t, out, align.sorted_ids, align.num_padded, align.num_pairs, cols, t.stride(0), t.stride(1),
             out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_R=GATHER_BLOCK_R, BLOCK_C=GATHER_BLOCK_C,
-            num_warps=4, **pdl_kwargs(t.device, align.num_pairs),
+            num_warps=4, **pdl_kwargs(t.device),
         )
     return out
 

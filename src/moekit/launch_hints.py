@@ -20,13 +20,6 @@ side by side (`scripts/hints_compare.py`):
                                 is read again or still has to be written back (a call that small
                                 is short enough for those write-backs to show).
 
-PDL is asked for per launch with the call's pair count: eager launches of more than PDL_MAX_PAIRS
-(token, slot) pairs go without it, since there it buys no device time (a whole training step in a
-CUDA graph at 4,096 Qwen3 tokens: 1.004x, session 13) and costs host time (a Triton launch with
-`launch_pdl` took 34 against 24 µs without on an H200's host, `scripts/launch_cost.py`, session 14),
-which is what such eager calls are bound by; a launch recorded into a CUDA graph keeps it at any
-size (its host cost is paid once, at capture).
-
 Measured on an H200 (Qwen3-30B-A3B, bf16, expert path and whole layer in CUDA graphs after a write
 flush, `scripts/hints_compare.py`, 2026-12-01, session 9): evict_first 1.17x on the experts at T = 1
 and 1.09x at T = 2, level at T = 4 and 0.99x at T = 8 (hence the pair limit; the grouped GEMMs'
@@ -52,9 +45,6 @@ EVICT_DEFAULT = "1"
 # evict_first up to this many (token, slot) pairs a call: Qwen3-30B-A3B's T = 1 and 2 (the decode
 # kernels' SMALL_DECODE band); at 32 pairs it was level, at 64 0.99x.
 EVICT_MAX_PAIRS = 16
-# PDL on eager launches up to this many pairs a call (Qwen3-30B-A3B's 256 tokens, the decode sizes
-# where session 9 measured its gains); above, only inside a CUDA-graph capture.
-PDL_MAX_PAIRS = 2048
 
 
 @functools.lru_cache(maxsize=16)
@@ -74,19 +64,15 @@ def _on(env: str, default: str) -> bool:
     return os.environ.get(env, default).strip() not in ("", "0")
 
 
-def pdl_enabled(device: torch.device, num_pairs: int = 0) -> bool:
-    """Whether a launch on `device` for a call of num_pairs (token, slot) pairs uses programmatic
-    dependent launch: $MOEKIT_PDL, Hopper+, and at most PDL_MAX_PAIRS pairs or recorded into a CUDA
-    graph (the module docstring says why)."""
-    if num_pairs > PDL_MAX_PAIRS and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
-        return False          # before the switches: the cheap answer for a large eager call
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch ($MOEKIT_PDL, Hopper+)."""
     return _on(PDL_ENV, PDL_DEFAULT) and _hopper(device)
 
 
-def pdl_kwargs(device: torch.device, num_pairs: int = 0) -> dict:
+def pdl_kwargs(device: torch.device) -> dict:
     """Launch keywords of a kernel with a USE_PDL constexpr: {} (the plain launch, the kernel compiled
-    as before) or USE_PDL with Triton's `launch_pdl` option (`pdl_enabled`)."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device, num_pairs) else {}
+    as before) or USE_PDL with Triton's `launch_pdl` option."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
 
 
 def weight_evict(device: torch.device, num_pairs: int) -> str:

@@ -109,7 +109,7 @@ def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
         num_tokens, num_experts, logits.stride(0), logits.stride(1),
         TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         RENORMALIZE=renormalize, HAS_NUM_VALID=num_valid_tokens is not None,
-        num_warps=4 if e_pad <= 256 else 8, **pdl_kwargs(logits.device, num_tokens * top_k),
+        num_warps=4 if e_pad <= 256 else 8, **pdl_kwargs(logits.device),
     )
     return weights, ids
 
