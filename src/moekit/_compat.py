@@ -3,10 +3,24 @@
 Triton's interpreter (3.6 and earlier) turns a 1-element scalar into an index with
 `int(array)`, which NumPy >= 2.4 refuses for arrays of ndim > 0: every loop whose bound is a
 kernel argument then fails under TRITON_INTERPRET=1. The shim makes `__index__` read the single
-element instead. It touches only the interpreter, and only when it is in use.
+element instead.
+
+The interpreter computes `tl.dot` of fp16 / fp32 tiles as one NumPy matmul in fp32, whose BLAS may
+order each element's sum by the tile's shape: on an AMD EPYC with OpenBLAS 0.3.31 (its Zen and
+Haswell kernels) a row of a [64, K] @ [K, N] product differed in its last bit from the same row of a
+[32, K] @ [K, N] one, so two tilings that a GPU runs bit for bit alike (paired and single row blocks,
+the masked and contiguous layouts) did not match interpreted. The shim computes such a dot in fp64
+and rounds it to fp32 once: every element is its exact sum rounded, whatever the tile's shape (a
+GPU's MMA also accumulates each element independently of the tile's other rows).
+
+Both touch only the interpreter, and only when it is in use.
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+_DOT_INPUTS = (np.float16, np.float32)
 
 
 def patch_triton_interpreter() -> None:
@@ -28,3 +42,22 @@ def patch_triton_interpreter() -> None:
 
     patched._moekit_shim = True
     interpreter._patch_lang_tensor = patched
+    _patch_dot(interpreter)
+
+
+def _patch_dot(interpreter) -> None:
+    """InterpreterBuilder.create_dot of fp16 / fp32 tiles into an fp32 accumulator: the matmul in
+    fp64, rounded once (see the module docstring); every other dot as Triton computes it."""
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None or getattr(original, "_moekit_shim", False):
+        return
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if (d.data.dtype == np.float32 and a.data.dtype in _DOT_INPUTS and b.data.dtype in _DOT_INPUTS):
+            exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+            return interpreter.TensorHandle(exact.astype(np.float32) + d.data, d.dtype.scalar)
+        return original(self, a, b, d, *args, **kwargs)
+
+    create_dot._moekit_shim = True
+    builder.create_dot = create_dot
