@@ -8,7 +8,8 @@ store) and GEMM2 (down + routing weight) apart, each from a CUDA graph after an 
     table         the tuned config
     persistent    + persistent (the kernels loop over tiles; paired tiles stay paired)
     s3, s5        stages 3 / 5 (both GEMMs; shrunk to fit shared memory, the label says what ran)
-    n2=128        GEMM2 with 128-wide column tiles
+    n2=128        GEMM2 with 128-wide column tiles (also persistent; with 3 stages, 8 or 4 warps: two
+                  programs an SM fit)
     w4            4 warps (both GEMMs)
 
 Every variant's output is compared with the table config's (max abs difference; the K loop is the
@@ -41,6 +42,9 @@ def variants(base):
     out["n2=128"] = dataclasses.replace(base, block_n2=128)
     out["w4"] = dataclasses.replace(base, warps1=4, warps2=4)
     out["persistent n2=128"] = dataclasses.replace(base, persistent=True, block_n2=128)
+    # GEMM2 with two programs an SM (one's epilogue under the other's main loop): 96 KB of stages each
+    out["n2=128 s3"] = dataclasses.replace(base, block_n2=128, stages2=3)
+    out["n2=128 s3 w4"] = dataclasses.replace(base, block_n2=128, stages2=3, warps2=4)
     return out
 
 
