@@ -531,8 +531,8 @@ def run_gluon_checks(prefix: str, what: str, checks: dict, target, dump: Path | 
 
 
 def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
-    """One line per Gluon SwiGLU-backward launch (`moekit.tuning.GLUON_SWIGLU_128`, `GLUON_SWIGLU_64`,
-    the cooperative `GLUON_SWIGLU_COOP` in bf16 and fp16, and the 128-column tiles storing dpre_w alone, as
+    """One line per Gluon SwiGLU-backward launch (`moekit.tuning.GLUON_SWIGLU_128`, `GLUON_SWIGLU_64`
+    in bf16 and fp16, and the 128-column tiles storing dpre_w alone, as
     `moekit.grouped_gemm_backward.gluon_swiglu_backward` launches them at Qwen3-30B-A3B's H and I):
     shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills.
     Exit 2 where this Triton has no Gluon."""
@@ -540,7 +540,7 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
 
     from moekit.grouped_gemm_backward import gluon_swiglu_backward
     from moekit.kernels import gluon_swiglu_bwd as kernels
-    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, GLUON_SWIGLU_COOP
+    from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
 
     if kernels.gluon_swiglu_bwd_kernel is None:
         print("cannot check: no Gluon")
@@ -556,18 +556,17 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
         down = torch.empty(e, hidden, inter, dtype=dtype)
         pre, dpre = torch.empty(rows, 2 * inter, dtype=dtype), torch.empty(rows, 2 * inter, dtype=dtype)
         h = torch.empty(rows, inter, dtype=dtype)
-        for t in (GLUON_SWIGLU_128, GLUON_SWIGLU_64, GLUON_SWIGLU_COOP):
+        for t in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
             part = torch.empty(rows, inter // t.block_n)
-            kernel = (kernels.gluon_swiglu_bwd_coop_kernel if t.cooperative
-                      else kernels.gluon_swiglu_bwd_kernel)
-            checks[t.label() + suffix] = (functools.partial(
-                gluon_swiglu_backward, dout, down, pre, w, align, t, dpre=dpre, h=h, part=part), kernel)
+            checks[t.label() + suffix] = functools.partial(
+                gluon_swiglu_backward, dout, down, pre, w, align, t, dpre=dpre, h=h, part=part)
         if dtype == torch.bfloat16:
-            checks[GLUON_SWIGLU_128.label() + ".dpre-only"] = (functools.partial(
+            checks[GLUON_SWIGLU_128.label() + ".dpre-only"] = functools.partial(
                 gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, dpre=dpre, h=None,
-                part=None), kernels.gluon_swiglu_bwd_kernel)
-    return run_gluon_checks("gluon-swiglu", "gluon swiglu kernels", checks, target, dump, regs,
-                            allow_local=True)
+                part=None)
+    kernel = kernels.gluon_swiglu_bwd_kernel
+    return run_gluon_checks("gluon-swiglu", "gluon swiglu kernels",
+                            {n: (c, kernel) for n, c in checks.items()}, target, dump, regs, allow_local=True)
 
 
 def main() -> int:

@@ -94,9 +94,12 @@ def main(argv=None) -> int:
                     if gemm != "GEMM2":            # h: rows in use (those past num_padded: never written)
                         got, ref = got[:npad], ref[:npad]
                     diff = (got.float() - ref.float()).abs().max().item()
-                    ms = time_fn(fn, graph=True, rep=a.rep, device=dev).median
+                    ms = time_fn(fn, graph=True, rep=a.rep, device=dev).median_ms
                 except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the rest go on
-                    lines.append(f"| {t} | {gemm} | {name} | {label} | failed: {type(exc).__name__} | | | |")
+                    why = (str(exc).strip().splitlines() or [""])[-1][:120]
+                    err = f"{type(exc).__name__}: {why}"
+                    lines.append(f"| {t} | {gemm} | {name} | {label} | failed: {err} | | | |")
+                    print(lines[-1], flush=True)
                     continue
                 if name == "table":
                     table_ms[gemm] = ms

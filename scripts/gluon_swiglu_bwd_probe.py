@@ -76,11 +76,10 @@ from gluon_probe import Recorder, _cuobjdump, _error_head  # noqa: E402
 import moekit.grouped_gemm_backward as gb  # noqa: E402
 from moekit.grouped_gemm_backward import GATHER_BLOCK_C, GATHER_BLOCK_R  # noqa: E402
 from moekit.kernels import gluon_swiglu_bwd as gluon_swiglu_kernels  # noqa: E402
-from moekit.kernels.gluon_swiglu_bwd import gluon_swiglu_bwd_coop_kernel as swiglu_coop_kernel  # noqa: E402
 from moekit.kernels.gluon_swiglu_bwd import gluon_swiglu_bwd_kernel  # noqa: E402
 from moekit.kernels.gluon_wgrad import GLUON_ERROR  # noqa: E402
 from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel as gather_rows_kernel  # noqa: E402
-from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, GLUON_SWIGLU_COOP, GluonSwigluTiles  # noqa: E402
+from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, GluonSwigluTiles  # noqa: E402
 
 
 def gather_rows(src, sorted_ids, num_padded, top_k, out):
@@ -109,12 +108,6 @@ VARIANTS = {
     "pp_64x128": GluonSwigluTiles(block_n=128, stages=4, producer_regs=24, consumer_regs=240),
     "pp_64x128_s5": GLUON_SWIGLU_128,        # the runtime's tiles where 128 divides I
     "pp_64x64": GLUON_SWIGLU_64,             # ... and where only 64 does
-    # cooperative: 128-row items, both warpgroups on each, one down tile a stage for both
-    "coop_128x128_s4": GLUON_SWIGLU_COOP,    # the runtime's cooperative tiles
-    "coop_128x128_s3": GluonSwigluTiles(block_n=128, stages=3, producer_regs=24, consumer_regs=240,
-                                        block_m=128),
-    "coop_128x64_s6": GluonSwigluTiles(block_n=64, stages=6, producer_regs=40, consumer_regs=232,
-                                       block_m=128),
 }
 PRE_STEP = gluon_swiglu_kernels.PRE_STEP
 
@@ -176,8 +169,7 @@ def run_aot(args) -> int:
     for name, tiles in VARIANTS.items():
         part = torch.empty(rows, inter // tiles.block_n, dtype=torch.float32)
         checks[name] = (lambda name=name, part=part: gluon_swiglu_bwd(
-            dout_sorted, down, pre, w, align, dpre, h, part, name),
-            swiglu_coop_kernel if tiles.cooperative else gluon_swiglu_bwd_kernel)
+            dout_sorted, down, pre, w, align, dpre, h, part, name), gluon_swiglu_bwd_kernel)
     checks["gather"] = (lambda: gather_rows(torch.empty(256, hidden, dtype=bf), sid, npad, k, dout_sorted),
                         gather_rows_kernel)
     failed = 0

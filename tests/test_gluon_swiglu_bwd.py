@@ -29,7 +29,6 @@ from moekit.kernels import gluon_wgrad as gluon_kernels
 from moekit.tuning import (
     GLUON_SWIGLU_64,
     GLUON_SWIGLU_128,
-    GLUON_SWIGLU_COOP,
     SHARED_MEMORY_LIMIT,
     default_config,
     gluon_swiglu_tiles,
@@ -42,36 +41,10 @@ def test_tiles_by_intermediate_size():
     assert gluon_swiglu_tiles(768) == GLUON_SWIGLU_128 and gluon_swiglu_tiles(1408) == GLUON_SWIGLU_128
     assert gluon_swiglu_tiles(832) == GLUON_SWIGLU_64 and gluon_swiglu_tiles(64) == GLUON_SWIGLU_64
     assert gluon_swiglu_tiles(720) is None and gluon_swiglu_tiles(48) is None
-    # the cooperative schedule where 128 divides I; 64 x 64 ping-pong where only 64 does
-    assert gluon_swiglu_tiles(768, "coop") == GLUON_SWIGLU_COOP
-    assert gluon_swiglu_tiles(832, "coop") == GLUON_SWIGLU_64
-    assert gluon_swiglu_tiles(720, "coop") is None
-    with pytest.raises(ValueError, match="gluon_swiglu_tiles: schedule must be one of"):
-        gluon_swiglu_tiles(768, "fast")
-    for tiles in (GLUON_SWIGLU_128, GLUON_SWIGLU_64, GLUON_SWIGLU_COOP):
+    for tiles in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
         assert tiles.smem_bytes() <= SHARED_MEMORY_LIMIT
         assert tiles.producer_regs + 2 * tiles.consumer_regs <= 512
-        assert tiles.block_k == swiglu_kernels.BLOCK_K
-        assert tiles.block_m == (2 if tiles.cooperative else 1) * swiglu_kernels.SUB_M
-    assert GLUON_SWIGLU_COOP.cooperative and not GLUON_SWIGLU_128.cooperative
-    assert GLUON_SWIGLU_COOP.label() == "coop_128x128_s4" and GLUON_SWIGLU_128.label() == "pp_64x128_s5"
-    # ring of 4 stages (two [64, 64] dout boxes and one [64, 128] down tile) and 6 epilogue slots [64, 128]
-    assert GLUON_SWIGLU_COOP.smem_bytes() == (4 * (2 * 64 * 64 + 64 * 128) + 6 * 64 * 128) * 2
-
-
-@pytest.mark.parametrize("value, want", [("coop", GLUON_SWIGLU_COOP), ("COOP", GLUON_SWIGLU_COOP),
-                                         ("pp", GLUON_SWIGLU_128), ("1", None), ("", None), ("0", "off")])
-def test_schedule_from_the_environment(on_hopper, monkeypatch, value, want):
-    monkeypatch.setenv(gb.GLUON_SWIGLU_ENV, value)
-    default = gluon_swiglu_tiles(I, gb.GLUON_SWIGLU_SCHEDULE)
-    got = gb._gluon_swiglu_tiles(**predicate_args())
-    assert got == (None if want == "off" else default if want is None else want)
-
-
-def test_a_bad_schedule_in_the_environment_is_an_error(on_hopper, monkeypatch):
-    monkeypatch.setenv(gb.GLUON_SWIGLU_ENV, "fastest")
-    with pytest.raises(ValueError, match=r"\$MOEKIT_GLUON_SWIGLU must be 0, 1 or one of"):
-        gb._gluon_swiglu_tiles(**predicate_args())
+        assert tiles.block_m == swiglu_kernels.SUB_M and tiles.block_k == swiglu_kernels.BLOCK_K
 
 
 E, H, I, T, K = 4, 512, 256, 40, 2
@@ -167,35 +140,28 @@ def swiglu_case(num_tokens=24, num_experts=4, hidden=H, inter=I, top_k=K, dtype=
     return x, gate_up, down, w, ids, dout, pre, align
 
 
-@pytest.mark.parametrize("schedule", ["pp", "coop"])
 @pytest.mark.parametrize("wants", [(True, True, True), (True, False, True), (False, True, False),
                                    (True, True, False)], ids=["all", "no-h", "h-only", "no-weights"])
-def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants, schedule):
+def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants):
     """`swiglu_backward`'s Gluon branch on the CPU, the kernel launch recorded instead of run: dout
     copied into sorted rows (the interpreted gather), the descriptors over the right tensors and
-    boxes (64 rows for both schedules), the outputs not wanted neither allocated nor stored, one
-    program an SM at most (an item 64 rows, or 128 for the cooperative kernel)."""
+    boxes, the outputs not wanted neither allocated nor stored, one program an SM at most."""
     rec = Recorder()
-    other = Recorder()
-    coop = schedule == "coop"
-    names = ["gluon_swiglu_bwd_kernel", "gluon_swiglu_bwd_coop_kernel"]
-    monkeypatch.setattr(swiglu_kernels, names[coop], rec)
-    monkeypatch.setattr(swiglu_kernels, names[not coop], other)
-    monkeypatch.setenv(gb.GLUON_SWIGLU_ENV, schedule)
+    monkeypatch.setattr(swiglu_kernels, "gluon_swiglu_bwd_kernel", rec)
     want_dpre, want_h, want_w = wants
     x, gate_up, down, w, ids, dout, pre, align = swiglu_case()
     cfg = default_config(PRESETS["qwen3-30b-a3b"], 64)
     got = gb.swiglu_backward(x, gate_up, down, dout, w, align, K, cfg, pre=pre, want_dpre=want_dpre,
                              want_h=want_h, want_topk_weights=want_w)
-    assert len(rec.launches) == 1 and not other.launches
+    assert len(rec.launches) == 1
     grid, args, kwargs = rec.launches[0]
-    tiles = GLUON_SWIGLU_COOP if coop else GLUON_SWIGLU_128
+    tiles = GLUON_SWIGLU_128
     (a_desc, b_desc, pre_desc, dpre_desc, h_desc, part, w_arg, sid, eid, npad, num_pairs, hidden, inter,
      n_tiles) = args
     rows = align.sorted_ids.numel()
     npad_v = int(align.num_padded)
     assert (hidden, inter, n_tiles, num_pairs) == (H, I, I // tiles.block_n, align.num_pairs)
-    assert grid == (min(gb.num_sms(x.device), -(-rows // tiles.block_m) * n_tiles),)
+    assert grid == (min(gb.num_sms(x.device), (rows // tiles.block_m) * n_tiles),)
     assert torch.equal(a_desc.base[:npad_v], gb.sorted_rows_torch(dout, align, K)[:npad_v])
     assert a_desc.block_shape == [64, 64]
     assert b_desc.base.data_ptr() == down.data_ptr() and list(b_desc.shape) == [E * H, I]
@@ -267,11 +233,7 @@ GPU_CASES = [  # (name, (E, H, I, K), T, routing, align block size)
     ("i832-T700-bn64", (16, 1024, 832, 4), 700, "softmax", 64),       # only 64 divides I: GLUON_SWIGLU_64
     ("qwen-T1000-one-expert", QWEN, 1000, "one-expert", 64),
     ("qwen-T1000-sentinels", QWEN, 1000, "sentinels", 64),
-    # top_k 1, pairs an expert COUNTS: 9 blocks of 64 (the cooperative kernel's last 128-row unit has a
-    # second half at num_padded), blocks 2 and 3 of two experts (a unit over two experts' down tiles)
-    ("counts-K1", (8, 2048, 768, 1), 345, "counts", 64),
 ]
-COUNTS = (70, 64, 1, 0, 200, 10, 0, 0)
 
 
 def gpu_case(shape, num_tokens, kind, block_m, seed=0):
@@ -279,15 +241,7 @@ def gpu_case(shape, num_tokens, kind, block_m, seed=0):
     the pre-activations' padding rows NaN (never read into a result)."""
     num_experts, hidden, inter, top_k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    if kind == "counts":
-        assert top_k == 1 and num_tokens == sum(COUNTS) and num_experts == len(COUNTS)
-        flat = torch.repeat_interleave(torch.arange(num_experts, device="cuda"),
-                                       torch.tensor(COUNTS, device="cuda"))
-        perm = torch.randperm(num_tokens, device="cuda", generator=gen)
-        ids = flat[perm].to(torch.int32).view(num_tokens, 1)
-        w = torch.rand(num_tokens, 1, device="cuda", generator=gen)
-    else:
-        w, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, kind=kind)
+    w, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, kind=kind)
     align = align_block_size(ids, num_experts, block_m, backend="triton")
     rows = align.sorted_ids.numel()
 
@@ -319,24 +273,20 @@ def gluon_spy(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("schedule", ["pp", "coop"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gluon_swiglu_within_twice_plain_pytorch_gpu(case, schedule, gluon_spy, monkeypatch):
+def test_gluon_swiglu_within_twice_plain_pytorch_gpu(case, gluon_spy):
     name, shape, num_tokens, kind, block_m = case
-    monkeypatch.setenv(gb.GLUON_SWIGLU_ENV, schedule)
     ids, align, x, gate_up, down, w, dout, pre = gpu_case(shape, num_tokens, kind, block_m)
     top_k, inter = shape[3], shape[2]
     cfg = default_config(PRESETS["qwen3-30b-a3b"], num_tokens)
     npad = int(align.num_padded)
-    if kind == "counts":      # the layout the case is for
-        assert npad == 9 * 64 and align.expert_ids[2] != align.expert_ids[3]
 
     def run():
         with poisoning():
             return gb.swiglu_backward(x, gate_up, down, dout, w, align, top_k, cfg, pre=pre)
 
     got = run()
-    assert gluon_spy == [gluon_swiglu_tiles(inter, schedule)], gluon_spy
+    assert gluon_spy == [gluon_swiglu_tiles(inter)], gluon_spy
     want = gb.swiglu_backward_torch(x, gate_up, down, dout, w, align, top_k, pre=pre)
     plain = gb.swiglu_backward_torch(x, gate_up, down, dout, w, align, top_k, pre=pre,
                                      compute_dtype=torch.bfloat16)
@@ -385,17 +335,14 @@ def test_gluon_swiglu_output_subsets_and_switch_off_gpu(gluon_spy, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("schedule", ["pp", "coop"])
-def test_gluon_swiglu_through_moe_experts_autograd_gpu(gluon_spy, monkeypatch, schedule):
+def test_gluon_swiglu_through_moe_experts_autograd_gpu(gluon_spy):
     """The training step (moe_experts, backend "triton") at Qwen3's shape runs the Gluon SwiGLU
     backward once; all four gradients within 2x plain bf16 PyTorch's error against the fp32 reference,
     deterministic, no host sync."""
     from moekit import moe_experts
 
-    monkeypatch.setenv(gb.GLUON_SWIGLU_ENV, schedule)
     check_training_step(lambda *a: moe_experts(*a, backend="triton"), QWEN, 777, seed=1)
-    want = GLUON_SWIGLU_COOP if schedule == "coop" else GLUON_SWIGLU_128
-    assert gluon_spy == [want] * 2, gluon_spy          # the first backward and the second
+    assert gluon_spy == [GLUON_SWIGLU_128] * 2, gluon_spy          # the first backward and the second
 
 
 # ---- the training backward's plumbing (CPU: the Gluon launch stood in for by the fp32 twin) ---------

@@ -89,12 +89,10 @@ def test_gluon_wgrad_kernel_compiles_for_sm90_without_spills():
 
 
 def test_gluon_swiglu_kernel_compiles_for_sm90():
-    """The Hopper Gluon SwiGLU backward's three tiles (ping-pong 64 x 128 and 64 x 64, cooperative
-    128 x 128; bf16 and fp16) and a launch storing dpre_w alone, through ptxas for sm_90, within the
-    shared-memory limit (skipped where this Triton has no Gluon, CUDA backend or ptxas). The 128-column
-    tiles spill loop counters (reported, allowed)."""
+    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16) and a launch storing dpre_w alone,
+    through ptxas for sm_90, within the shared-memory limit (skipped where this Triton has no Gluon,
+    CUDA backend or ptxas). The 128-column tiles spill loop counters (reported, allowed)."""
     out = aot_compile_check("--gluon-swiglu", "--regs")
-    assert "7/7 gluon swiglu kernels compile" in out
+    assert "5/5 gluon swiglu kernels compile" in out
     lines = [line for line in out.splitlines() if line.startswith("gluon-swiglu ")]
-    assert len(lines) == 7 and all(" OK " in line and "r " in line for line in lines), lines
-    assert sum(line.split()[1].startswith("coop_128x128") for line in lines) == 2, lines
+    assert len(lines) == 5 and all(" OK " in line and "r " in line for line in lines), lines

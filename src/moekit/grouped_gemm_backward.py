@@ -100,7 +100,6 @@ from moekit.kernels.grouped_gemm_backward import (
 )
 from moekit.launch_hints import capability_major, pdl_kwargs
 from moekit.tuning import (
-    GLUON_SWIGLU_SCHEDULES,
     WGRAD_ENV,
     ExpertsConfig,
     GluonSwigluTiles,
@@ -490,21 +489,7 @@ def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out:
     return out
 
 
-GLUON_SWIGLU_ENV = "MOEKIT_GLUON_SWIGLU"   # "0": `swiglu_backward` never takes the Gluon kernel (each call);
-GLUON_SWIGLU_SCHEDULE = "pp"               # "pp" / "coop": that schedule (`moekit.tuning.gluon_swiglu_tiles`)
-
-
-def _gluon_swiglu_schedule() -> str | None:
-    """$MOEKIT_GLUON_SWIGLU: None for "0" (off), else the schedule ("pp", "coop"; unset or "1": the
-    default). Anything else is an error naming the variable."""
-    text = os.environ.get(GLUON_SWIGLU_ENV, "1").strip().lower()
-    if text == "0":
-        return None
-    if text in ("", "1"):
-        return GLUON_SWIGLU_SCHEDULE
-    if text not in GLUON_SWIGLU_SCHEDULES:
-        raise ValueError(f"${GLUON_SWIGLU_ENV} must be 0, 1 or one of {GLUON_SWIGLU_SCHEDULES}, got {text!r}")
-    return text
+GLUON_SWIGLU_ENV = "MOEKIT_GLUON_SWIGLU"   # "0": `swiglu_backward` never takes the Gluon kernel (each call)
 
 
 def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor | None,
@@ -513,7 +498,7 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
     `swiglu_backward` takes it, else None. It takes it when all of these hold (host values only: no
     sync; the caller asked for no Triton tiles):
 
-        $MOEKIT_GLUON_SWIGLU is not "0" (it may name the schedule), and this Triton has Gluon
+        $MOEKIT_GLUON_SWIGLU is not "0", and this Triton has Gluon
         a CUDA device of compute capability 9.x, not interpreted (`_sm90`)
         the saved pre-activations given (pre (>= L, 2I): the training step's launch)
         dout, pre and down_proj of one dtype, bf16 or fp16
@@ -521,8 +506,7 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
         H a multiple of 64 with more ring steps than PRE_STEP; tiles dividing I
         down_proj contiguous, E * H rows within TMA's int32 coordinates; pre TMA-readable as it lies
     """
-    schedule = _gluon_swiglu_schedule()
-    if pre is None or schedule is None:
+    if pre is None or os.environ.get(GLUON_SWIGLU_ENV, "1").strip() == "0":
         return None
     if not _gluon.GLUON_AVAILABLE:
         return None
@@ -532,8 +516,8 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
         return None
     num_experts, hidden, inter = down_proj.shape
     rows = align.sorted_ids.numel()
-    tiles = gluon_swiglu_tiles(inter, schedule)
-    if tiles is None or rows == 0 or align.block_m % 64 or dout.dim() != 2:
+    tiles = gluon_swiglu_tiles(inter)
+    if tiles is None or rows == 0 or align.block_m % tiles.block_m or dout.dim() != 2:
         return None
     if hidden % tiles.block_k or hidden // tiles.block_k <= _gluon_swiglu.PRE_STEP:
         return None
@@ -566,12 +550,10 @@ def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pr
         raise ValueError(f"gluon_swiglu_backward: dout_sorted {tuple(dout_sorted.shape)} and part "
                          f"{None if part is None else tuple(part.shape)} must be ({rows}, {hidden}) and "
                          f"({rows}, {n_tiles})")
-    bm, bn = _gluon_swiglu.SUB_M, tiles.block_n     # TMA boxes of 64 rows (a cooperative item loads two)
+    bm, bn = tiles.block_m, tiles.block_n
     pre_desc = _gluon_descriptor(pre, (bm, bn))
-    items = cdiv(rows, tiles.block_m) * n_tiles     # a bound: num_padded is on the device
-    kernel = (_gluon_swiglu.gluon_swiglu_bwd_coop_kernel if tiles.cooperative
-              else _gluon_swiglu.gluon_swiglu_bwd_kernel)
-    kernel[(max(1, min(num_sms(pre.device), items)),)](
+    items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
+    _gluon_swiglu.gluon_swiglu_bwd_kernel[(max(1, min(num_sms(pre.device), items)),)](
         _gluon_descriptor(dout_sorted, (bm, tiles.block_k)),
         _gluon_descriptor(down_proj.view(num_experts * hidden, inter), (tiles.block_k, bn)),
         pre_desc,

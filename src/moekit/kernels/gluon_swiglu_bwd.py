@@ -121,20 +121,14 @@ def _swiglu_producer(a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_b
 @gluon.jit
 def _swiglu_epilogue(acc, a_s, b_s, h_s, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr, pre_empty_bar,
                      row0, n0, tile, S, inter, n_tiles, STORE_DPRE: gl.constexpr, STORE_H: gl.constexpr,
-                     STORE_PART: gl.constexpr, row_end=0, CHECK_ROWS: gl.constexpr = False):
-    """CHECK_ROWS: rows from row_end on (num_padded) are padding whatever sorted_ids holds (its buffer
-    may end there): their outputs are zeros, part is not stored, sorted_ids not read."""
+                     STORE_PART: gl.constexpr):
     BM: gl.constexpr = acc.type.shape[0]
     layout: gl.constexpr = acc.type.layout
     dtype: gl.constexpr = a_s.dtype
     a = a_s.load(layout).to(gl.float32)
     b = b_s.load(layout).to(gl.float32)
     rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    if CHECK_ROWS:
-        rows_in = rows < row_end
-        pair = gl.load(sorted_ids_ptr + rows, mask=rows_in, other=S)
-    else:
-        pair = gl.load(sorted_ids_ptr + rows)
+    pair = gl.load(sorted_ids_ptr + rows)
     valid = pair < S
     wt = gl.load(w_ptr + pair, mask=valid, other=0.0).to(gl.float32)[:, None]     # [BM, 1]; 0 on padding
     # padding rows: dout_sorted is 0 there (g = 0) and so is wt; a, b masked to 0 so that whatever
@@ -146,10 +140,7 @@ def _swiglu_epilogue(acc, a_s, b_s, h_s, dpre_desc, h_desc, part_ptr, w_ptr, sor
     h = silu * b
     if STORE_PART:
         part = gl.sum(acc * h, axis=1)                                 # unscaled <g, h> over the tile
-        if CHECK_ROWS:
-            gl.store(part_ptr + rows.to(gl.int64) * n_tiles + tile, part, mask=rows_in)
-        else:
-            gl.store(part_ptr + rows.to(gl.int64) * n_tiles + tile, part)
+        gl.store(part_ptr + rows.to(gl.int64) * n_tiles + tile, part)
     # each thread overwrites the slot elements it read (same layout): a -> d_gate, b -> d_up, h_w
     if STORE_H:
         h_s.store((h * wt).to(dtype))
@@ -270,190 +261,5 @@ def gluon_swiglu_bwd_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_pt
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-
-# --------------------------------------------------------------------------------------------------
-# Cooperative schedule: 128-row work items, one down tile shared by both warpgroups
-# --------------------------------------------------------------------------------------------------
-#
-# The ping-pong kernel above streams a [BK, BN] tile of down_proj for every 64 rows: 24 KB of shared
-# memory fills a step for 64 x BN x BK MACs. Here a work item is a 128-row unit (two 64-row halves,
-# one a warpgroup) and one I tile; each ring stage holds both halves' dout rows ([64, BK] twice) and
-# one down tile, which both warpgroups read (32 KB a step for twice the MACs). A half lies in one align
-# block (block_m a multiple of 64), but the two halves of a unit may belong to two experts when the align
-# block is 64 rows: such a unit takes two ring stages a step, the second holding the second expert's
-# down tile alone (its A boxes are not loaded). A unit whose second half starts at num_padded (the last
-# one, when num_padded is an odd number of halves) runs that half's wgmmas on whatever the rows hold and
-# stores zero rows of dpre_w and h_w there (past num_padded: nothing reads them) and no part. The
-# epilogue is the ping-pong kernel's (`_swiglu_epilogue`), each warpgroup on its half; it does not
-# overlap the main loop (the producer fills the next item's first stages under it).
-#
-# Barriers: ready[s] count 1 (the producer's expect); empty[s] count 2 (each warpgroup arrives once a
-# use, also on a second-expert stage it does not read, after waiting for it to land, so a release never
-# counts toward an earlier pass); pre_ready[c] / pre_empty[c] as in the ping-pong kernel, one pair a
-# warpgroup. Both warpgroups follow every stage use in order, so no order barrier is needed.
-
-
-@gluon.jit
-def _coop_item(t, n_tiles, expert_ids_ptr, num_padded, ALIGN_M: gl.constexpr, HALF: gl.constexpr):
-    """(row0, tile, e0, e1) of item t: the unit's first sorted row, its I tile, and the experts of its
-    two halves (e1 = e0 when the second half starts at num_padded)."""
-    row0 = (t // n_tiles) * (2 * HALF)
-    e0 = gl.load(expert_ids_ptr + row0 // ALIGN_M)
-    # num_padded is a multiple of HALF: past the last live half this reads the first half's block
-    e1 = gl.load(expert_ids_ptr + gl.minimum(row0 + HALF, num_padded - HALF) // ALIGN_M)
-    return row0, t % n_tiles, e0, e1
-
-
-@gluon.jit
-def _coop_producer(a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready,
-                   pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, ALIGN_M: gl.constexpr,
-                   PRE_STEP_: gl.constexpr):
-    """1 warp: per item, H / BK steps, each one stage (dout rows of both halves, down tile of e0) and,
-    when the halves' experts differ, a second (down tile of e1); at step PRE_STEP_ both halves' a, b
-    tiles into the warpgroups' epilogue slots."""
-    HALF: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    SLOTS: gl.constexpr = epi_bufs.type.shape[0] // 2
-    A_BYTES: gl.constexpr = 2 * a_desc.block_type.nbytes
-    B_BYTES: gl.constexpr = b_desc.block_type.nbytes
-    PRE_BYTES: gl.constexpr = 2 * pre_desc.block_type.nbytes
-    num_padded = gl.load(num_padded_ptr)
-    num_items = (num_padded + 2 * HALF - 1) // (2 * HALF) * n_tiles
-    k_steps = H // BK
-    it = 0                          # stage uses so far, across this program's items
-    j = 0                           # items so far
-    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        row0, tile, e0, e1 = _coop_item(t, n_tiles, expert_ids_ptr, num_padded, ALIGN_M, HALF)
-        n0 = tile * BLOCK_N
-        for ki in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
-            ready = ready_bars.index(s)
-            mbarrier.expect(ready, A_BYTES + B_BYTES)
-            tma_load(a_desc, [row0, ki * BK], ready, a_bufs.index(2 * s))
-            tma_load(a_desc, [row0 + HALF, ki * BK], ready, a_bufs.index(2 * s + 1))
-            tma_load(b_desc, [e0 * H + ki * BK, n0], ready, b_bufs.index(s))
-            it += 1
-            if e1 != e0:
-                s = it % STAGES
-                mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
-                ready = ready_bars.index(s)
-                mbarrier.expect(ready, B_BYTES)
-                tma_load(b_desc, [e1 * H + ki * BK, n0], ready, b_bufs.index(s))
-                it += 1
-            if ki == PRE_STEP_:
-                for c in gl.static_range(2):
-                    # warpgroup c released its slots (its previous item's epilogue is done)
-                    mbarrier.wait(pre_empty.index(c), (j & 1) ^ 1)
-                    pr = pre_ready.index(c)
-                    mbarrier.expect(pr, PRE_BYTES)
-                    tma_load(pre_desc, [row0 + c * HALF, n0], pr, epi_bufs.index(c * SLOTS))
-                    tma_load(pre_desc, [row0 + c * HALF, inter + n0], pr, epi_bufs.index(c * SLOTS + 1))
-        j += 1
-
-
-@gluon.jit
-def _coop_consumer(a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready, pre_empty, dpre_desc, h_desc,
-                   part_ptr, w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles,
-                   ALIGN_M: gl.constexpr, CONSUMER: gl.constexpr, STORE_DPRE: gl.constexpr,
-                   STORE_H: gl.constexpr, STORE_PART: gl.constexpr):
-    """One warpgroup: half CONSUMER (rows row0 + 64 CONSUMER ..) of every item of this program."""
-    HALF: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
-    STAGES: gl.constexpr = b_bufs.type.shape[0]
-    SLOTS: gl.constexpr = epi_bufs.type.shape[0] // 2
-    layout: gl.constexpr = _acc_layout(BLOCK_N)
-    a_s = epi_bufs.index(CONSUMER * SLOTS)
-    b_s = epi_bufs.index(CONSUMER * SLOTS + 1)
-    h_s = epi_bufs.index(CONSUMER * SLOTS + 2)
-    num_padded = gl.load(num_padded_ptr)
-    num_items = (num_padded + 2 * HALF - 1) // (2 * HALF) * n_tiles
-    k_steps = H // BK
-    it = 0                          # stage uses so far
-    j = 0                           # items so far
-    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        row0, tile, e0, e1 = _coop_item(t, n_tiles, expert_ids_ptr, num_padded, ALIGN_M, HALF)
-        split = (e1 != e0).to(gl.int32)          # 1: a second stage a step (e1's down tile)
-        acc = gl.zeros((HALF, BLOCK_N), gl.float32, layout)
-        for ki in range(k_steps):
-            k = it + ki * (1 + split)            # the step's first stage use
-            s = k % STAGES
-            mbarrier.wait(ready_bars.index(s), (k // STAGES) & 1)
-            sb = s
-            if split != 0:
-                sb = (k + 1) % STAGES
-                mbarrier.wait(ready_bars.index(sb), ((k + 1) // STAGES) & 1)
-            if CONSUMER == 0:
-                sb = s
-            acc = warpgroup_mma(a_bufs.index(2 * s + CONSUMER), b_bufs.index(sb), acc, is_async=True)
-            # <= 1 in flight: the previous step's wgmma retired, release its stage(s)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if ki > 0:
-                kp = k - 1 - split
-                mbarrier.arrive(empty_bars.index(kp % STAGES))
-                if split != 0:
-                    mbarrier.arrive(empty_bars.index((kp + 1) % STAGES))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        k_last = it + (k_steps - 1) * (1 + split)
-        mbarrier.arrive(empty_bars.index(k_last % STAGES))
-        if split != 0:
-            mbarrier.arrive(empty_bars.index((k_last + 1) % STAGES))
-        it += k_steps * (1 + split)
-        mbarrier.wait(pre_ready.index(CONSUMER), j & 1)
-        # a second half that starts at num_padded stores zero rows there (TMA drops those past the
-        # buffers' end), reads no sorted id and stores no part (CHECK_ROWS); under a branch instead,
-        # the epilogue spilled 1 KB a thread
-        _swiglu_epilogue(acc, a_s, b_s, h_s, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr,
-                         pre_empty.index(CONSUMER), row0 + CONSUMER * HALF, tile * BLOCK_N, tile, S, inter,
-                         n_tiles, STORE_DPRE, STORE_H, STORE_PART, num_padded, CONSUMER == 1)
-        j += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def gluon_swiglu_bwd_coop_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr,
-                                 expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles, ALIGN_M: gl.constexpr,
-                                 STAGES: gl.constexpr, PRE_STEP_: gl.constexpr, STORE_DPRE: gl.constexpr,
-                                 STORE_H: gl.constexpr, STORE_PART: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """`gluon_swiglu_bwd_kernel`'s outputs, with 128-row work items (the cooperative schedule above);
-    the same arguments (a_desc in [64, BK] boxes, the 128-row unit's halves loaded as two)."""
-    dtype: gl.constexpr = a_desc.dtype
-    HALF: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, HALF, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_N], b_desc.layout)
-    epi_bufs = gl.allocate_shared_memory(dtype, [6, HALF, BLOCK_N], pre_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    pre_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pre_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)          # the producer's expect()
-        mbarrier.init(empty_bars.index(i), count=2)          # both warpgroups
-    for i in gl.static_range(2):
-        mbarrier.init(pre_ready.index(i), count=1)
-        mbarrier.init(pre_empty.index(i), count=1)
-    fence_async_shared()
-    C0: gl.constexpr = 0
-    C1: gl.constexpr = 1
-    gl.warp_specialize([
-        (_coop_consumer, (a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready, pre_empty,
-                          dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                          S, H, inter, n_tiles, ALIGN_M, C0, STORE_DPRE, STORE_H, STORE_PART)),
-        (_coop_consumer, (a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready, pre_empty,
-                          dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                          S, H, inter, n_tiles, ALIGN_M, C1, STORE_DPRE, STORE_H, STORE_PART)),
-        (_coop_producer, (a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars,
-                          pre_ready, pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, ALIGN_M,
-                          PRE_STEP_)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
 if not GLUON_AVAILABLE:
     gluon_swiglu_bwd_kernel = None
-    gluon_swiglu_bwd_coop_kernel = None

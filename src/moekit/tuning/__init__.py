@@ -300,10 +300,8 @@ class GluonSwigluTiles:
         stages: the shared-memory ring's depth (dout rows [block_m, block_k], down [block_k, block_n]).
         producer_regs, consumer_regs: registers a thread after setmaxnreg (the producer's warp and the
             two consumer warpgroups; producer + 2 consumers <= 512).
-        block_m, block_k: rows a work item and H a ring step. 64: one warpgroup's m64, the two
-            warpgroups taking alternate items (ping-pong); 128: both warpgroups on every item, 64 rows
-            each, sharing each down tile (the cooperative kernel). The align block size must be a
-            multiple of 64 either way.
+        block_m, block_k: rows a work item (one warpgroup's m64: the align block size must be a
+            multiple) and H a ring step.
     """
 
     block_n: int
@@ -313,17 +311,13 @@ class GluonSwigluTiles:
     block_m: int = 64
     block_k: int = 64
 
-    @property
-    def cooperative(self) -> bool:
-        return self.block_m == 128
-
     def smem_bytes(self, itemsize: int = 2) -> int:
-        """Shared memory: the ring and both consumers' three epilogue slots [64, block_n]."""
+        """Shared memory: the ring and both consumers' three epilogue slots [block_m, block_n]."""
         ring = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n)
-        return (ring + 6 * 64 * self.block_n) * itemsize
+        return (ring + 6 * self.block_m * self.block_n) * itemsize
 
     def label(self) -> str:
-        return f"{'coop' if self.cooperative else 'pp'}_{self.block_m}x{self.block_n}_s{self.stages}"
+        return f"pp_{self.block_m}x{self.block_n}_s{self.stages}"
 
 
 # H200, Qwen3-30B-A3B bf16, dout copied into sorted rows first (`scripts/gluon_swiglu_bwd_probe.py`,
@@ -332,21 +326,12 @@ class GluonSwigluTiles:
 # serves an I that 128 does not divide.
 GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=24, consumer_regs=240)
 GLUON_SWIGLU_64 = GluonSwigluTiles(block_n=64, stages=8, producer_regs=40, consumer_regs=232)
-# Cooperative: 128-row items, both warpgroups on each, one down tile a ring stage read by both (half the
-# down tiles' shared-memory fills of the ping-pong kernel's a row).
-GLUON_SWIGLU_COOP = GluonSwigluTiles(block_n=128, stages=4, producer_regs=24, consumer_regs=240, block_m=128)
-GLUON_SWIGLU_SCHEDULES = ("pp", "coop")
 
 
-def gluon_swiglu_tiles(inter: int, schedule: str = "pp") -> GluonSwigluTiles | None:
-    """The Gluon SwiGLU backward's tiles for intermediate size `inter`: with schedule "pp"
-    GLUON_SWIGLU_128 where 128 divides it, with "coop" GLUON_SWIGLU_COOP there; GLUON_SWIGLU_64 where
-    only 64 does; else None (the Triton kernel runs)."""
-    if schedule not in GLUON_SWIGLU_SCHEDULES:
-        raise ValueError(f"gluon_swiglu_tiles: schedule must be one of {GLUON_SWIGLU_SCHEDULES}, "
-                         f"got {schedule!r}")
-    wide = GLUON_SWIGLU_COOP if schedule == "coop" else GLUON_SWIGLU_128
-    for tiles in (wide, GLUON_SWIGLU_64):
+def gluon_swiglu_tiles(inter: int) -> GluonSwigluTiles | None:
+    """The Gluon SwiGLU backward's tiles for intermediate size `inter`: GLUON_SWIGLU_128 where 128
+    divides it, GLUON_SWIGLU_64 where 64 does, else None (the Triton kernel runs)."""
+    for tiles in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
         if inter % tiles.block_n == 0:
             return tiles
     return None
