@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 
@@ -12,6 +13,30 @@ import torch
 import moekit.kernels  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
 
 HAS_CUDA = torch.cuda.is_available()
+TEST_WORKERS_ENV = "MOEKIT_TEST_WORKERS"    # worker processes of a plain `pytest` without CUDA; 0: none
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A plain `pytest` (no paths, no -n) on a machine without CUDA runs on min(2, CPUs) worker processes
+    (pytest-xdist), each test file kept on one worker (`--dist loadfile`: a module's fixtures, such as
+    the gloo worlds, start once). The interpreted kernels make the suite CPU-bound, so two cores halve
+    its time. $MOEKIT_TEST_WORKERS sets the count (0: one process, as without xdist). With CUDA, a path
+    or -n given, under --pdb or without xdist, nothing changes."""
+    if HAS_CUDA or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is not None or config.getoption("usepdb", False):
+        return
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.option.collectonly:
+        return
+    text = os.environ.get(TEST_WORKERS_ENV, "").strip()
+    try:
+        workers = int(text) if text else min(2, os.cpu_count() or 1)
+    except ValueError:
+        raise pytest.UsageError(f"${TEST_WORKERS_ENV} must be an integer, got {text!r}") from None
+    if workers > 1:
+        config.option.numprocesses = workers
+        config.option.dist = "loadfile"
 
 
 def pytest_collection_modifyitems(config, items):

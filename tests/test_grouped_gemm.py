@@ -9,6 +9,7 @@ without a GPU, scripts/aot_compile_check.py compiles the kernels for sm_90 (a su
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -424,6 +425,27 @@ PERSISTENT = dataclasses.replace(CFG, persistent=True)
 PERSISTENT_PAIRED = dataclasses.replace(PAIRED, persistent=True)
 
 
+@contextlib.contextmanager
+def spied_runs(kernels, wrap):
+    """Each kernel's launches through wrap(kernel, run): an instance attribute `run`, which Triton's
+    kernel[grid](...) calls. On exit the attribute an enclosing spy had set is put back, or removed.
+    Not monkeypatch.setattr: its undo would leave the class's bound `run` behind as an instance
+    attribute, which hides any later patch of the class's method from these kernels
+    (`moekit.bench.launches` counts interpreted launches that way: a later test in the same process
+    then counted the GEMMs' staging ops as launches)."""
+    saved = [k.__dict__.get("run") for k in kernels]
+    for k in kernels:
+        k.run = wrap(k, k.run)
+    try:
+        yield
+    finally:
+        for k, before in zip(kernels, saved, strict=True):
+            if before is None:
+                del k.run
+            else:
+                k.run = before
+
+
 @pytest.fixture
 def three_programs(monkeypatch):
     """Persistent launches start at most 3 programs; yields the grids of the grouped GEMM launches,
@@ -432,13 +454,30 @@ def three_programs(monkeypatch):
 
     monkeypatch.setattr(gg, "num_sms", lambda device: 3)
     grids = []
-    for kernel in (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel):
-        def spy(*args, grid, warmup, _real=kernel.run, _name=kernel.__name__, **kwargs):
-            grids.append((_name, grid[0], kwargs.get("PERSISTENT", False)))
-            return _real(*args, grid=grid, warmup=warmup, **kwargs)
 
-        monkeypatch.setattr(kernel, "run", spy, raising=False)
-    return grids
+    def wrap(kernel, real):
+        def spy(*args, grid, warmup, **kwargs):
+            grids.append((kernel.__name__, grid[0], kwargs.get("PERSISTENT", False)))
+            return real(*args, grid=grid, warmup=warmup, **kwargs)
+        return spy
+
+    with spied_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
+        yield grids
+
+
+def test_spies_leave_the_kernels_as_they_were(three_programs):
+    """After `spied_runs` the kernels launch through their class's `run` again, however it is patched
+    later (no instance attribute left behind); inside, an enclosing spy is restored."""
+    import moekit.grouped_gemm as gg
+
+    kernels = (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel)
+    outer = [k.__dict__["run"] for k in kernels]                 # three_programs' spies
+    with spied_runs(kernels, lambda k, real: functools.partial(real)):
+        assert all(k.__dict__["run"] is not o for k, o in zip(kernels, outer, strict=True))
+    assert [k.__dict__["run"] for k in kernels] == outer
+    with spied_runs((gg.moe_sum_kernel,), lambda k, real: real):
+        pass
+    assert "run" not in vars(gg.moe_sum_kernel)
 
 
 def persistent_bound(align, cfg, n_tiles):
@@ -560,32 +599,34 @@ def test_persistent_flatten_switch(monkeypatch, three_programs):
     import moekit.grouped_gemm as gg
 
     flags = []
-    for kernel in (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel):
-        def spy(*args, _real=kernel.run, **kwargs):
-            flags.append(kwargs["FLATTEN"])
-            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, "run", spy)
-    x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
-    plain = experts_triton(x, gate_up, down, w, ids, config=PERSISTENT)
-    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", True)
-    for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
-        assert torch.equal(experts_triton(x, gate_up, down, w, ids, config=cfg), plain)
+    def wrap(kernel, real):
+        def spy(*args, **kwargs):
+            flags.append(kwargs["FLATTEN"])
+            return real(*args, **kwargs)
+        return spy
+
+    with spied_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
+        x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
+        plain = experts_triton(x, gate_up, down, w, ids, config=PERSISTENT)
+        monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", True)
+        for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
+            assert torch.equal(experts_triton(x, gate_up, down, w, ids, config=cfg), plain)
     assert flags == [False, False, True, True, False, False, False, False]
 
 
-def test_persistent_program_count_off_the_gpu(monkeypatch):
+def test_persistent_program_count_off_the_gpu():
     import moekit.grouped_gemm as gg
 
     assert gg.num_sms(torch.device("cpu")) == gg.OFF_GPU_SMS
     assert gg.programs_per_sm(gg.moe_gemm1_swiglu_kernel, (), {}, torch.device("cpu")) == 1
     grids = []
-    monkeypatch.setattr(gg.moe_gemm2_kernel, "run",
-                        lambda *args, grid, warmup, **kwargs: grids.append(grid[0]), raising=False)
+    stub = lambda k, real: lambda *args, grid, warmup, **kwargs: grids.append(grid[0])  # noqa: E731
     x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
-    for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
-        align = align_block_size(ids, 3, cfg.block_m, backend="torch")
-        gemm2_weighted(torch.zeros(align.sorted_ids.numel(), 40), down, w, align, cfg)
+    with spied_runs((gg.moe_gemm2_kernel,), stub):
+        for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
+            align = align_block_size(ids, 3, cfg.block_m, backend="torch")
+            gemm2_weighted(torch.zeros(align.sorted_ids.numel(), 40), down, w, align, cfg)
     assert grids == [gg.OFF_GPU_SMS, gg.OFF_GPU_SMS, len(align.expert_ids) * 2]
 
 
