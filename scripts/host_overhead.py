@@ -75,6 +75,8 @@ def kernels() -> list:
 @contextlib.contextmanager
 def stubbed_launches(sink: list | None = None):
     """kernel[grid](...) runs nothing inside (appends (kernel, args, kwargs) to sink when given)."""
+    # `moekit.bench.launches.patched_runs` does the same, but this script also runs against older
+    # checkouts of moekit (--baseline), which lack it
     ks = kernels()
     saved = [k.__dict__.get("run") for k in ks]      # an enclosing stub's, restored on exit
     for k in ks:

@@ -9,7 +9,6 @@ without a GPU, scripts/aot_compile_check.py compiles the kernels for sm_90 (a su
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -21,6 +20,7 @@ from helpers import aot_compile_check, distinct_topk_ids, poisoned, rel_err, sam
 from moekit import ExpertsConfig, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.activation import SWIGLU, GatedActivation
+from moekit.bench.launches import patched_runs
 from moekit.experts.triton import experts_triton
 from moekit.graphs import capture_graph
 from moekit.grouped_gemm import (
@@ -425,27 +425,6 @@ PERSISTENT = dataclasses.replace(CFG, persistent=True)
 PERSISTENT_PAIRED = dataclasses.replace(PAIRED, persistent=True)
 
 
-@contextlib.contextmanager
-def spied_runs(kernels, wrap):
-    """Each kernel's launches through wrap(kernel, run): an instance attribute `run`, which Triton's
-    kernel[grid](...) calls. On exit the attribute an enclosing spy had set is put back, or removed.
-    Not monkeypatch.setattr: its undo would leave the class's bound `run` behind as an instance
-    attribute, which hides any later patch of the class's method from these kernels
-    (`moekit.bench.launches` counts interpreted launches that way: a later test in the same process
-    then counted the GEMMs' staging ops as launches)."""
-    saved = [k.__dict__.get("run") for k in kernels]
-    for k in kernels:
-        k.run = wrap(k, k.run)
-    try:
-        yield
-    finally:
-        for k, before in zip(kernels, saved, strict=True):
-            if before is None:
-                del k.run
-            else:
-                k.run = before
-
-
 @pytest.fixture
 def three_programs(monkeypatch):
     """Persistent launches start at most 3 programs; yields the grids of the grouped GEMM launches,
@@ -461,21 +440,22 @@ def three_programs(monkeypatch):
             return real(*args, grid=grid, warmup=warmup, **kwargs)
         return spy
 
-    with spied_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
+    with patched_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
         yield grids
 
 
 def test_spies_leave_the_kernels_as_they_were(three_programs):
-    """After `spied_runs` the kernels launch through their class's `run` again, however it is patched
-    later (no instance attribute left behind); inside, an enclosing spy is restored."""
+    """After `moekit.bench.launches.patched_runs` the kernels launch through their class's `run`
+    again, however it is patched later (no instance attribute left behind); inside, an enclosing spy
+    is restored."""
     import moekit.grouped_gemm as gg
 
     kernels = (gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel)
     outer = [k.__dict__["run"] for k in kernels]                 # three_programs' spies
-    with spied_runs(kernels, lambda k, real: functools.partial(real)):
+    with patched_runs(kernels, lambda k, real: functools.partial(real)):
         assert all(k.__dict__["run"] is not o for k, o in zip(kernels, outer, strict=True))
     assert [k.__dict__["run"] for k in kernels] == outer
-    with spied_runs((gg.moe_sum_kernel,), lambda k, real: real):
+    with patched_runs((gg.moe_sum_kernel,), lambda k, real: real):
         pass
     assert "run" not in vars(gg.moe_sum_kernel)
 
@@ -606,7 +586,7 @@ def test_persistent_flatten_switch(monkeypatch, three_programs):
             return real(*args, **kwargs)
         return spy
 
-    with spied_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
+    with patched_runs((gg.moe_gemm1_swiglu_kernel, gg.moe_gemm2_kernel), wrap):
         x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
         plain = experts_triton(x, gate_up, down, w, ids, config=PERSISTENT)
         monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", True)
@@ -623,7 +603,7 @@ def test_persistent_program_count_off_the_gpu():
     grids = []
     stub = lambda k, real: lambda *args, grid, warmup, **kwargs: grids.append(grid[0])  # noqa: E731
     x, gate_up, down, w, ids = make(40, 3, 24, 40, 3)
-    with spied_runs((gg.moe_gemm2_kernel,), stub):
+    with patched_runs((gg.moe_gemm2_kernel,), stub):
         for cfg in (PERSISTENT, PERSISTENT_PAIRED, CFG):
             align = align_block_size(ids, 3, cfg.block_m, backend="torch")
             gemm2_weighted(torch.zeros(align.sorted_ids.numel(), 40), down, w, align, cfg)

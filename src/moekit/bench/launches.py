@@ -13,8 +13,9 @@ torch ops it runs internally to stage arguments are not counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,26 @@ class _TritonInterpreterCounter:
     def __exit__(self, *exc) -> None:
         if self._cls is not None:
             self._cls.run = self._orig
+
+
+@contextlib.contextmanager
+def patched_runs(kernels: Sequence, wrap: Callable) -> Iterator[None]:
+    """Each Triton kernel's launches (kernel[grid](...) calls its `run`) through wrap(kernel, run): an
+    instance attribute `run`. On exit the attribute an enclosing patch had set is put back, or removed.
+    Not monkeypatch.setattr: its undo leaves the class's bound `run` behind as an instance attribute,
+    which hides any later patch of the class's method (`_TritonInterpreterCounter` counts interpreted
+    launches that way) from these kernels."""
+    saved = [k.__dict__.get("run") for k in kernels]
+    for k in kernels:
+        k.run = wrap(k, k.run)
+    try:
+        yield
+    finally:
+        for k, before in zip(kernels, saved, strict=True):
+            if before is None:
+                del k.run
+            else:
+                k.run = before
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
