@@ -145,9 +145,10 @@ def _producer(x_ptr, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, sorted_ids_
                         s = it % STAGES
                         mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
                         ready = ready_bars.index(s)
-                        async_copy.async_copy_global_to_shared(a_bufs.index(2 * s), ptrs0 + ki * BLOCK_K)
+                        k0 = ki * BLOCK_K
+                        async_copy.async_copy_global_to_shared(a_bufs.index(2 * s), ptrs0 + k0)
                         if full:
-                            async_copy.async_copy_global_to_shared(a_bufs.index(2 * s + 1), ptrs1 + ki * BLOCK_K)
+                            async_copy.async_copy_global_to_shared(a_bufs.index(2 * s + 1), ptrs1 + k0)
                         async_copy.mbarrier_arrive(ready, increment_count=False)
                         mbarrier.expect(ready, 2 * B_BYTES)
                         tma_load(w_desc, [g_row, ki * BLOCK_K], ready, b_bufs.index(2 * s))
@@ -223,8 +224,9 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, h_ptr, sorted_ids_ptr, exp
 @gluon.jit
 def gemm1_kernel(x_ptr, w_desc, h_ptr, sorted_ids_ptr, expert_ids_ptr, codes_ptr, num_padded_ptr, L, S, N, K,
                  TOP_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, ALIGN_M: gl.constexpr,
-                 BPU: gl.constexpr, PAIRED: gl.constexpr, SINGLE_KIND: gl.constexpr, EPI_CONVERT: gl.constexpr,
-                 PRODUCER_WARPS_: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 BPU: gl.constexpr, PAIRED: gl.constexpr, SINGLE_KIND: gl.constexpr,
+                 EPI_CONVERT: gl.constexpr, PRODUCER_WARPS_: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = w_desc.dtype
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_K], dtype)
@@ -268,7 +270,8 @@ def gluon_gemm1(x, gate_up_proj, align, top_k, h=None, *, paired, block_n=128, b
     grid = (max(1, min(num_sms or gp._num_sms(None), items)),)
     threads = (8 + PRODUCER_WARPS) * 32
     gemm1_kernel[grid](x, w_desc, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
-                       align.sorted_ids.numel(), align.num_pairs, inter, hidden, TOP_K=top_k, STAGES=stages, BLOCK_K=block_k,
+                       align.sorted_ids.numel(), align.num_pairs, inter, hidden, TOP_K=top_k, STAGES=stages,
+                       BLOCK_K=block_k,
                        ALIGN_M=align_m, BPU=bpu, PAIRED=paired, SINGLE_KIND=2 if align_m == 128 else 1,
                        EPI_CONVERT=epi_convert, PRODUCER_WARPS_=PRODUCER_WARPS, PRODUCER_REGS=producer_regs,
                        CONSUMER_REGS=consumer_regs, num_warps=4,
@@ -385,7 +388,8 @@ def run_case(args, rec, shape, gate_up, num_tokens, cfg, label, broken, flush):
     ms = bench(calls, args.rounds, args.warmup, flush) if calls else {}
     flops = 2.0 * stats["placed_pairs"] * 2 * shape.intermediate_size * shape.hidden_size
     t_ref = ms.get("moekit_triton")
-    print(f"  {'variant':<15}{'rel err':>11}{'unpl. err':>11}{'ok':>5}{'ms':>10}{'TFLOP/s':>9}{'speed-up':>10}")
+    print(f"  {'variant':<15}{'rel err':>11}{'unpl. err':>11}{'ok':>5}{'ms':>10}{'TFLOP/s':>9}"
+          f"{'speed-up':>10}")
     ok = True
     for name, r in results.items():
         t = ms.get(name)
@@ -405,7 +409,8 @@ def run_case(args, rec, shape, gate_up, num_tokens, cfg, label, broken, flush):
 def run_gpu(args) -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, gluon {'yes' if not GLUON_ERROR else 'NO: ' + GLUON_ERROR}", flush=True)
+          f"triton {triton.__version__}, gluon {'yes' if not GLUON_ERROR else 'NO: ' + GLUON_ERROR}",
+          flush=True)
     if GLUON_ERROR:
         return 1
     shape = PRESETS[PRESET]
@@ -446,7 +451,8 @@ def run_aot(args) -> int:
     num_tokens = 256
     ids = torch.randint(0, shape.num_experts, (num_tokens, shape.top_k), dtype=torch.int32)
     x = torch.empty(num_tokens, shape.hidden_size, dtype=torch.bfloat16)
-    gate_up = torch.empty(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size, dtype=torch.bfloat16)
+    gate_up = torch.empty(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size,
+                          dtype=torch.bfloat16)
     failed = 0
     for name, opts in VARIANTS.items():
         if args.variants and name not in args.variants:
@@ -458,7 +464,8 @@ def run_aot(args) -> int:
                 align = align_block_size_torch(ids, shape.num_experts, align_m)
                 h = torch.empty(align.sorted_ids.numel(), shape.intermediate_size, dtype=torch.bfloat16)
                 launch = (lambda h=h, align=align, paired=paired, opts=opts:
-                          gluon_gemm1(x, gate_up, align, shape.top_k, h, paired=paired, num_sms=H200_SMS, **opts))
+                          gluon_gemm1(x, gate_up, align, shape.top_k, h, paired=paired, num_sms=H200_SMS,
+                                      **opts))
                 (kernel, kargs, kwargs), = capture_launches(launch, (gemm1_kernel,))
                 compiled = compile_launch(kernel, kargs, kwargs, target)
                 res = gp._cuobjdump(compiled.asm["cubin"], "-res-usage")
@@ -470,7 +477,7 @@ def run_aot(args) -> int:
                           f"local {local} B{' (SPILLS)' if local else ''}, "
                           f"{len(re.findall(r'HGMMA[.]', sass))} HGMMA, "
                           f"{len(re.findall(r'LDGSTS', sass))} LDGSTS, "
-                          f"{len(re.findall(r'cp[.]async[.]mbarrier[.]arrive[.]noinc', ptx))} noinc arrive (ptx), "
+                          f"{len(re.findall(r'cp[.]async[.]mbarrier[.]arrive[.]noinc', ptx))} noinc arrive, "
                           f"{len(re.findall(r'fence[.]proxy[.]async', ptx))} proxy fences")
                 if compiled.metadata.shared > 232448:
                     status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"

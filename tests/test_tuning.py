@@ -70,11 +70,13 @@ def test_default_config_follows_the_token_count(tokens, block_m):
         assert smem_bytes(cfg, 2, gemm) <= SHARED_MEMORY_BUDGET
 
 
-@pytest.mark.parametrize("tokens,pair_blocks,tma", [(512, 1, False), (1024, 1, True), (2048, 2, True),
-                                                   (8192, 1, True)])
+@pytest.mark.parametrize("tokens,pair_blocks,tma", [(256, 1, False), (512, 2, True), (1024, 1, True),
+                                                   (2048, 2, True), (8192, 1, True)])
 def test_default_config_switches_follow_the_rows_per_expert(tokens, pair_blocks, tma):
-    """Qwen3 (T*K/E rows an expert): 32 rows plain; 64 with TMA weights; 128 (80-384) in 128-row pairs
-    of 64-row blocks with TMA weights, the H200 tuner's choice for three shapes; 512 in 128-row blocks."""
+    """Qwen3 (T*K/E rows an expert): 16 rows plain; 32 (16-48) in 64-row pairs of 32-row blocks with TMA
+    weights, the H200 tuner's choice for OLMoE and the 64-expert slice; 64 with TMA weights; 128 (80-384)
+    in 128-row pairs of 64-row blocks with TMA weights, its choice for three shapes; 512 in 128-row
+    blocks."""
     cfg = default_config(QWEN, tokens)
     assert (cfg.pair_blocks, cfg.tma_weights, cfg.persistent) == (pair_blocks, tma, False)
 
