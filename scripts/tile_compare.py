@@ -39,6 +39,16 @@ kernels without paired tiles; a name ending in " flat" runs with it, its config 
     Calls `experts_decode` directly (no MOEKIT_DECODE_DIRECT needed); T * K past
     `DECODE_MAX_PAIRS` still runs (it is a measurement, not the backend's decision).
 
+`--set group` (few-expert shapes, whose experts take several row blocks at decode sizes):
+
+    table            the tuned config (or the default where the shape has no table)
+    group <g>        table with group_m g (2, 4, 8): `_swizzle` runs g row blocks' programs on one
+                     column tile before the next, so an expert's second block reads the weight tile
+                     the first just brought into L2 (with group_m 1 Mixtral 8x7B's second 16-row
+                     block of an expert starts 224 GEMM1 column tiles later, past the L2)
+    bm32             table with 32-row blocks (half the blocks, twice the padding)
+    bm32 group 4     both
+
 A variant that fails to compile or run is reported on its line and the run goes on; one whose
 error exceeds 2x the table config's (plus 1e-3) is reported and not timed. "tma" variants on a
 device or Triton without TMA descriptors run the pointer path: the line says so.
@@ -47,7 +57,7 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--set persistent|flatten|tma|decode] [--tokens 1024,2048,...]
+Usage: python scripts/tile_compare.py [--set persistent|flatten|tma|decode|group] [--tokens 1024,2048,...]
        [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
@@ -107,6 +117,11 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
         candidates = {"table": base, "direct": DEFAULT_DECODE,
                       **{f"direct {i}": t for i, t in enumerate(DECODE_TILES)}}
         return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
+    elif which == "group":
+        bm32 = dataclasses.replace(base, block_m=32)
+        groups = {f"group {g}": dataclasses.replace(base, group_m=g) for g in (2, 4, 8)}
+        candidates = {"table": base, **groups, "bm32": bm32,
+                      "bm32 group 4": dataclasses.replace(bm32, group_m=4)}
     elif which == "flatten":
         flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
         candidates = {"table": base, "persistent": persistent, "persistent flat": flat,
@@ -239,10 +254,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default=None,
-                   help="default 1024,2048,4096,8192,16384 (--set decode: 1,2,4,8,16)")
-    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma", "decode"),
+                   help="default 1024,2048,4096,8192,16384 (--set decode: 1,2,4,8,16; --set group: "
+                        "16,32,64,128)")
+    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma", "decode", "group"),
                    help="which variants: persistent kernels and block shapes, the fused loops, the "
-                        "TMA study's, or the direct decode path's tiles")
+                        "TMA study's, the direct decode path's tiles, or row-block grouping")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
                    help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
@@ -250,7 +266,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")
     args = p.parse_args()
     if args.tokens is None:
-        args.tokens = "1,2,4,8,16" if args.set == "decode" else "1024,2048,4096,8192,16384"
+        default_tokens = {"decode": "1,2,4,8,16", "group": "16,32,64,128"}
+        args.tokens = default_tokens.get(args.set, "1024,2048,4096,8192,16384")
     started = time.perf_counter()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
