@@ -63,7 +63,16 @@ import time  # noqa: E402
 import gluon_probe as gp  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-from gluon_gemm2_probe import _block_kind, _num_items, bench, first_run, make_inputs, rel_err  # noqa: E402
+from gluon_gemm2_probe import (  # noqa: E402
+    _acc_layout,
+    _block_kind,
+    _num_items,
+    _store_layout,
+    bench,
+    first_run,
+    make_inputs,
+    rel_err,
+)
 from gluon_probe import GLUON_ERROR, gl, gluon  # noqa: E402
 
 if GLUON_ERROR is None:
@@ -84,17 +93,6 @@ SUB_M_ROWS = 64
 H200_SMS = 132
 FLUSH_BYTES = 256 << 20
 PRODUCER_WARPS = 4
-
-
-@gluon.constexpr_function
-def _acc_layout(tile_n):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tile_n, 16])
-
-
-@gluon.constexpr_function
-def _store_layout(tile_n):
-    tpw_n = min(32, tile_n // 8)
-    return gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -468,14 +466,10 @@ def run_aot(args) -> int:
                                       **opts))
                 (kernel, kargs, kwargs), = capture_launches(launch, (gemm1_kernel,))
                 compiled = compile_launch(kernel, kargs, kwargs, target)
-                res = gp._cuobjdump(compiled.asm["cubin"], "-res-usage")
-                regs = re.search(r"REG:(\d+)", res)
-                local = sum(int(v) for v in re.findall(r"(?:LOCAL|STACK):(\d+)", res))
-                sass = gp._cuobjdump(compiled.asm["cubin"], "-sass")
-                ptx = compiled.asm["ptx"]
-                status = (f"OK   shared {compiled.metadata.shared} B, {regs.group(1) if regs else '?'} regs, "
-                          f"local {local} B{' (SPILLS)' if local else ''}, "
-                          f"{len(re.findall(r'HGMMA[.]', sass))} HGMMA, "
+                facts = gp.compiled_facts(compiled)
+                sass, ptx = facts.sass, facts.ptx
+                status = (f"OK   shared {facts.shared} B, {facts.regs} regs, "
+                          f"local {facts.local} B{' (SPILLS)' if facts.local else ''}, {facts.hgmma} HGMMA, "
                           f"{len(re.findall(r'LDGSTS', sass))} LDGSTS, "
                           f"{len(re.findall(r'cp[.]async[.]mbarrier[.]arrive[.]noinc', ptx))} noinc arrive, "
                           f"{len(re.findall(r'fence[.]proxy[.]async', ptx))} proxy fences")
@@ -483,13 +477,7 @@ def run_aot(args) -> int:
                     status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"
                     failed += 1
                 if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    stem = os.path.join(args.dump, label.replace(" ", "_").replace("=", ""))
-                    for ext in ("ttgir", "ptx"):
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(compiled.asm[ext])
-                    with open(f"{stem}.sass", "w") as f:
-                        f.write(sass)
+                    gp.dump_compiled(compiled, facts, args.dump, label.replace(" ", "_").replace("=", ""))
             except Exception as exc:
                 failed += 1
                 status = "FAIL " + gp._error_head(exc, 12)

@@ -69,7 +69,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -570,27 +569,17 @@ def run_aot(args) -> int:
                           gluon_gemm2(h, down, weights, align, y, paired=paired, num_sms=H200_SMS, **opts))
                 (kernel, kargs, kwargs), = capture_launches(launch, (gemm2_kernel,))
                 compiled = compile_launch(kernel, kargs, kwargs, target)
-                res = gp._cuobjdump(compiled.asm["cubin"], "-res-usage")
-                regs = re.search(r"REG:(\d+)", res)
-                local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))
-                sass = gp._cuobjdump(compiled.asm["cubin"], "-sass")
-                hgmma = len(re.findall(r"\bHGMMA\.", sass))
-                setmaxnreg = "setmaxnreg" in compiled.asm["ptx"]
-                status = (f"OK   shared {compiled.metadata.shared} B, {regs.group(1) if regs else '?'} regs, "
-                          f"local {local} B{' (SPILLS)' if local else ''}, {hgmma} HGMMA, "
+                facts = gp.compiled_facts(compiled)
+                setmaxnreg = "setmaxnreg" in facts.ptx
+                status = (f"OK   shared {facts.shared} B, {facts.regs} regs, "
+                          f"local {facts.local} B{' (SPILLS)' if facts.local else ''}, {facts.hgmma} HGMMA, "
                           f"setmaxnreg {'yes' if setmaxnreg else 'no'}, warps {compiled.metadata.num_warps}, "
                           f"maxnreg {kwargs.get('maxnreg')}")
                 if compiled.metadata.shared > 232448:
                     status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"
                     failed += 1
                 if args.dump:
-                    os.makedirs(args.dump, exist_ok=True)
-                    stem = os.path.join(args.dump, label.replace(" ", "_").replace("=", ""))
-                    for ext in ("ttgir", "ptx"):
-                        with open(f"{stem}.{ext}", "w") as f:
-                            f.write(compiled.asm[ext])
-                    with open(f"{stem}.sass", "w") as f:
-                        f.write(sass)
+                    gp.dump_compiled(compiled, facts, args.dump, label.replace(" ", "_").replace("=", ""))
             except Exception as exc:
                 failed += 1
                 status = "FAIL " + gp._error_head(exc, 12)

@@ -478,6 +478,26 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
                               check=True).stdout
 
 
+def compiled_facts(compiled) -> types.SimpleNamespace:
+    """What the --aot reports print of a compiled kernel: shared memory (B), registers a thread (a
+    string, '?' when cuobjdump names none), local memory (B: spills), HGMMA count, SASS and PTX."""
+    res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+    regs = re.search(r"REG:(\d+)", res)
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
+    return types.SimpleNamespace(
+        shared=compiled.metadata.shared, regs=regs.group(1) if regs else "?",
+        local=sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res)),
+        hgmma=len(re.findall(r"\bHGMMA\.", sass)), sass=sass, ptx=compiled.asm["ptx"])
+
+
+def dump_compiled(compiled, facts, folder: str, stem: str) -> None:
+    """The kernel's TTGIR, PTX and SASS as folder/stem.{ttgir,ptx,sass} (--dump)."""
+    os.makedirs(folder, exist_ok=True)
+    for ext, text in (("ttgir", compiled.asm["ttgir"]), ("ptx", facts.ptx), ("sass", facts.sass)):
+        with open(os.path.join(folder, f"{stem}.{ext}"), "w") as f:
+            f.write(text)
+
+
 def run_aot(args) -> int:
     from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
     from triton.backends.compiler import GPUTarget
@@ -513,26 +533,17 @@ def run_aot(args) -> int:
             (kernel, kargs, kwargs), = launches
             compiled = compile_launch(kernel, kargs, kwargs, target)
             signature = compiled.src.signature
-            res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
-            regs = re.search(r"REG:(\d+)", res)
-            local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))
-            sass = _cuobjdump(compiled.asm["cubin"], "-sass")
-            hgmma = len(re.findall(r"\bHGMMA\.", sass))
-            setmaxnreg = "setmaxnreg" in compiled.asm["ptx"]
+            facts = compiled_facts(compiled)
+            setmaxnreg = "setmaxnreg" in facts.ptx
             descs = [v for v in signature.values() if str(v).startswith("tensordesc")]
-            status = (f"OK   shared {compiled.metadata.shared} B, {regs.group(1) if regs else '?'} regs"
-                      f"{f', local {local} B (spills)' if local else ''}, {hgmma} HGMMA, "
+            status = (f"OK   shared {facts.shared} B, {facts.regs} regs"
+                      f"{f', local {facts.local} B (spills)' if facts.local else ''}, {facts.hgmma} HGMMA, "
                       f"setmaxnreg {'yes' if setmaxnreg else 'no'}, warps {compiled.metadata.num_warps}"
                       f"{', maxnreg ' + str(kwargs['maxnreg']) if kwargs.get('maxnreg') else ''}")
             if args.verbose:
                 status += f"\n     descriptors: {descs}"
             if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                for ext in ("ttgir", "ptx"):
-                    with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
-                        f.write(compiled.asm[ext])
-                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
-                    f.write(sass)
+                dump_compiled(compiled, facts, args.dump, name)
         except Exception as exc:
             failed += 1
             status = "FAIL " + _error_head(exc, 12)

@@ -67,7 +67,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import Recorder, _cuobjdump, _error_head  # noqa: E402
+from gluon_probe import Recorder, _error_head, compiled_facts, dump_compiled  # noqa: E402
 
 from moekit.grouped_gemm_backward import gluon_wgrad as moekit_gluon_wgrad  # noqa: E402
 from moekit.grouped_gemm_backward import sorted_rows  # noqa: E402
@@ -159,21 +159,16 @@ def run_aot(args) -> int:
         try:
             (kern, kargs, kwargs), = capture_launches(call, (kernel,))
             compiled = compile_launch(kern, kargs, kwargs, target)
-            res = _cuobjdump(compiled.asm["cubin"], "-res-usage")
-            regs = re.search(r"REG:(\d+)", res)
-            local = sum(int(x) for x in re.findall(r"(?:LOCAL|STACK):(\d+)", res))
-            sass = _cuobjdump(compiled.asm["cubin"], "-sass")
-            hgmma = len(re.findall(r"\bHGMMA\.", sass))
-            ptx = compiled.asm["ptx"]
+            facts = compiled_facts(compiled)
+            local, shared, ptx = facts.local, facts.shared, facts.ptx
             tma_ops = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-            shared = compiled.metadata.shared
             bad = []
             if local:
                 bad.append(f"local memory {local} B (spills)")
             if shared > SMEM_LIMIT:
                 bad.append(f"shared {shared} B > {SMEM_LIMIT}")
             status = ("FAIL " + "; ".join(bad) + " | " if bad else "OK   ") + (
-                f"shared {shared} B, {regs.group(1) if regs else '?'} regs, local {local} B, {hgmma} HGMMA, "
+                f"shared {shared} B, {facts.regs} regs, local {local} B, {facts.hgmma} HGMMA, "
                 f"{tma_ops} TMA ops (PTX), setmaxnreg {'yes' if 'setmaxnreg' in ptx else 'no'}, "
                 f"warps {compiled.metadata.num_warps}"
                 f"{', maxnreg ' + str(kwargs['maxnreg']) if kwargs.get('maxnreg') else ''}")
@@ -181,12 +176,7 @@ def run_aot(args) -> int:
             if args.verbose:
                 status += f"\n     tensordesc meta: {getattr(compiled.metadata, 'tensordesc_meta', None)}"
             if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                for ext in ("ttgir", "ptx"):
-                    with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
-                        f.write(compiled.asm[ext])
-                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
-                    f.write(sass)
+                dump_compiled(compiled, facts, args.dump, name)
         except Exception as exc:
             failed += 1
             status = "FAIL " + _error_head(exc, 12)
