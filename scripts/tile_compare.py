@@ -42,12 +42,14 @@ kernels without paired tiles; a name ending in " flat" runs with it, its config 
 `--set group` (few-expert shapes, whose experts take several row blocks at decode sizes):
 
     table            the tuned config (or the default where the shape has no table)
-    group <g>        table with group_m g (2, 4, 8): `_swizzle` runs g row blocks' programs on one
-                     column tile before the next, so an expert's second block reads the weight tile
-                     the first just brought into L2 (with group_m 1 Mixtral 8x7B's second 16-row
-                     block of an expert starts 224 GEMM1 column tiles later, past the L2)
+    group <g>        table with group_m g (1, 2, 4, 8): `_swizzle` runs g row blocks' programs on
+                     one column tile before the next, so an expert's second block reads the weight
+                     tile the first just brought into L2 (with group_m 1 Mixtral 8x7B's second 16-row
+                     block of an expert starts 224 GEMM1 column tiles later, past the L2: 72% of the
+                     floor at 64 tokens against 91% with group_m 8, H200, session 17, which made 8
+                     the default's group_m at every size)
     bm32             table with 32-row blocks (half the blocks, twice the padding)
-    bm32 group 4     both
+    bm32 group 1     32-row blocks, ungrouped
 
 A variant that fails to compile or run is reported on its line and the run goes on; one whose
 error exceeds 2x the table config's (plus 1e-3) is reported and not timed. "tma" variants on a
@@ -119,9 +121,9 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
         return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
     elif which == "group":
         bm32 = dataclasses.replace(base, block_m=32)
-        groups = {f"group {g}": dataclasses.replace(base, group_m=g) for g in (2, 4, 8)}
+        groups = {f"group {g}": dataclasses.replace(base, group_m=g) for g in (1, 2, 4, 8)}
         candidates = {"table": base, **groups, "bm32": bm32,
-                      "bm32 group 4": dataclasses.replace(bm32, group_m=4)}
+                      "bm32 group 1": dataclasses.replace(bm32, group_m=1)}
     elif which == "flatten":
         flat = dataclasses.replace(persistent, pair_blocks=1)    # FLATTEN leaves paired tiles alone
         candidates = {"table": base, "persistent": persistent, "persistent flat": flat,

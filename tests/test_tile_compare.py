@@ -10,13 +10,13 @@ from moekit.tuning import default_config
 
 def test_group_set_varies_group_m_and_block_m_only():
     mod = load_script("tile_compare")
-    base = default_config(PRESETS["mixtral-8x7b"], 64)          # 16 rows an expert: block_m 16, group_m 1
-    assert (base.block_m, base.group_m) == (16, 1)
+    base = default_config(PRESETS["mixtral-8x7b"], 64)          # 16 rows an expert: block_m 16, group_m 8
+    assert (base.block_m, base.group_m) == (16, 8)
     out = mod.variants(base, [], 2, 1 << 30, which="group")
-    assert list(out) == ["table", "group 2", "group 4", "group 8", "bm32", "bm32 group 4"]
+    assert list(out) == ["table", "group 1", "group 2", "group 4", "bm32", "bm32 group 1"]
     assert out["table"] == base
-    for name, g, bm in (("group 2", 2, 16), ("group 4", 4, 16), ("group 8", 8, 16), ("bm32", 1, 32),
-                        ("bm32 group 4", 4, 32)):
+    for name, g, bm in (("group 1", 1, 16), ("group 2", 2, 16), ("group 4", 4, 16), ("bm32", 8, 32),
+                        ("bm32 group 1", 1, 32)):
         cfg = out[name]
         assert (cfg.group_m, cfg.block_m) == (g, bm), name
         assert cfg.block_n1 == base.block_n1 and cfg.stages2 == base.stages2, name

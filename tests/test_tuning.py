@@ -81,6 +81,16 @@ def test_default_config_switches_follow_the_rows_per_expert(tokens, pair_blocks,
     assert (cfg.pair_blocks, cfg.tma_weights, cfg.persistent) == (pair_blocks, tma, False)
 
 
+@pytest.mark.parametrize("preset,tokens", [("mixtral-8x7b", 16), ("mixtral-8x7b", 64), ("mixtral-8x7b", 128),
+                                           ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 512),
+                                           ("qwen3-30b-a3b", 8192)])
+def test_default_config_groups_row_blocks_at_every_size(preset, tokens):
+    """group_m 8 in every family: an expert with several row blocks (Mixtral 8x7B at 64 tokens: 16
+    rows an expert, 16-row blocks) runs them on one column tile together, so its weights are read
+    from memory once (group_m 1 there: 72% of the floor against 91% on the H200)."""
+    assert default_config(PRESETS[preset], tokens).group_m == 8
+
+
 def test_default_config_of_an_empty_batch_is_the_smallest_tile():
     assert default_config(QWEN, 0) == default_config(QWEN, 1)
 
@@ -316,7 +326,7 @@ def test_tune_tokens_picks_the_fastest_tiles_and_records_every_timing():
     calls, logged = [], []
     best, records = tuner.tune_tokens(shape, 4, torch.float32, rotations=2, log=logged.append,
                                       device="cpu", timer=fake_timer(calls), switches=False)
-    assert best.block_m == 16 and best.group_m == 1
+    assert best.block_m == 16 and best.group_m == 8
     assert (best.block_n1, best.block_k1, best.warps1, best.stages1) == tuple(FAST1.values())
     assert (best.block_n2, best.block_k2, best.warps2, best.stages2) == tuple(FAST2.values())
     n1, n2 = len(tuner.gemm_candidates(16, 4, True)), len(tuner.gemm_candidates(16, 4, False))

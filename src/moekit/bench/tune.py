@@ -198,7 +198,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     for bm in block_m_candidates(shape, num_tokens):
         # Plain tiles (the default config may set switches: they are tried after, on the winners).
         base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
-                       group_m=1 if bm <= 32 else 8, pair_blocks=1, tma_weights=False, persistent=False)
+                       group_m=8, pair_blocks=1, tma_weights=False, persistent=False)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
         for which in (1, 2):
