@@ -64,6 +64,10 @@ import gluon_probe as gp  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from gluon_gemm2_probe import (  # noqa: E402
+    FLUSH_BYTES,
+    H200_SMS,
+    PRESET,
+    TOKENS,
     _acc_layout,
     _block_kind,
     _num_items,
@@ -87,11 +91,6 @@ from moekit.grouped_gemm import _placed_rows, gemm1_swiglu, gemm1_swiglu_torch  
 from moekit.shapes import PRESETS  # noqa: E402
 from moekit.tuning import get_config  # noqa: E402
 
-PRESET = "qwen3-30b-a3b"
-TOKENS = (2048, 4096, 8192, 16384)
-SUB_M_ROWS = 64
-H200_SMS = 132
-FLUSH_BYTES = 256 << 20
 PRODUCER_WARPS = 4
 
 
@@ -436,53 +435,29 @@ def run_gpu(args) -> int:
 # --------------------------------------------------------------------------------------------------
 
 def run_aot(args) -> int:
-    from aot_compile_check import capture_launches, compile_launch
-    from triton.backends.compiler import GPUTarget
-
     from moekit.align import align_block_size_torch
 
     if GLUON_ERROR:
         print(f"no Gluon: {GLUON_ERROR}")
         return 1
-    target = GPUTarget("cuda", 90, 32)
     shape = PRESETS[PRESET]
     num_tokens = 256
     ids = torch.randint(0, shape.num_experts, (num_tokens, shape.top_k), dtype=torch.int32)
     x = torch.empty(num_tokens, shape.hidden_size, dtype=torch.bfloat16)
     gate_up = torch.empty(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size,
                           dtype=torch.bfloat16)
-    failed = 0
-    for name, opts in VARIANTS.items():
-        if args.variants and name not in args.variants:
-            continue
-        for align_m, paired in ((64, True), (128, False)):
-            label = f"{name} block_m={align_m}{' paired' if paired else ''}"
-            started = time.perf_counter()
-            try:
-                align = align_block_size_torch(ids, shape.num_experts, align_m)
-                h = torch.empty(align.sorted_ids.numel(), shape.intermediate_size, dtype=torch.bfloat16)
-                launch = (lambda h=h, align=align, paired=paired, opts=opts:
-                          gluon_gemm1(x, gate_up, align, shape.top_k, h, paired=paired, num_sms=H200_SMS,
-                                      **opts))
-                (kernel, kargs, kwargs), = capture_launches(launch, (gemm1_kernel,))
-                compiled = compile_launch(kernel, kargs, kwargs, target)
-                facts = gp.compiled_facts(compiled)
-                sass, ptx = facts.sass, facts.ptx
-                status = (f"OK   shared {facts.shared} B, {facts.regs} regs, "
-                          f"local {facts.local} B{' (SPILLS)' if facts.local else ''}, {facts.hgmma} HGMMA, "
-                          f"{len(re.findall(r'LDGSTS', sass))} LDGSTS, "
-                          f"{len(re.findall(r'cp[.]async[.]mbarrier[.]arrive[.]noinc', ptx))} noinc arrive, "
-                          f"{len(re.findall(r'fence[.]proxy[.]async', ptx))} proxy fences")
-                if compiled.metadata.shared > 232448:
-                    status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"
-                    failed += 1
-                if args.dump:
-                    gp.dump_compiled(compiled, facts, args.dump, label.replace(" ", "_").replace("=", ""))
-            except Exception as exc:
-                failed += 1
-                status = "FAIL " + gp._error_head(exc, 12)
-            print(f"{label:<32} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
-    return 1 if failed else 0
+
+    def make_launch(align_m, paired, opts):
+        align = align_block_size_torch(ids, shape.num_experts, align_m)
+        h = torch.empty(align.sorted_ids.numel(), shape.intermediate_size, dtype=torch.bfloat16)
+        return lambda: gluon_gemm1(x, gate_up, align, shape.top_k, h, paired=paired, num_sms=H200_SMS, **opts)
+
+    def extra_facts(facts, compiled, kwargs):
+        return (f"{len(re.findall(r'LDGSTS', facts.sass))} LDGSTS, "
+                f"{len(re.findall(r'cp[.]async[.]mbarrier[.]arrive[.]noinc', facts.ptx))} noinc arrive, "
+                f"{len(re.findall(r'fence[.]proxy[.]async', facts.ptx))} proxy fences")
+
+    return gp.aot_aligned_variants(args, VARIANTS, make_launch, gemm1_kernel, extra_facts)
 
 
 def main(argv=None) -> int:

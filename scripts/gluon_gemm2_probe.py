@@ -540,51 +540,28 @@ def run_gpu(args) -> int:
 # --------------------------------------------------------------------------------------------------
 
 def run_aot(args) -> int:
-    from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
-    from triton.backends.compiler import GPUTarget
-
     from moekit.align import align_block_size_torch
 
     if GLUON_ERROR:
         print(f"no Gluon: {GLUON_ERROR}")
         return 1
-    target = GPUTarget("cuda", 90, 32)
     shape = PRESETS[PRESET]
     num_tokens = 256
     ids = torch.randint(0, shape.num_experts, (num_tokens, shape.top_k), dtype=torch.int32)
     weights = torch.empty(num_tokens, shape.top_k, dtype=torch.float32)
     down = torch.empty(shape.num_experts, shape.hidden_size, shape.intermediate_size, dtype=torch.bfloat16)
-    failed = 0
-    for name, opts in VARIANTS.items():
-        if args.variants and name not in args.variants:
-            continue
-        for align_m, paired in ((64, True), (128, False)):
-            label = f"{name} block_m={align_m}{' paired' if paired else ''}"
-            started = time.perf_counter()
-            try:
-                align = align_block_size_torch(ids, shape.num_experts, align_m)
-                h = torch.empty(align.sorted_ids.numel(), shape.intermediate_size, dtype=torch.bfloat16)
-                y = torch.empty(align.num_pairs, shape.hidden_size, dtype=torch.bfloat16)
-                launch = (lambda h=h, align=align, y=y, paired=paired, opts=opts:
-                          gluon_gemm2(h, down, weights, align, y, paired=paired, num_sms=H200_SMS, **opts))
-                (kernel, kargs, kwargs), = capture_launches(launch, (gemm2_kernel,))
-                compiled = compile_launch(kernel, kargs, kwargs, target)
-                facts = gp.compiled_facts(compiled)
-                setmaxnreg = "setmaxnreg" in facts.ptx
-                status = (f"OK   shared {facts.shared} B, {facts.regs} regs, "
-                          f"local {facts.local} B{' (SPILLS)' if facts.local else ''}, {facts.hgmma} HGMMA, "
-                          f"setmaxnreg {'yes' if setmaxnreg else 'no'}, warps {compiled.metadata.num_warps}, "
-                          f"maxnreg {kwargs.get('maxnreg')}")
-                if compiled.metadata.shared > 232448:
-                    status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"
-                    failed += 1
-                if args.dump:
-                    gp.dump_compiled(compiled, facts, args.dump, label.replace(" ", "_").replace("=", ""))
-            except Exception as exc:
-                failed += 1
-                status = "FAIL " + gp._error_head(exc, 12)
-            print(f"{label:<32} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
-    return 1 if failed else 0
+
+    def make_launch(align_m, paired, opts):
+        align = align_block_size_torch(ids, shape.num_experts, align_m)
+        h = torch.empty(align.sorted_ids.numel(), shape.intermediate_size, dtype=torch.bfloat16)
+        y = torch.empty(align.num_pairs, shape.hidden_size, dtype=torch.bfloat16)
+        return lambda: gluon_gemm2(h, down, weights, align, y, paired=paired, num_sms=H200_SMS, **opts)
+
+    def extra_facts(facts, compiled, kwargs):
+        return (f"setmaxnreg {'yes' if 'setmaxnreg' in facts.ptx else 'no'}, "
+                f"warps {compiled.metadata.num_warps}, maxnreg {kwargs.get('maxnreg')}")
+
+    return gp.aot_aligned_variants(args, VARIANTS, make_launch, gemm2_kernel, extra_facts)
 
 
 def main(argv=None) -> int:

@@ -498,6 +498,45 @@ def dump_compiled(compiled, facts, folder: str, stem: str) -> None:
             f.write(text)
 
 
+def aot_aligned_variants(args, variants: dict, make_launch, kernel, extra_facts) -> int:
+    """--aot of the grouped-GEMM probes (gluon_gemm1_probe, gluon_gemm2_probe): each of `variants`
+    (those named in args.variants, or all) over a 64-row paired and a 128-row alignment, compiled for
+    sm_90 from the one launch of `kernel` that `make_launch(align_m, paired, opts)()` makes. A line
+    each: shared memory, registers, spills, HGMMAs, then `extra_facts(facts, compiled, kwargs)`; FAIL
+    past the H200's shared memory or where the compile raises. args.dump: each one's TTGIR, PTX and
+    SASS. Returns 1 if any failed."""
+    from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
+    from triton.backends.compiler import GPUTarget
+
+    from moekit.tuning import SHARED_MEMORY_LIMIT  # Hopper's 227 KB a block
+
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for name, opts in variants.items():
+        if args.variants and name not in args.variants:
+            continue
+        for align_m, paired in ((64, True), (128, False)):
+            label = f"{name} block_m={align_m}{' paired' if paired else ''}"
+            started = time.perf_counter()
+            try:
+                (kern, kargs, kwargs), = capture_launches(make_launch(align_m, paired, opts), (kernel,))
+                compiled = compile_launch(kern, kargs, kwargs, target)
+                facts = compiled_facts(compiled)
+                status = (f"OK   shared {facts.shared} B, {facts.regs} regs, "
+                          f"local {facts.local} B{' (SPILLS)' if facts.local else ''}, {facts.hgmma} HGMMA, "
+                          + extra_facts(facts, compiled, kwargs))
+                if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
+                    status = "FAIL " + status[5:] + " (over the H200's 227 KB a block)"
+                    failed += 1
+                if args.dump:
+                    dump_compiled(compiled, facts, args.dump, label.replace(" ", "_").replace("=", ""))
+            except Exception as exc:
+                failed += 1
+                status = "FAIL " + _error_head(exc, 12)
+            print(f"{label:<32} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
 def run_aot(args) -> int:
     from aot_compile_check import capture_launches, compile_launch  # --aot only: it turns interpreting off
     from triton.backends.compiler import GPUTarget

@@ -79,7 +79,7 @@ from moekit.kernels import gluon_swiglu_bwd as gluon_swiglu_kernels  # noqa: E40
 from moekit.kernels.gluon_swiglu_bwd import gluon_swiglu_bwd_kernel  # noqa: E402
 from moekit.kernels.gluon_wgrad import GLUON_ERROR  # noqa: E402
 from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel as gather_rows_kernel  # noqa: E402
-from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, GluonSwigluTiles  # noqa: E402
+from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128, SHARED_MEMORY_LIMIT, GluonSwigluTiles  # noqa: E402
 
 
 def gather_rows(src, sorted_ids, num_padded, top_k, out):
@@ -91,7 +91,7 @@ def gather_rows(src, sorted_ids, num_padded, top_k, out):
         out.stride(0), out.stride(1), TOP_K=top_k, BLOCK_R=GATHER_BLOCK_R, BLOCK_C=GATHER_BLOCK_C,
         num_warps=4)
     return out
-SMEM_LIMIT = 232448          # sm_90's largest dynamic shared memory a block (227 KB)
+SMEM_LIMIT = SHARED_MEMORY_LIMIT     # sm_90's largest dynamic shared memory a block (227 KB)
 PRESET = "qwen3-30b-a3b"
 TOKENS = (1024, 4096, 16384)
 FLUSH_BYTES = 256 << 20
