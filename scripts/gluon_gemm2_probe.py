@@ -498,10 +498,7 @@ def run_case(args, rec, shape, down, num_tokens, cfg, label, broken, flush):
 
 
 def run_gpu(args) -> int:
-    props = torch.cuda.get_device_properties(0)
-    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, gluon {'yes' if not GLUON_ERROR else 'NO: ' + GLUON_ERROR}",
-          flush=True)
+    gp.print_device(GLUON_ERROR)
     if GLUON_ERROR:
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False

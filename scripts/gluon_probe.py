@@ -464,6 +464,15 @@ GROUPED_TILES = {"gluon_grouped": {}, "gluon_grouped_128": dict(block_n=128, sta
 GROUPED_VARIANTS = (*GROUPED_TILES, "torch_grouped_mm", "gluon_ws_dense", "torch_dense")
 
 
+def print_device(gluon_error: str | None) -> None:
+    """A GPU run's first line: the device and its SMs, torch, Triton, and whether Gluon imports (why
+    not, where it does not)."""
+    props = torch.cuda.get_device_properties(0)
+    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+          f"triton {triton.__version__}, gluon {'yes' if not gluon_error else 'NO: ' + gluon_error}",
+          flush=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # --aot: compile every variant for sm_90 on the CPU
 # --------------------------------------------------------------------------------------------------
@@ -881,9 +890,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to run (use --aot for the compile check)")
         return 1
-    props = torch.cuda.get_device_properties(0)
-    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, gluon {'yes' if not GLUON_ERROR else 'NO: ' + GLUON_ERROR}")
+    print_device(GLUON_ERROR)
     torch.backends.cuda.matmul.allow_tf32 = False          # the fp32 reference must be fp32
     rec = Recorder(args.out)
     started = time.perf_counter()

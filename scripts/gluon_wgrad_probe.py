@@ -64,10 +64,9 @@ import time
 import types
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import Recorder, _error_head, compiled_facts, dump_compiled  # noqa: E402
+from gluon_probe import Recorder, _error_head, compiled_facts, dump_compiled, print_device  # noqa: E402
 
 from moekit.grouped_gemm_backward import gluon_wgrad as moekit_gluon_wgrad  # noqa: E402
 from moekit.grouped_gemm_backward import sorted_rows  # noqa: E402
@@ -455,10 +454,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to run (use --aot for the compile check)")
         return 1
-    props = torch.cuda.get_device_properties(0)
-    print(f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}, gluon {'yes' if not GLUON_ERROR else 'NO: ' + GLUON_ERROR}",
-          flush=True)
+    print_device(GLUON_ERROR)
     torch.backends.cuda.matmul.allow_tf32 = False          # the fp32 reference must be fp32
     rec = Recorder(args.out)
     flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=DEVICE)
