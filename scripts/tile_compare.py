@@ -39,6 +39,15 @@ kernels without paired tiles; a name ending in " flat" runs with it, its config 
     Calls `experts_decode` directly (no MOEKIT_DECODE_DIRECT needed); T * K past
     `DECODE_MAX_PAIRS` still runs (it is a measurement, not the backend's decision).
 
+`--set tables` (a table under test against what ships and the heuristic; T 16,64,128,256 unless
+--tokens):
+
+    table            the config `get_config` finds (a table in $MOEKIT_CONFIG_DIR first: the one
+                     under test, e.g. `moekit tune`'s)
+    packaged         the packaged table's config for T (`moekit.tuning.packaged_table`), or the
+                     default where it has none in reach
+    default          `moekit.tuning.default_config`: what an untuned shape runs
+
 `--set group` (few-expert shapes, whose experts take several row blocks at decode sizes):
 
     table            the tuned config (or the default where the shape has no table)
@@ -59,8 +68,8 @@ A last table puts every T's variants side by side (ms, % of the floor). About 2-
 from a cold Triton cache (compiles dominate); `--device cpu --preset tiny --tokens 8` is a smoke run
 under the interpreter.
 
-Usage: python scripts/tile_compare.py [--set persistent|flatten|tma|decode|group] [--tokens 1024,2048,...]
-       [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
+Usage: python scripts/tile_compare.py [--set persistent|flatten|tma|decode|group|tables]
+       [--tokens 1024,2048,...] [--tma-tiles 64:5,128:3,32:6] [--rep N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -82,7 +91,14 @@ from moekit.decode import DECODE_TILES, DEFAULT_DECODE, DecodeConfig, experts_de
 from moekit.experts.triton import experts_triton
 from moekit.grouped_gemm import resolve_tma
 from moekit.reference import moe_experts_ref
-from moekit.tuning import fit_shared_memory, get_config, shared_memory_budget
+from moekit.tuning import (
+    default_config,
+    device_slug,
+    fit_shared_memory,
+    get_config,
+    packaged_table,
+    shared_memory_budget,
+)
 
 MAX_VARIANTS = 6
 
@@ -108,8 +124,10 @@ BLOCK_SHAPES = {
 
 
 def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], itemsize: int,
-             budget: int, which: str = "persistent") -> dict[str, moekit.ExpertsConfig]:
-    """Named configs for one T, duplicates dropped, at most MAX_VARIANTS."""
+             budget: int, which: str = "persistent",
+             others: dict[str, moekit.ExpertsConfig] | None = None) -> dict[str, moekit.ExpertsConfig]:
+    """Named configs for one T, duplicates dropped, at most MAX_VARIANTS. others: the `--set tables`
+    configs other than the table's (`table_variants`)."""
     tma = dataclasses.replace(base, tma_weights=True)
     persistent = dataclasses.replace(base, persistent=True)
     if which == "persistent":
@@ -119,6 +137,9 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
         candidates = {"table": base, "direct": DEFAULT_DECODE,
                       **{f"direct {i}": t for i, t in enumerate(DECODE_TILES)}}
         return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
+    elif which == "tables":
+        candidates = {"table": base, **(others or {})}
+        return {n: c for i, (n, c) in enumerate(candidates.items()) if c not in list(candidates.values())[:i]}
     elif which == "group":
         bm32 = dataclasses.replace(base, block_m=32)
         groups = {f"group {g}": dataclasses.replace(base, group_m=g) for g in (1, 2, 4, 8)}
@@ -145,6 +166,14 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
         if (cfg, flattened(name)) not in seen and len(out) < MAX_VARIANTS:
             out[name] = cfg
     return out
+
+
+def table_variants(shape: moekit.MoEShape, t: int, dtype: torch.dtype,
+                   dev: torch.device) -> dict[str, moekit.ExpertsConfig]:
+    """`--set tables`' configs beside the table's: the packaged table's and the default."""
+    packaged = packaged_table(device_slug(dev) if dev.type == "cuda" else "cpu")
+    return {"packaged": get_config(shape, t, dtype, dev, table=packaged),
+            "default": default_config(shape, t, dtype.itemsize, dev)}
 
 
 def flattened(name: str) -> bool:
@@ -199,8 +228,9 @@ def run_tokens(layer: moekit.MoELayer, t: int, args, ceil, budget: int, dev: tor
     ref = moe_experts_ref(x, layer.gate_up_proj, layer.down_proj, w, ids)
     table_err = None
     rows = []
+    others = table_variants(shape, t, dtype, dev) if args.set == "tables" else None
     for name, cfg in variants(get_config(shape, t, dtype, dev), parse_tiles(args.tma_tiles), dtype.itemsize,
-                              budget, args.set).items():
+                              budget, args.set, others).items():
         direct = isinstance(cfg, DecodeConfig)
         ran = cfg if direct else resolve_tma(cfg, layer.gate_up_proj, layer.down_proj)
         tiles = describe(cfg, ran)
@@ -257,10 +287,12 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--tokens", default=None,
                    help="default 1024,2048,4096,8192,16384 (--set decode: 1,2,4,8,16; --set group: "
-                        "16,32,64,128)")
-    p.add_argument("--set", default="persistent", choices=("persistent", "flatten", "tma", "decode", "group"),
+                        "16,32,64,128; --set tables: 16,64,128,256)")
+    p.add_argument("--set", default="persistent",
+                   choices=("persistent", "flatten", "tma", "decode", "group", "tables"),
                    help="which variants: persistent kernels and block shapes, the fused loops, the "
-                        "TMA study's, the direct decode path's tiles, or row-block grouping")
+                        "TMA study's, the direct decode path's tiles, row-block grouping, or a table against "
+                        "the packaged one and the default")
     p.add_argument("--tma-tiles", default="64:5,128:3,32:6",
                    help="--set tma: block_k:stages pairs tried with TMA weights on top of the table config")
     p.add_argument("--rep", type=int, default=None, help="timed calls per variant (default: time_fn's)")
@@ -268,7 +300,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under the interpreter (fp32, no graph)")
     args = p.parse_args()
     if args.tokens is None:
-        default_tokens = {"decode": "1,2,4,8,16", "group": "16,32,64,128"}
+        default_tokens = {"decode": "1,2,4,8,16", "group": "16,32,64,128", "tables": "16,64,128,256"}
         args.tokens = default_tokens.get(args.set, "1024,2048,4096,8192,16384")
     started = time.perf_counter()
     dev = torch.device(args.device)

@@ -28,3 +28,25 @@ def test_group_set_drops_the_variant_equal_to_the_table():
     base = type(base)(**{**base.to_dict(), "group_m": 4})
     out = mod.variants(base, [], 2, 1 << 30, which="group")
     assert "group 4" not in out and out["table"].group_m == 4
+
+
+def test_tables_set_puts_the_table_beside_the_packaged_and_default_configs():
+    """`--set tables`: the table's config first, then the packaged table's and the default, each
+    dropped when it equals one before it (an untuned shape's three are one config)."""
+    mod = load_script("tile_compare")
+    base = default_config(PRESETS["olmoe-1b-7b"], 64)
+    shipped = type(base)(**{**base.to_dict(), "block_n1": 2 * base.block_n1})
+    out = mod.variants(base, [], 2, 1 << 30, which="tables", others={"packaged": shipped, "default": base})
+    assert out == {"table": base, "packaged": shipped}
+    out = mod.variants(shipped, [], 2, 1 << 30, which="tables", others={"packaged": shipped, "default": base})
+    assert out == {"table": shipped, "default": base}
+
+
+def test_table_variants_on_the_cpu_are_the_default():
+    """The CPU has no packaged table: both extra configs are the heuristic's."""
+    import torch
+
+    mod = load_script("tile_compare")
+    shape = PRESETS["qwen3-30b-a3b"]
+    got = mod.table_variants(shape, 64, torch.float32, torch.device("cpu"))
+    assert got == {"packaged": default_config(shape, 64, 4), "default": default_config(shape, 64, 4)}

@@ -24,10 +24,12 @@ from moekit.tuning import (
     SHARED_MEMORY_BUDGET,
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
+    TuningTable,
     default_config,
     fit_shared_memory,
     get_config,
     load_table,
+    packaged_table,
     parse_table,
     shape_key,
 )
@@ -70,11 +72,14 @@ def test_default_config_follows_the_token_count(tokens, block_m):
         assert smem_bytes(cfg, 2, gemm) <= SHARED_MEMORY_BUDGET
 
 
-@pytest.mark.parametrize("tokens,pair_blocks,tma", [(256, 1, False), (512, 2, True), (1024, 1, True),
-                                                   (2048, 2, True), (8192, 1, True)])
+@pytest.mark.parametrize("tokens,pair_blocks,tma", [(192, 1, False), (208, 2, False), (256, 2, False),
+                                                   (512, 2, True), (1024, 1, True), (2048, 2, True),
+                                                   (8192, 1, True)])
 def test_default_config_switches_follow_the_rows_per_expert(tokens, pair_blocks, tma):
-    """Qwen3 (T*K/E rows an expert): 16 rows plain; 32 (16-48) in 64-row pairs of 32-row blocks with TMA
-    weights, the H200 tuner's choice for OLMoE and the 64-expert slice; 64 with TMA weights; 128 (80-384)
+    """Qwen3 (T*K/E rows an expert): up to 12 rows plain 16-row blocks; 13-16 rows in 32-row pairs of
+    16-row blocks, the H200 tuner's choice for gpt-oss-20b and OLMoE at 16 rows; 32 (16-48) in 64-row
+    pairs of 32-row blocks with TMA weights, the H200 tuner's choice for OLMoE and the 64-expert slice;
+    64 with TMA weights; 128 (80-384)
     in 128-row pairs of 64-row blocks with TMA weights, its choice for three shapes; 512 in 128-row
     blocks."""
     cfg = default_config(QWEN, tokens)
@@ -119,6 +124,24 @@ def test_lookup_without_an_entry_uses_the_default(table_dir):
     shape = PRESETS["tiny"]
     table_dir({shape_key(shape, torch.float32): {"4": ExpertsConfig(block_m=16).to_dict()}})
     assert get_config(shape, 300, torch.float16, "cpu") == default_config(shape, 300, 2)
+
+
+def test_lookup_in_a_given_table_ignores_the_config_dir(table_dir):
+    """get_config(table=...) reads that table alone: the packaged one beside a table under test in
+    $MOEKIT_CONFIG_DIR (scripts/tile_compare.py --set tables)."""
+    shape = PRESETS["tiny"]
+    under_test, shipped = ExpertsConfig(block_m=16, block_n1=32), ExpertsConfig(block_m=32, block_k1=32)
+    table_dir({shape_key(shape, torch.float32): {"16": under_test.to_dict()}})
+    given = TuningTable({shape_key(shape, torch.float32): {16: shipped}})
+    assert get_config(shape, 16, torch.float32, "cpu") == under_test
+    assert get_config(shape, 16, torch.float32, "cpu", table=given) == shipped
+    assert get_config(shape, 16, torch.float32, "cpu", table=TuningTable()) == default_config(shape, 16, 4)
+
+
+def test_packaged_table_skips_the_config_dir(table_dir):
+    table_dir({})                                  # an empty cpu.json in $MOEKIT_CONFIG_DIR
+    assert packaged_table("nvidia_h200") == parse_table(PACKAGED_DIR / "nvidia_h200.json")
+    assert packaged_table("cpu") == {} and packaged_table("no_such_gpu") == {}
 
 
 # The shared-memory fit.

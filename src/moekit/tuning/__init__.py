@@ -408,8 +408,15 @@ def _default_config(shape: MoEShape, num_tokens: int, itemsize: int, budget: int
     # 8x7B's 16 rows an expert at 64 tokens), its blocks' programs run side by side and share the
     # weight tiles in L2; with group_m 1 each block streamed the expert's weights from memory again
     # (H200, session 17: 0.928 -> 0.739 ms, 72% -> 91% of the floor; level elsewhere).
-    if rows <= 16:
+    if rows <= 12:
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 8)
+    elif rows <= 16:
+        # At 16 rows an expert (Poisson: ~40% of the experts take two 16-row blocks) `moekit tune` chose
+        # on the H200, for gpt-oss-20b and OLMoE 1B-7B at 128 tokens alike, 16-row blocks computed as
+        # 32-row pairs over 64 x 128 / 128 x 128 tiles: an expert's two blocks are one tile, its weight
+        # tiles loaded once (against the unpaired tiles above: 98% against 87% of the floor, and 89%
+        # against 81%; session 18).
+        cfg = ExpertsConfig(16, 64, 128, 4, 4, 128, 128, 4, 3, 8, pair_blocks=2)
     elif rows <= 48:
         # What `moekit tune` chose on the H200 for OLMoE 1B-7B and Qwen3-30B-A3B's 64-expert
         # expert-parallel slice at ~32 rows an expert: 32-row blocks computed as 64-row pairs, TMA
@@ -490,6 +497,12 @@ def load_table(slug: str) -> TuningTable:
         if path.is_file():
             return parse_table(path)
     return TuningTable()
+
+
+def packaged_table(slug: str) -> TuningTable:
+    """The table moekit ships for `slug` (empty when there is none), whatever $MOEKIT_CONFIG_DIR holds."""
+    path = PACKAGED_DIR / f"{slug}.json"
+    return parse_table(path) if path.is_file() else TuningTable()
 
 
 _TOKENS_KEY = re.compile(r"[1-9][0-9]*")
@@ -591,14 +604,16 @@ TUNED_REACH = 2          # a table entry serves token counts within this factor 
 
 
 def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
-               device: torch.device | str | None = None) -> ExpertsConfig:
+               device: torch.device | str | None = None, table: TuningTable | None = None) -> ExpertsConfig:
     """The tuned config nearest to num_tokens (in log scale) for this shape and device, when its
     token count is within TUNED_REACH of num_tokens; else the default. A table tuned over part of
     the range (say 256-4,096 tokens) so never lends a 256-token tile to 16 tokens: the tuner's
-    default counts are 4x apart, so a fully tuned shape always has an entry in reach."""
+    default counts are 4x apart, so a fully tuned shape always has an entry in reach.
+    table: look in this table instead of the device's (`load_table`; e.g. the packaged one,
+    `packaged_table`, to compare it with a table in $MOEKIT_CONFIG_DIR)."""
     slug = device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
     key = shape_key(shape, dtype)
-    table = load_table(slug)
+    table = load_table(slug) if table is None else table
     entry = table.get(key)
     if not entry:
         if slug != "cpu" and (slug, key) not in _warned:
