@@ -93,11 +93,11 @@ from moekit.grouped_gemm import resolve_tma
 from moekit.reference import moe_experts_ref
 from moekit.tuning import (
     default_config,
-    device_slug,
     fit_shared_memory,
     get_config,
     packaged_table,
     shared_memory_budget,
+    table_slug,
 )
 
 MAX_VARIANTS = 6
@@ -139,7 +139,6 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
         return candidates                   # all of them: the table and len(DECODE_TILES) + 1 tiles
     elif which == "tables":
         candidates = {"table": base, **(others or {})}
-        return {n: c for i, (n, c) in enumerate(candidates.items()) if c not in list(candidates.values())[:i]}
     elif which == "group":
         bm32 = dataclasses.replace(base, block_m=32)
         groups = {f"group {g}": dataclasses.replace(base, group_m=g) for g in (1, 2, 4, 8)}
@@ -160,8 +159,8 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
                                                         stages2=stages), itemsize, budget)
             candidates[f"tma k{cfg.block_k1}/{cfg.block_k2} s{cfg.stages1}/{cfg.stages2}"] = cfg
     out: dict[str, moekit.ExpertsConfig] = {}
-    for name, cfg in candidates.items():
-        cfg = cfg if name == "table" else fit_shared_memory(cfg, itemsize, budget)
+    for name, cfg in candidates.items():     # the table's and others' configs run as the runtime runs them
+        cfg = cfg if name == "table" or name in (others or {}) else fit_shared_memory(cfg, itemsize, budget)
         seen = {(c, flattened(n)) for n, c in out.items()}
         if (cfg, flattened(name)) not in seen and len(out) < MAX_VARIANTS:
             out[name] = cfg
@@ -171,7 +170,7 @@ def variants(base: moekit.ExpertsConfig, tma_tiles: list[tuple[int, int]], items
 def table_variants(shape: moekit.MoEShape, t: int, dtype: torch.dtype,
                    dev: torch.device) -> dict[str, moekit.ExpertsConfig]:
     """`--set tables`' configs beside the table's: the packaged table's and the default."""
-    packaged = packaged_table(device_slug(dev) if dev.type == "cuda" else "cpu")
+    packaged = packaged_table(table_slug(dev))
     return {"packaged": get_config(shape, t, dtype, dev, table=packaged),
             "default": default_config(shape, t, dtype.itemsize, dev)}
 

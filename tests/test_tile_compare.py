@@ -42,11 +42,19 @@ def test_tables_set_puts_the_table_beside_the_packaged_and_default_configs():
     assert out == {"table": shipped, "default": base}
 
 
-def test_table_variants_on_the_cpu_are_the_default():
-    """The CPU has no packaged table: both extra configs are the heuristic's."""
+def test_table_variants_read_the_packaged_table_of_the_device(monkeypatch):
+    """"packaged" is the packaged table's entry in reach of T (looked up under the device's table
+    name), "default" the heuristic's, whatever the table under test holds."""
     import torch
+
+    from moekit.tuning import TuningTable, shape_key
 
     mod = load_script("tile_compare")
     shape = PRESETS["qwen3-30b-a3b"]
+    shipped = default_config(shape, 4096, 4)                    # any config other than T = 64's default
+    asked = []
+    monkeypatch.setattr(mod, "packaged_table", lambda slug: asked.append(slug) or TuningTable(
+        {shape_key(shape, torch.float32): {64: shipped}}))
     got = mod.table_variants(shape, 64, torch.float32, torch.device("cpu"))
-    assert got == {"packaged": default_config(shape, 64, 4), "default": default_config(shape, 64, 4)}
+    assert got == {"packaged": shipped, "default": default_config(shape, 64, 4)} and asked == ["cpu"]
+    assert shipped != default_config(shape, 64, 4)

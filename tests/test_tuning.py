@@ -138,9 +138,13 @@ def test_lookup_in_a_given_table_ignores_the_config_dir(table_dir):
     assert get_config(shape, 16, torch.float32, "cpu", table=TuningTable()) == default_config(shape, 16, 4)
 
 
-def test_packaged_table_skips_the_config_dir(table_dir):
-    table_dir({})                                  # an empty cpu.json in $MOEKIT_CONFIG_DIR
-    assert packaged_table("nvidia_h200") == parse_table(PACKAGED_DIR / "nvidia_h200.json")
+def test_packaged_table_skips_the_config_dir(table_dir, tmp_path):
+    """$MOEKIT_CONFIG_DIR's own (empty) H200 table shadows the packaged one for `load_table`, not
+    for `packaged_table`."""
+    (tmp_path / "nvidia_h200.json").write_text("{}")
+    load_table.cache_clear()
+    assert load_table("nvidia_h200") == {}
+    assert packaged_table("nvidia_h200") == parse_table(PACKAGED_DIR / "nvidia_h200.json") != {}
     assert packaged_table("cpu") == {} and packaged_table("no_such_gpu") == {}
 
 

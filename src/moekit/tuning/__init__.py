@@ -488,21 +488,31 @@ def _config_dirs() -> list[Path]:
     return ([Path(extra)] if extra else []) + [PACKAGED_DIR]
 
 
-@functools.lru_cache(maxsize=64)
-def load_table(slug: str) -> TuningTable:
-    """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug` (empty when
-    there is none)."""
-    for d in _config_dirs():
+def _first_table(slug: str, dirs: list[Path]) -> TuningTable:
+    """The first of dirs' `<slug>.json` files, parsed (empty when none has one)."""
+    for d in dirs:
         path = d / f"{slug}.json"
         if path.is_file():
             return parse_table(path)
     return TuningTable()
 
 
+@functools.lru_cache(maxsize=64)
+def load_table(slug: str) -> TuningTable:
+    """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug` (empty when
+    there is none)."""
+    return _first_table(slug, _config_dirs())
+
+
 def packaged_table(slug: str) -> TuningTable:
     """The table moekit ships for `slug` (empty when there is none), whatever $MOEKIT_CONFIG_DIR holds."""
-    path = PACKAGED_DIR / f"{slug}.json"
-    return parse_table(path) if path.is_file() else TuningTable()
+    return _first_table(slug, [PACKAGED_DIR])
+
+
+def table_slug(device: torch.device | str | None = None) -> str:
+    """The table `get_config` reads for a call on `device`: the GPU's (`device_slug`), or "cpu" for a
+    CPU device."""
+    return device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
 
 
 _TOKENS_KEY = re.compile(r"[1-9][0-9]*")
@@ -611,7 +621,7 @@ def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
     default counts are 4x apart, so a fully tuned shape always has an entry in reach.
     table: look in this table instead of the device's (`load_table`; e.g. the packaged one,
     `packaged_table`, to compare it with a table in $MOEKIT_CONFIG_DIR)."""
-    slug = device_slug(device) if device is None or torch.device(device).type == "cuda" else "cpu"
+    slug = table_slug(device)
     key = shape_key(shape, dtype)
     table = load_table(slug) if table is None else table
     entry = table.get(key)
