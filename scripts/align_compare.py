@@ -2,12 +2,16 @@
 variants side by side, each kernel's pieces timed apart. A measurement script (issue 14: at 16-256
 tokens the align is 4-5% of the expert path).
 
-Per T (default 16, 64, 128, 256; the H200 table's block_m for T), a CUDA graph of N back-to-back
-`align_block_size(ids, 128, block_m, backend="triton")` calls is replayed; the median of the
-replays over N is the time an align adds in a chain of launches (launch gaps included, as in the
-expert path's graph). Variants:
+Per T (default 16, 64, 128, 256, 512: up to S = 4096 pairs; the H200 table's block_m for T), a
+CUDA graph of N back-to-back `align_block_size(ids, 128, block_m, backend="triton")` calls is
+replayed; the median of the replays over N is the time an align adds in a chain of launches
+(launch gaps included, as in the expert path's graph). Variants:
 
     default      as shipped: one program up to FUSED_MAX_PAIRS pairs, else hist + scan + scatter
+                 (and the opt-in below where ONE_LAUNCH_MAX_PAIRS is set)
+    one          ONE_LAUNCH_MAX_PAIRS = ONE_LAUNCH_CANDIDATE: one launch of a program a chunk
+                 (`align_one_launch_kernel`) above FUSED_MAX_PAIRS
+    three        ONE_LAUNCH_MAX_PAIRS = 0: hist + scan + scatter above FUSED_MAX_PAIRS
     fused        FUSED_MAX_PAIRS raised to 4096 (one program at every T here)
     warps2/8     the align kernels with 2 / 8 warps (`moekit.align.ALIGN_WARPS`)
 Pieces (kernels of this script built from the align kernels' own helpers, one program, the fused
@@ -105,8 +109,9 @@ def measure(tokens: int, args, gen) -> dict:
     bm = BLOCK_M.get(tokens, 64)
     ids = torch.randn(tokens, E, device="cuda", generator=gen).topk(K, -1).indices.to(torch.int32)
     want = align_mod.align_block_size(ids, E, bm, backend="torch")
-    variants = {"default": {}, "fused": {"FUSED_MAX_PAIRS": 4096}, "warps2": {"ALIGN_WARPS": 2},
-                "warps8": {"ALIGN_WARPS": 8}}
+    variants = {"default": {}, "one": {"ONE_LAUNCH_MAX_PAIRS": align_mod.ONE_LAUNCH_CANDIDATE},
+                "three": {"ONE_LAUNCH_MAX_PAIRS": 0}, "fused": {"FUSED_MAX_PAIRS": 4096},
+                "warps2": {"ALIGN_WARPS": 2}, "warps8": {"ALIGN_WARPS": 8}}
     line = {"tokens": tokens, "pairs": tokens * K, "block_m": bm}
 
     def call():
@@ -197,7 +202,7 @@ def compare_paths(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="16,64,128,256")
+    parser.add_argument("--tokens", default="16,64,128,256,512")
     parser.add_argument("--n", type=int, default=64, help="calls a graph (default 64)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", help="JSON lines here")

@@ -64,6 +64,12 @@ spills are reported (the 128-column tiles spill loop counters: 72 B with Triton 
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 (`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
 
+`--align` checks the align kernels instead (`moekit.kernels.align`, as `align_block_size_triton`
+launches them): the one-program kernel, the one-launch kernel of a program a chunk (the opt-in
+`ONE_LAUNCH_MAX_PAIRS`, at `ONE_LAUNCH_CANDIDATE`) and the three launches, over the pair counts,
+expert counts, block sizes and id dtypes of `ALIGN_CASES`; --regs as above (the scan kernel of the
+three launches spills 136 B at 32,768 pairs with Triton 3.8).
+
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
        python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
@@ -71,6 +77,7 @@ Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M
        python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
        python scripts/aot_compile_check.py --gluon-swiglu [--regs] [--dump DIR]
+       python scripts/aot_compile_check.py --align [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -166,6 +173,12 @@ def capture_launches(call, kernels=KERNELS) -> list[tuple]:
         for kernel in kernels:
             del kernel.run
     return seen
+
+
+def fail_status(exc: BaseException) -> str:
+    """A variant's FAIL line: the exception's type and the last line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
 
 
 def compile_launch(kernel, args, kwargs, target):
@@ -326,11 +339,50 @@ def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, reg
                 status = f"OK  shared {usage}"
             except Exception as exc:
                 failed += 1
-                text = str(exc).strip().splitlines()
-                status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+                status = fail_status(exc)
             label = f"m{cfg.block_m} {fit.label()}"
             print(f"{name:<28} {status}  [{label}]  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{total - failed}/{total} backward variants compile" + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
+# (T, E, K, block_m, ids dtype): one program (S <= FUSED_MAX_PAIRS), one launch of a program a
+# chunk (the opt-in, run at ONE_LAUNCH_CANDIDATE pairs; Qwen3-30B-A3B at 256 and 512 tokens, E_PAD 4
+# and 512), three.
+ALIGN_CASES = ((64, 128, 8, 16, torch.int32), (129, 128, 8, 16, torch.int32), (256, 128, 8, 16, torch.int64),
+               (512, 128, 8, 64, torch.int32), (1000, 4, 3, 128, torch.int64), (331, 257, 5, 16, torch.int32),
+               (4096, 128, 8, 64, torch.int32))
+
+
+def check_align(target, dump: Path | None, regs: bool) -> int:
+    """Compile each `ALIGN_CASES` align's launches; 1 on a failure."""
+    import moekit.align as align_mod
+    from moekit.kernels import align as kernels
+
+    names = ("align_scatter_kernel", "align_hist_kernel", "align_scan_kernel", "align_one_launch_kernel")
+    launched = tuple(getattr(kernels, n) for n in names if hasattr(kernels, n))
+    checked, limit = align_mod.check_triton_device, getattr(align_mod, "ONE_LAUNCH_MAX_PAIRS", 0)
+    align_mod.check_triton_device = lambda *a, **k: None      # CPU tensors stand in for the GPU's
+    align_mod.ONE_LAUNCH_MAX_PAIRS = getattr(align_mod, "ONE_LAUNCH_CANDIDATE", 0)
+    failed = 0
+    try:
+        for num_tokens, num_experts, top_k, block_m, dtype in ALIGN_CASES:
+            ids = torch.zeros(num_tokens, top_k, dtype=dtype)
+            name = f"align.T{num_tokens}.E{num_experts}.K{top_k}.m{block_m}.{str(dtype)[-5:]}"
+            started = time.perf_counter()
+            try:
+                call = functools.partial(align_mod.align_block_size_triton, ids, num_experts, block_m)
+                launches = capture_launches(call, launched)
+                status = compile_launches(launches, target, dump, [name] * len(launches), regs)
+                status = f"OK  {'+'.join(k.__name__ for k, _, _ in launches)}  shared {status}"
+            except Exception as exc:
+                failed += 1
+                status = fail_status(exc)
+            print(f"{name:<34} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
+    finally:
+        align_mod.check_triton_device, align_mod.ONE_LAUNCH_MAX_PAIRS = checked, limit
+    print(f"{len(ALIGN_CASES) - failed}/{len(ALIGN_CASES)} align cases compile"
+          + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0
 
 
@@ -444,8 +496,7 @@ def check_decode(inp: Inputs, variants: dict, target, dump: Path | None, regs: b
             status = "OK  shared " + compile_launches(launches, target, dump, [f"decode.{name}"] * 2, regs)
         except Exception as exc:
             failed += 1
-            text = str(exc).strip().splitlines()
-            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+            status = fail_status(exc)
         print(f"decode {name:<8} {status}  [{tiles.label()}]  ({time.perf_counter() - started:.1f} s)",
               flush=True)
     print(f"{len(variants) - failed}/{len(variants)} decode variants compile"
@@ -461,8 +512,7 @@ def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bo
             status = run_wgrad(inp, tiles, target, dump, f"wgrad.{name}", regs)
         except Exception as exc:
             failed += 1
-            text = str(exc).strip().splitlines()
-            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+            status = fail_status(exc)
         print(f"wgrad {name:<22} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{len(variants) - failed}/{len(variants)} wgrad variants compile"
           + (f", {failed} FAILED" if failed else ""))
@@ -523,8 +573,7 @@ def run_gluon_checks(prefix: str, what: str, checks: dict, target, dump: Path | 
                 (dump / f"{stem}.{name}.sass").write_text(sass(compiled.asm["cubin"]))
         except Exception as exc:
             failed += 1
-            text = str(exc).strip().splitlines()
-            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+            status = fail_status(exc)
         print(f"{prefix} {name:<24} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{len(checks) - failed}/{len(checks)} {what} compile" + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0
@@ -589,6 +638,7 @@ def main() -> int:
                    help="the Hopper Gluon SwiGLU backward's tiles instead")
     p.add_argument("--decode", nargs="?", const="all", default=None,
                    help="the direct decode kernels' tiles instead: all, or default,<index>,...")
+    p.add_argument("--align", action="store_true", help="the align kernels instead (ALIGN_CASES)")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -612,6 +662,8 @@ def main() -> int:
         return check_gluon_swiglu(target, args.dump, args.regs)
     if args.backward:
         return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
+    if args.align:
+        return check_align(target, args.dump, args.regs)
     if args.decode is not None:
         return check_decode(inp, decode_variants(args.decode), target, args.dump, args.regs)
     pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
@@ -625,8 +677,7 @@ def main() -> int:
             status = run_variant(inp, TILES[tiles], path, target, args.dump, name, args.regs)
         except Exception as exc:
             failed += 1
-            text = str(exc).strip().splitlines()
-            status = f"FAIL {type(exc).__name__}: {text[-1][:300] if text else ''}"
+            status = fail_status(exc)
         print(f"{name:<28} {status}  ({time.perf_counter() - started:.1f} s)", flush=True)
     print(f"{len(pairs) - failed}/{len(pairs)} variants compile" + (f", {failed} FAILED" if failed else ""))
     if args.compare is not None:

@@ -1,21 +1,26 @@
 """Align: both backends equal, field by field, to the tests' own pair-by-pair construction.
 
 `helpers.align_ref` builds the expected Alignment in plain Python (never from moekit's torch
-backend, which would grade the triton one); integer metadata compares exactly.
+backend, which would grade the triton one); integer metadata compares exactly. The triton backend
+runs with its workspaces poisoned (`moekit._workspace.poisoning`), so a sentinel row no kernel
+writes shows up as the poison.
 """
 
 import pytest
 import torch
 
-from helpers import align_ref, assert_alignment_equals, distinct_topk_ids
+import moekit.align as align_mod
+from helpers import align_ref, aot_compile_check, assert_alignment_equals, distinct_topk_ids
 from moekit import align_block_size
-from moekit.align import FUSED_MAX_PAIRS
+from moekit._workspace import poisoning
+from moekit.align import FUSED_MAX_PAIRS, ONE_LAUNCH_CANDIDATE
 
 
 def _both(ids, num_experts, block_m):
     expected = align_ref(ids, num_experts, block_m)
     for backend in ("torch", "triton"):
-        a = align_block_size(ids, num_experts, block_m, backend=backend)
+        with poisoning():
+            a = align_block_size(ids, num_experts, block_m, backend=backend)
         assert a.block_m == block_m and a.num_pairs == ids.numel()
         assert_alignment_equals(a, expected)
     return a
@@ -147,8 +152,6 @@ def test_fused_expert_ids_writers_agree(monkeypatch, kind):
     """The fused kernel's two ways of writing expert_ids and block_codes (expert by expert, the
     default, and the multi-program kernels' search over experts a block) give the tests' own
     alignment (`helpers.align_ref`), field for field."""
-    import moekit.align as align_mod
-
     if kind == "one-expert":
         ids = torch.full((97, 2), 3, dtype=torch.int32)
     else:
@@ -158,3 +161,113 @@ def test_fused_expert_ids_writers_agree(monkeypatch, kind):
     for by_expert in (True, False):
         monkeypatch.setattr(align_mod, "FUSED_IDS_BY_EXPERT", by_expert)
         _both(ids, 12, 4)
+
+
+ALIGN_KERNELS = ("align_scatter_kernel", "align_hist_kernel", "align_scan_kernel", "align_one_launch_kernel")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the align kernels `align_block_size_triton` launches, in order."""
+    names = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            names.append(self.name)
+            return self.kernel[grid]
+
+    for name in ALIGN_KERNELS:
+        monkeypatch.setattr(align_mod, name, Spy(name, getattr(align_mod, name)))
+    return names
+
+
+PATHS = {"one": ["align_one_launch_kernel"],
+         "three": ["align_hist_kernel", "align_scan_kernel", "align_scatter_kernel"]}
+
+
+def _set_path(monkeypatch, path):
+    """ONE_LAUNCH_MAX_PAIRS for the path: the candidate limit (the opt-in) or 0 (the default)."""
+    monkeypatch.setattr(align_mod, "ONE_LAUNCH_MAX_PAIRS", ONE_LAUNCH_CANDIDATE if path == "one" else 0)
+
+
+def test_one_launch_is_off_by_default(launches):
+    """Until its build has passed the GPU tests (`moekit.align.ONE_LAUNCH_MAX_PAIRS`)."""
+    assert align_mod.ONE_LAUNCH_MAX_PAIRS <= FUSED_MAX_PAIRS
+    _both(distinct_topk_ids(129, 128, 8), 128, 16)
+    assert launches == PATHS["three"]
+
+
+def _with_invalid(ids, num_experts, count):
+    """ids with `count` random slots set to ids outside [0, E): -1, E, and for int64 ids values that
+    wrap into [0, E) when truncated to 32 bits (2**32 + 3, -2**32 + 1)."""
+    bad = [-1, num_experts, 2**31 - 1]
+    if ids.dtype == torch.int64:
+        bad += [2**32 + 3, -(2**32) + 1]
+    flat = ids.reshape(-1)
+    slots = torch.randperm(flat.numel())[:count]
+    flat[slots] = torch.tensor(bad, dtype=ids.dtype)[torch.arange(count) % len(bad)]
+    return ids
+
+
+MULTI_CHUNK = [  # (T, E, K, block_m, ids dtype, invalid ids): FUSED_MAX_PAIRS < S <= ONE_LAUNCH_CANDIDATE
+    (129, 128, 8, 16, torch.int32, 0),       # S = 1032, just above the fused kernel's limit
+    (129, 128, 8, 64, torch.int64, 40),
+    (257, 60, 7, 32, torch.int64, 25),       # S = 1799 (prime), E not a power of two
+    (331, 257, 5, 16, torch.int32, 9),       # S = 1655, E_PAD 512
+    (150, 1000, 8, 3, torch.int32, 5),       # block_m not a power of two, most experts empty
+    (600, 4, 3, 128, torch.int64, 0),        # S = 1800 on 3 of 4 experts, block_m 128
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", MULTI_CHUNK, ids=lambda c: "T{}-E{}-K{}-bm{}-{}-bad{}".format(
+    *c[:4], str(c[4])[-5:], c[5]))
+def test_multi_chunk_paths(monkeypatch, launches, case, path):
+    """One launch (`align_one_launch_kernel`, the opt-in ONE_LAUNCH_MAX_PAIRS at ONE_LAUNCH_CANDIDATE)
+    and the three (ONE_LAUNCH_MAX_PAIRS = 0, the default) each give the
+    tests' own alignment exactly, sentinel rows included, with invalid ids mixed in and an expert
+    without pairs (`distinct_topk_ids` leaves E - 1 out)."""
+    num_tokens, num_experts, top_k, block_m, dtype, invalid = case
+    _set_path(monkeypatch, path)
+    ids = _with_invalid(distinct_topk_ids(num_tokens, num_experts, top_k, dtype=dtype), num_experts, invalid)
+    assert FUSED_MAX_PAIRS < ids.numel() <= ONE_LAUNCH_CANDIDATE
+    a = _both(ids, num_experts, block_m)
+    assert launches == PATHS[path]
+    assert int(a.tokens_per_expert.sum()) == int(((ids >= 0) & (ids < num_experts)).sum())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_multi_chunk_all_pairs_on_one_expert(monkeypatch, launches, path):
+    _set_path(monkeypatch, path)
+    ids = torch.full((1500, 1), 5, dtype=torch.int32)
+    a = _both(ids, 8, 32)
+    assert launches == PATHS[path] and int(a.tokens_per_expert[5]) == 1500
+
+
+def test_one_launch_at_its_limit(monkeypatch, launches):
+    """S = ONE_LAUNCH_CANDIDATE (E = 128, K = 8 as Qwen3-30B-A3B): still one launch."""
+    _set_path(monkeypatch, "one")
+    ids = _with_invalid(distinct_topk_ids(ONE_LAUNCH_CANDIDATE // 8, 128, 8, dtype=torch.int64), 128, 50)
+    _both(ids, 128, 64)
+    assert launches == PATHS["one"]
+
+
+def test_one_launch_limit_is_read_at_each_call(monkeypatch, launches):
+    ids = distinct_topk_ids(200, 16, 6)                                  # S = 1200
+    for limit, path in ((1200, "one"), (1199, "three"), (FUSED_MAX_PAIRS, "three")):
+        monkeypatch.setattr(align_mod, "ONE_LAUNCH_MAX_PAIRS", limit)
+        launches.clear()
+        _both(ids, 16, 16)
+        assert launches == PATHS[path], limit
+
+
+def test_align_kernels_compile_for_sm90_ahead_of_time():
+    """Every align kernel compiles for sm_90 as `align_block_size_triton` launches it (no GPU: Triton's
+    CUDA backend and ptxas), and the one-launch kernel keeps its registers (no local memory)."""
+    text = aot_compile_check("--align", "--regs")
+    assert "7/7 align cases compile" in text                     # the script's ALIGN_CASES
+    one_launch = [line for line in text.splitlines() if "align_one_launch_kernel" in line]
+    assert len(one_launch) == 5 and not any(" local " in line for line in one_launch), one_launch

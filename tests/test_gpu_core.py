@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moekit.align as align_mod
 from helpers import (
     align_ref,
     assert_alignment_equals,
@@ -18,6 +19,7 @@ from helpers import (
     topk_softmax_fp32,
 )
 from moekit import BACKENDS, PRESETS, MoELayer, align_block_size, moe_experts, route, topk_softmax
+from moekit._workspace import poisoning
 from moekit.experts.triton import experts_triton
 from moekit.reference import moe_experts_ref
 
@@ -40,9 +42,12 @@ def test_backends_bf16_qwen3(qwen_layer, num_tokens):
         assert err <= bound, f"{backend} T={num_tokens}: {err:.2e} > {bound:.2e} (2x plain bf16 PyTorch)"
 
 
-@pytest.mark.parametrize("num_tokens", [1, 33, 4096])
-def test_router_and_align_match_references_on_gpu(num_tokens):
-    """Both router and both align backends against the tests' own references (helpers.py)."""
+@pytest.mark.parametrize("num_tokens", [1, 33, 256, 500, 4096])
+def test_router_and_align_match_references_on_gpu(num_tokens, monkeypatch):
+    """Both router and both align backends against the tests' own references (helpers.py), the
+    triton one also with the opt-in one-launch align (`moekit.align.ONE_LAUNCH_MAX_PAIRS` at
+    ONE_LAUNCH_CANDIDATE: 256 and 500 tokens, 2,048 and 4,000 pairs, run it); also with int64 ids
+    holding sentinels (-1, E + 3, 2**32 + 1: never placed)."""
     logits = torch.randn(num_tokens, QWEN.num_experts, device="cuda", dtype=torch.bfloat16)
     logits[0, :5] = float("nan")
     if num_tokens > 2:
@@ -52,12 +57,18 @@ def test_router_and_align_match_references_on_gpu(num_tokens):
         w, i = topk_softmax(logits, 8, backend=backend)
         assert torch.equal(i.cpu(), i_ref), backend
         torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-5, atol=1e-6)
-    for ids, block_m in ((i_ref.cuda(), 16), (i_ref.cuda(), 64),
+    holes = i_ref.cuda().long()
+    holes[::3, 0] = -1
+    holes[1::4, -1] = QWEN.num_experts + 3
+    holes[2::5, 2] = 2**32 + 1
+    for ids, block_m in ((i_ref.cuda(), 16), (i_ref.cuda(), 64), (holes, 32),
                          (torch.arange(8, device="cuda", dtype=torch.int32).repeat(num_tokens, 1), 64)):
         expected = align_ref(ids, QWEN.num_experts, block_m)
-        for backend in ("torch", "triton"):
-            assert_alignment_equals(align_block_size(ids, QWEN.num_experts, block_m, backend=backend),
-                                    expected)
+        for backend, limit in (("torch", 0), ("triton", 0), ("triton", align_mod.ONE_LAUNCH_CANDIDATE)):
+            monkeypatch.setattr(align_mod, "ONE_LAUNCH_MAX_PAIRS", limit)
+            with poisoning():
+                got = align_block_size(ids, QWEN.num_experts, block_m, backend=backend)
+            assert_alignment_equals(got, expected)
 
 
 def test_triton_path_makes_no_host_sync(qwen_layer):

@@ -3,7 +3,9 @@
 Every output has a size fixed by (T, K, E, block_m) alone, so nothing is read back to the host
 and the step can be captured in a CUDA graph. Pair p is token p // K, slot p % K. Backends:
     torch   sort + histogram + cumsum (mirrors vLLM's moe_align_block_size in PyTorch ops)
-    triton  one launch for up to FUSED_MAX_PAIRS pairs, else three (`moekit.kernels.align`)
+    triton  one launch of one program up to FUSED_MAX_PAIRS pairs, else three
+            (`moekit.kernels.align`); opt-in, one launch of a program a chunk up to
+            ONE_LAUNCH_MAX_PAIRS pairs
 Both give identical outputs: within an expert, pairs keep ascending pair order.
 """
 
@@ -18,6 +20,7 @@ from moekit._host import cdiv, next_power_of_2
 from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
 from moekit.kernels.align import (
     align_hist_kernel,
+    align_one_launch_kernel,
     align_scan_kernel,
     align_scatter_kernel,
     row_starts_kernel,
@@ -26,6 +29,16 @@ from moekit.launch_hints import pdl_kwargs
 
 ALIGN_BACKENDS = ("torch", "triton")
 FUSED_MAX_PAIRS = 1024
+# Above FUSED_MAX_PAIRS and up to this many pairs, one launch of one program a chunk
+# (`align_one_launch_kernel`: each program histograms every id itself) instead of hist + scan +
+# scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. Off (0) by
+# default until this build of the kernel has passed the GPU tests: an earlier build (histograms of
+# 2,048 ids a step, 4 warps) measured on an H200 (E = 128, a CUDA graph of back-to-back aligns,
+# session 20 call 1, scripts/align_compare.py) 5.2 against 7.0 us at 2,048 pairs, 7.3 against 7.5 at
+# 4,096 and 10.4 against 8.6 at 8,192; the device time ran out before this build (up to 8,192 ids a
+# step, 8 warps) could be run. ONE_LAUNCH_CANDIDATE is the limit to try.
+ONE_LAUNCH_MAX_PAIRS = 0
+ONE_LAUNCH_CANDIDATE = 4096
 # Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
 # the default by chunk size (None). Read at each call.
 ALIGN_WARPS: int | None = None
@@ -280,6 +293,20 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
             ids, sorted_ids, sorted_ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes,
             num_pairs, num_experts, length, max_blocks, max_blocks, FUSED=True,
             IDS_BY_EXPERT=FUSED_IDS_BY_EXPERT, **scatter,
+        )
+        return out
+    if num_pairs <= ONE_LAUNCH_MAX_PAIRS:
+        # Every id in one histogram step up to 8192 pairs (steps of 2048 ids were slower at 8192
+        # pairs than the three launches, see ONE_LAUNCH_MAX_PAIRS), and 8 warps.
+        hist = max(chunk, min(8192, next_power_of_2(num_pairs)))
+        # BLOCK_J from E alone (not the blocks a program has), so that every T of one shape compiles
+        # the same kernel (tests/fuzz_plan.py's bands)
+        blocks_per_program = cdiv(max_blocks, num_chunks)
+        align_one_launch_kernel[(num_chunks,)](
+            ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes, num_pairs, num_experts,
+            length, max_blocks, blocks_per_program, cdiv(num_pairs, hist), BLOCK_M=block_m, CHUNK=chunk,
+            E_PAD=e_pad, HIST=hist, BLOCK_J=max(1, min(256, 4096 // e_pad)),
+            FILL_COLS=min(next_power_of_2(block_m), max(1, 4096 // e_pad)), num_warps=ALIGN_WARPS or 8, **pdl,
         )
         return out
     counts = _workspace.empty(num_chunks, e_pad, device=dev, dtype=torch.int32)

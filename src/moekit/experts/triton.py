@@ -1,7 +1,8 @@
 """`triton` backend launcher: align -> GEMM1 (gather + SwiGLU) -> GEMM2 (weight + scatter) -> sum,
 and its backward (`moekit.grouped_gemm_backward`) as a torch.autograd.Function.
 
-Four launches after the router for small T (align is one kernel up to 4096 pairs), five above.
+Four launches after the router up to `moekit.align.FUSED_MAX_PAIRS` pairs, or up to
+`ONE_LAUNCH_MAX_PAIRS` where that opt-in is higher (the align in one kernel), six above (in three).
 No host synchronisation: every buffer's size follows from (T, K, E, config) and the grids are
 sized from the fixed upper bound `Alignment.max_blocks`; programs past num_padded return.
 Workspace: h (L, I) and y (S, H) in the input dtype (L = padded rows, S = T * K).

@@ -3,7 +3,8 @@
 Legend: S pairs (= T * K), E experts (E_PAD = next power of two), C chunks of CHUNK pairs.
 Outputs (see `moekit.align.Alignment`): sorted_ids, expert_ids, num_padded, tokens_per_expert.
 
-Three launches when C > 1, all parallel but the tiny scan:
+Three launches when C > 1 (above `moekit.align.ONE_LAUNCH_MAX_PAIRS` pairs where that opt-in is set),
+all parallel but the tiny scan:
     align_hist_kernel     (C programs)  counts[c, e] = pairs of chunk c on expert e (tl.histogram);
                                         fills sorted_ids with the sentinel S
     align_scan_kernel     (1 program)   padded group sizes, their prefix sum pad_end[e], and
@@ -14,6 +15,12 @@ Three launches when C > 1, all parallel but the tiny scan:
 One launch when C == 1 (FUSED): the scatter program does all three, in registers, and writes the
 blocks' expert ids expert by expert (`_write_expert_ids_by_expert`: 12 us of the fused kernel's 14
 at 512 pairs on an H200 went to the search over experts a block, `scripts/align_compare.py`).
+Opt-in, one launch of C > 1 programs up to ONE_LAUNCH_MAX_PAIRS pairs (`align_one_launch_kernel`):
+each program histograms all S ids itself (total[e], and before[e] from the chunks < c), so it has
+its base[c, e] in registers; it scatters its chunk, and of its share of the blocks writes the
+expert ids (expert by expert, clipped to the share) and the sentinel S into the rows no pair goes
+to (the padding rows of the experts whose last block is in its share, and the rows at or past
+num_padded): no program writes a row another program writes, so no fill-then-overwrite race.
 Sorting keys (expert, index in chunk) keeps pair order within an expert, so the result equals a
 stable sort. Pairs whose id is outside [0, E) get key E * CHUNK + i: they sort last and are never
 placed (expert-parallel sentinels, graph padding rows).
@@ -98,6 +105,52 @@ def _write_expert_ids_by_expert(expert_ids_ptr, block_codes_ptr, padded, pad_end
 
 
 @triton.jit
+def _write_share(sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, total, padded, pad_end, num_padded, S, E,
+                 length, max_blocks, b0, count,
+                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr, FILL_COLS: tl.constexpr):
+    """Everything of blocks [b0, b0 + count) but their pairs' rows, for the one-launch align (each
+    program its own blocks: disjoint from every other program's writes and from every pair's row):
+    their expert ids and codes expert by expert (as `_write_expert_ids_by_expert`, each expert's
+    blocks clipped to the range: no search over experts a block, and the same work in every program
+    whatever the skew), the sentinel S into the padding rows [pad_start[e] + total[e], pad_end[e]) of
+    each expert whose last block is in the range (fewer than BLOCK_M rows, FILL_COLS a step), and into
+    the range's rows in [num_padded, length); its blocks at or past num_padded get -1 and 0."""
+    re = tl.arange(0, E_PAD)
+    b1 = tl.minimum(b0 + count, max_blocks)
+    nb = padded // BLOCK_M                                              # [E_PAD] blocks of each expert
+    first = (pad_end - padded) // BLOCK_M
+    lo = tl.maximum(first, b0)                                          # the expert's blocks in range
+    hi = tl.minimum(first + nb, b1)
+    rj = tl.arange(0, BLOCK_J)
+    for j0 in range(0, count, BLOCK_J):
+        blk = lo[:, None] + j0 + rj[None, :]                            # [E_PAD, BLOCK_J]
+        m = (blk < hi[:, None]) & (re[:, None] < E)
+        j = blk - first[:, None]                                        # the block's index in its expert
+        # 2: a tile of this block and the next (same expert), 1: the expert's last block alone, 0: a
+        # pair's second block (an expert's tiles start at its even blocks)
+        code = tl.where(j % 2 == 0, tl.where(j + 1 < nb[:, None], 2, 1), 0)
+        tl.store(expert_ids_ptr + blk, tl.broadcast_to(re[:, None], (E_PAD, BLOCK_J)), mask=m)
+        tl.store(block_codes_ptr + blk, code, mask=m)
+    last = first + nb - 1
+    ours = (nb > 0) & (last >= b0) & (last < b1) & (re < E)
+    pad_from = pad_end - padded + total                                 # [E_PAD] the first padding row
+    for f0 in range(0, BLOCK_M, FILL_COLS):
+        rows = pad_from[:, None] + f0 + tl.arange(0, FILL_COLS)[None, :]  # [E_PAD, FILL_COLS]
+        m = ours[:, None] & (rows < pad_end[:, None])
+        tl.store(sorted_ids_ptr + rows, tl.full((E_PAD, FILL_COLS), S, tl.int32), mask=m)
+    dead0 = num_padded // BLOCK_M
+    for i in range(0, count, 256):
+        blk = b0 + i + tl.arange(0, 256)
+        dead = (blk >= dead0) & (blk < b1)
+        tl.store(expert_ids_ptr + blk, tl.full((256,), -1, tl.int32), mask=dead)
+        tl.store(block_codes_ptr + blk, tl.zeros((256,), tl.int32), mask=dead)
+    for i in range(0, count * BLOCK_M, 1024):
+        offs = b0 * BLOCK_M + i + tl.arange(0, 1024)
+        m = (offs >= num_padded) & (offs < length) & (offs < b1 * BLOCK_M)
+        tl.store(sorted_ids_ptr + offs, tl.full((1024,), S, tl.int32), mask=m)
+
+
+@triton.jit
 def align_hist_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, S, E, length, fill_chunk,
                       CHUNK: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
@@ -176,6 +229,49 @@ def align_scatter_kernel(
     else:       # C programs: the blocks split evenly between them, whatever the skew
         _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, c * blocks_per_program,
                           blocks_per_program, max_blocks, BLOCK_M, E_PAD, BLOCK_B)
+
+
+@triton.jit
+def align_one_launch_kernel(
+    ids_ptr, num_padded_ptr, tokens_per_expert_ptr, sorted_ids_ptr, expert_ids_ptr, block_codes_ptr,
+    S, E, length, max_blocks, blocks_per_program, hist_steps,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, HIST: tl.constexpr,
+    BLOCK_J: tl.constexpr, FILL_COLS: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """The three launches' work in one, C programs (no cross-program dependence): program c
+    histograms all S ids (hist_steps steps of HIST) into total[e] and before[e] (the pairs of e in
+    chunks < c), derives base[c, e] as `align_scan_kernel` does, scatters its chunk, and writes its
+    share of the expert ids, block codes and sentinel rows (`_write_share`)."""
+    pdl_enter(USE_PDL)
+    c = tl.program_id(0)
+    re = tl.arange(0, E_PAD)
+    # One histogram of 2 E_PAD bins a step: bin e counts the pairs of e in chunks < c, E_PAD + e the rest.
+    counts = tl.zeros((2 * E_PAD,), dtype=tl.int32)
+    for step in range(0, hist_steps):
+        e_all, _ = _chunk_keys(ids_ptr, step, S, E, HIST)
+        later = step * HIST + tl.arange(0, HIST) >= c * CHUNK
+        counts += tl.histogram(e_all + tl.where(later, E_PAD, 0), 2 * E_PAD, mask=e_all < E)
+    counts = tl.reshape(counts, (2, E_PAD))
+    before = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, counts, 0), axis=0)
+    total = tl.sum(counts, axis=0)
+    e, keys = _chunk_keys(ids_ptr, c, S, E, CHUNK)
+    mine = tl.histogram(e, E_PAD, mask=e < E)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    num_padded = tl.sum(padded, axis=0)
+    base_e = pad_start + before - (tl.cumsum(mine, axis=0) - mine)      # base[c, e]
+    sorted_keys = tl.sort(keys)
+    se = sorted_keys // CHUNK                                           # expert at sorted position
+    pair = c * CHUNK + sorted_keys % CHUNK
+    base = tl.gather(base_e, tl.minimum(se, E_PAD - 1), 0)
+    tl.store(sorted_ids_ptr + base + tl.arange(0, CHUNK), pair, mask=se < E)
+    if c == 0:
+        tl.store(num_padded_ptr, num_padded)
+        tl.store(tokens_per_expert_ptr + re, total, mask=re < E)
+    _write_share(sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, total, padded, pad_end, num_padded, S, E,
+                 length, max_blocks, c * blocks_per_program, blocks_per_program, BLOCK_M, E_PAD, BLOCK_J,
+                 FILL_COLS)
 
 
 @triton.jit
