@@ -14,6 +14,7 @@ from helpers import align_ref, aot_compile_check, assert_alignment_equals, disti
 from moekit import align_block_size
 from moekit._workspace import poisoning
 from moekit.align import FUSED_MAX_PAIRS, ONE_LAUNCH_CANDIDATE
+from moekit.bench.launches import patched_runs
 
 
 def _both(ids, num_experts, block_m):
@@ -167,21 +168,18 @@ ALIGN_KERNELS = ("align_scatter_kernel", "align_hist_kernel", "align_scan_kernel
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def launches():
     """The names of the align kernels `align_block_size_triton` launches, in order."""
     names = []
 
-    class Spy:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
+    def wrap(kernel, real):
+        def spy(*args, **kwargs):
+            names.append(kernel.__name__)
+            return real(*args, **kwargs)
+        return spy
 
-        def __getitem__(self, grid):
-            names.append(self.name)
-            return self.kernel[grid]
-
-    for name in ALIGN_KERNELS:
-        monkeypatch.setattr(align_mod, name, Spy(name, getattr(align_mod, name)))
-    return names
+    with patched_runs([getattr(align_mod, name) for name in ALIGN_KERNELS], wrap):
+        yield names
 
 
 PATHS = {"one": ["align_one_launch_kernel"],

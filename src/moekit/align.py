@@ -299,9 +299,9 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
         # Every id in one histogram step up to 8192 pairs (steps of 2048 ids were slower at 8192
         # pairs than the three launches, see ONE_LAUNCH_MAX_PAIRS), and 8 warps.
         hist = max(chunk, min(8192, next_power_of_2(num_pairs)))
+        blocks_per_program = cdiv(max_blocks, num_chunks)
         # BLOCK_J from E alone (not the blocks a program has), so that every T of one shape compiles
         # the same kernel (tests/fuzz_plan.py's bands)
-        blocks_per_program = cdiv(max_blocks, num_chunks)
         align_one_launch_kernel[(num_chunks,)](
             ids, num_padded, tokens_per_expert, sorted_ids, expert_ids, block_codes, num_pairs, num_experts,
             length, max_blocks, blocks_per_program, cdiv(num_pairs, hist), BLOCK_M=block_m, CHUNK=chunk,
