@@ -7,10 +7,11 @@ CUDA graph of N back-to-back `align_block_size(ids, 128, block_m, backend="trito
 replayed; the median of the replays over N is the time an align adds in a chain of launches
 (launch gaps included, as in the expert path's graph). Variants:
 
-    default      as shipped: one program up to FUSED_MAX_PAIRS pairs, else hist + scan + scatter
-                 (and the opt-in below where ONE_LAUNCH_MAX_PAIRS is set)
+    default      as shipped: one program up to FUSED_MAX_PAIRS pairs, one launch of a program a
+                 chunk (`align_one_launch_kernel`) up to ONE_LAUNCH_MAX_PAIRS (4,096), else
+                 hist + scan + scatter
     one          ONE_LAUNCH_MAX_PAIRS = ONE_LAUNCH_CANDIDATE: one launch of a program a chunk
-                 (`align_one_launch_kernel`) above FUSED_MAX_PAIRS
+                 above FUSED_MAX_PAIRS up to that many pairs (4,096), hist + scan + scatter above
     three        ONE_LAUNCH_MAX_PAIRS = 0: hist + scan + scatter above FUSED_MAX_PAIRS
     fused        FUSED_MAX_PAIRS raised to 4096 (one program at every T here)
     warps2/8     the align kernels with 2 / 8 warps (`moekit.align.ALIGN_WARPS`)

@@ -65,10 +65,10 @@ GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 (`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
 
 `--align` checks the align kernels instead (`moekit.kernels.align`, as `align_block_size_triton`
-launches them): the one-program kernel, the one-launch kernel of a program a chunk (the opt-in
-`ONE_LAUNCH_MAX_PAIRS`, at `ONE_LAUNCH_CANDIDATE`) and the three launches, over the pair counts,
-expert counts, block sizes and id dtypes of `ALIGN_CASES`; --regs as above (the scan kernel of the
-three launches spills 136 B at 32,768 pairs with Triton 3.8).
+launches them): the one-program kernel, the one-launch kernel of a program a chunk (up to
+`ONE_LAUNCH_MAX_PAIRS` pairs, run at `ONE_LAUNCH_CANDIDATE`) and the three launches, over the pair
+counts, expert counts, block sizes and id dtypes of `ALIGN_CASES`; --regs as above (the scan kernel
+of the three launches spills 136 B at 32,768 pairs with Triton 3.8).
 
 Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
@@ -347,7 +347,7 @@ def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, reg
 
 
 # (T, E, K, block_m, ids dtype): one program (S <= FUSED_MAX_PAIRS), one launch of a program a
-# chunk (the opt-in, run at ONE_LAUNCH_CANDIDATE pairs; Qwen3-30B-A3B at 256 and 512 tokens, E_PAD 4
+# chunk (the limit set to ONE_LAUNCH_CANDIDATE pairs; Qwen3-30B-A3B at 256 and 512 tokens, E_PAD 4
 # and 512), three.
 ALIGN_CASES = ((64, 128, 8, 16, torch.int32), (129, 128, 8, 16, torch.int32), (256, 128, 8, 16, torch.int64),
                (512, 128, 8, 64, torch.int32), (1000, 4, 3, 128, torch.int64), (331, 257, 5, 16, torch.int32),

@@ -23,15 +23,22 @@ between implementations, so every implementation runs the same weights and the s
 per token count for eager calls of at most 16 tokens that need no gradient (`moekit.eager_graphs`).
 
 `--blocks` adds "moekit-blocks": moekit with the sparse MoE blocks patched
-(`patch_moe_blocks`), so that a decoding call replays one graph of the whole block (router and
-experts) instead of Transformers' router plus the experts function.
+(`patch_moe_blocks`), so that a decoding call replays one graph of the post-attention norm and the
+whole block (router and experts) instead of the norm's launches, Transformers' router and the
+experts function; and "moekit-blocks-unfolded", the same without the norm in the graph
+(`patch_moe_blocks(fold_norm=False)`).
 
-`--bound` adds the implementation "free-experts": an experts function that returns zeros (one
-torch op, no expert math), so its row is what the rest of the model costs: no experts
-implementation can be faster than it, which bounds the speed-up any of them can give end to end.
+`--bound` adds two implementations that compute nothing, so their rows are what the rest of the
+model costs: "free-experts", an experts function that returns zeros (one torch op, no expert math):
+no experts implementation can be faster; and "free-block", every sparse MoE block returning zeros
+(no router either): no implementation of the block can be faster. They bound the speed-up that
+replacing the experts, or the block, can give end to end.
 
 Each timing is the median of `--reps` repetitions; the implementations run in turn inside each
-repetition (interleaved, so a drift of the machine affects all of them alike). Every implementation's
+repetition (interleaved, so a drift of the machine affects all of them alike). The speed-ups over
+grouped_mm are given as the ratio of the medians and, in brackets, the median of the repetitions'
+own ratios (each repetition's pair measured within seconds of each other: the steadier figure when
+the host's speed drifts, as it does in eager decoding). Every implementation's
 greedy tokens are compared with grouped_mm's (`tokens_match`): in bfloat16 a rounding difference can
 flip a near-tie, so a mismatch is reported, not fatal. batched_mm is skipped for a prefill whose
 per-pair weight copy would not fit in half the free memory.
@@ -59,8 +66,11 @@ from moekit.integrations.transformers import patch_moe_blocks, register  # noqa:
 
 IMPLS = ("grouped_mm", "batched_mm", "moekit")
 BOUND = "free-experts"   # --bound: an experts function that computes nothing (one torch op)
+FREE_BLOCK = "free-block"        # --bound: sparse MoE blocks that compute nothing (one torch op)
 NO_GRAPHS = "moekit-no-graphs"   # --no-graphs: moekit with every kernel launched eagerly
 BLOCKS = "moekit-blocks"         # --blocks: moekit with whole-block graphs (patch_moe_blocks)
+UNFOLDED = "moekit-blocks-unfolded"   # --blocks: the same, the post-attention norm launched by itself
+BASE = "grouped_mm"              # the speed-ups are over it
 MODES = ("prefill", "eager", "compiled")
 DECODE_PROMPT = 32
 
@@ -144,9 +154,15 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
         return (ms_n - ms_1) / (new_tokens - 1)
 
     def measure(impl: str, mode: str) -> float:
-        if BLOCKS in impls:       # the blocks' fast path only for that implementation
-            patch_moe_blocks(model, enabled=impl == BLOCKS)
-        model.set_experts_implementation("moekit" if impl == BLOCKS else impl)
+        if BLOCKS in impls:       # the blocks' fast path only for those implementations
+            patch_moe_blocks(model, enabled=impl in (BLOCKS, UNFOLDED), fold_norm=impl != UNFOLDED)
+        for layer in model.model.layers:     # free-block: each sparse block's forward is zeros_like
+            if impl == FREE_BLOCK:
+                layer.mlp.forward = torch.zeros_like
+            else:
+                layer.mlp.__dict__.pop("forward", None)
+        experts = {BLOCKS: "moekit", UNFOLDED: "moekit", FREE_BLOCK: BASE}.get(impl, impl)
+        model.set_experts_implementation(experts)
         return prefill() if mode == "prefill" else decode(impl, mode)
 
     cases = [(impl, mode) for mode in modes for impl in impls if (impl, mode) not in skipped]
@@ -161,27 +177,31 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
     for (impl, mode), why in skipped.items():
         rows.append(dict(impl=impl, mode=mode, status="skip", note=why))
     for (impl, mode), ts in times.items():
-        ref = tokens.get(("grouped_mm", mode))
+        ref = tokens.get((BASE, mode))
         mine = tokens.get((impl, mode))
-        match = "" if ref is None or mine is None or impl == BOUND else str(bool(torch.equal(ref, mine)))
+        free = impl in (BOUND, FREE_BLOCK)
+        match = "" if ref is None or mine is None or free else str(bool(torch.equal(ref, mine)))
+        base = times.get((BASE, mode))
+        per_rep = "" if base is None else f"{statistics.median(b / t for b, t in zip(base, ts)):.4f}"
         rows.append(dict(impl=impl, mode=mode, status="ok", ms=f"{statistics.median(ts):.4f}",
                          ms_min=f"{min(ts):.4f}", ms_max=f"{max(ts):.4f}", reps=len(ts),
                          unit="ms per call" if mode == "prefill" else "ms per new token",
-                         tokens_match=match))
+                         tokens_match=match, speedup_per_rep=per_rep, times=" ".join(f"{t:.4f}" for t in ts)))
     return rows
 
 
 def markdown(rows: list[dict], prov: dict, args) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
+    others = [i for i in impls if i != BASE]
     lines = [f"# End to end in Transformers on {prov['gpu']}", "",
              ", ".join(f"{k} {v}" for k, v in prov.items() if k != "gpu"), "",
              f"Qwen3-MoE with Qwen3-30B-A3B's config, {args.layers} decoder layers, random weights, "
              f"{'float32 (smoke)' if args.smoke else 'bfloat16'}; prefill of {args.prompt} tokens; decode of "
              f"{args.new_tokens} new tokens after a {DECODE_PROMPT}-token prompt; median of {args.reps} "
-             "repetitions (min–max in brackets).", "",
-             "| mode | " + " | ".join(impls) + " | "
-             + " | ".join(f"{o} ÷ moekit" for o in impls if o != "moekit") + " |",
-             "|---" * (2 * len(impls)) + "|"]
+             f"repetitions (min–max in brackets). {BASE} ÷ X: the ratio of the medians (in brackets, the "
+             "median of the repetitions' own ratios).", "",
+             "| mode | " + " | ".join(impls) + " | " + " | ".join(f"{BASE} ÷ {o}" for o in others) + " |",
+             "|---" * (1 + len(impls) + len(others)) + "|"]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         by = {r["impl"]: r for r in rows if r["mode"] == mode}
         cells, ratios = [], []
@@ -195,13 +215,13 @@ def markdown(rows: list[dict], prov: dict, args) -> str:
                 match = "" if r["tokens_match"] in ("", "True") else ", tokens differ"
                 spread = f"{float(r['ms_min']):.3f}–{float(r['ms_max']):.3f}"
                 cells.append(f"{float(r['ms']):.3f} ({spread}{match})")
-        mine = by.get("moekit")
-        for impl in impls:
-            if impl == "moekit":
-                continue
+        base = by.get(BASE)
+        for impl in others:
             other = by.get(impl)
-            ok = mine and other and mine["status"] == "ok" and other["status"] == "ok"
-            ratios.append(f"{float(other['ms']) / float(mine['ms']):.2f}×" if ok else "")
+            ok = base and other and base["status"] == "ok" and other["status"] == "ok"
+            per_rep = other.get("speedup_per_rep") if ok else ""
+            per_rep = f" ({float(per_rep):.2f}×)" if per_rep else ""
+            ratios.append(f"{float(base['ms']) / float(other['ms']):.2f}×{per_rep}" if ok else "")
         unit = "ms per call" if mode == "prefill" else "ms per token"
         lines.append(f"| {mode} ({unit}) | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     skips = [r for r in rows if r["status"] == "skip"]
@@ -221,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--bound", action="store_true",
-                        help=f"also time {BOUND!r}: experts that cost one op (the bound of any speed-up)")
+                        help=f"also time {BOUND!r} and {FREE_BLOCK!r}: experts, or whole sparse blocks, that "
+                             "cost one op (the bounds of any speed-up)")
     parser.add_argument("--no-graphs", action="store_true",
                         help=f"also time {NO_GRAPHS!r}: moekit without its eager graphs at decode sizes")
     parser.add_argument("--blocks", action="store_true",
                         help=f"also time {BLOCKS!r}: moekit with its whole-block graphs at decode sizes "
-                             "(patch_moe_blocks: router and experts in one replay)")
+                             "(patch_moe_blocks: the post-attention norm, router and experts in one replay), "
+                             f"and {UNFOLDED!r} (the same, the norm launched by itself)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny float32 model on the CPU: checks the script")
     args = parser.parse_args(argv)
@@ -236,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.smoke else "cuda")
+    # "compiled" recompiles the decoding forward once per implementation (each one changes the
+    # graph): room for all of them, so that none falls back to eager past Dynamo's default limit (8)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
     modes = [m for m in args.modes if not (args.smoke and m == "compiled")]
     register()
     impls = list(args.impls)
@@ -243,18 +270,18 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.integrations.moe import ExpertsInterface
 
         ExpertsInterface.register(BOUND, lambda self, hidden_states, *_: torch.zeros_like(hidden_states))
-        impls.append(BOUND)
+        impls += [BOUND, FREE_BLOCK]
     if args.no_graphs:
         register(NO_GRAPHS, eager_graphs=False)
         impls.append(NO_GRAPHS)
     if args.blocks:
-        impls.append(BLOCKS)
+        impls += [BLOCKS, UNFOLDED]
     model = build(args.layers, device, torch.float32 if args.smoke else torch.bfloat16, args.smoke)
     rows = run(model, device, impls, modes, args.prompt, args.new_tokens, args.reps)
     prov = provenance()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    fields = ["impl", "mode", "status", "ms", "ms_min", "ms_max", "reps", "unit", "tokens_match", "note",
-              *prov]
+    fields = ["impl", "mode", "status", "ms", "ms_min", "ms_max", "reps", "unit", "tokens_match",
+              "speedup_per_rep", "times", "note", *prov]
     with (args.out_dir / "generate_bench.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()

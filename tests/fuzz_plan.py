@@ -15,16 +15,16 @@ H200's host: 36 cases in 90 s.
 Here every case belongs to one of the ten `COMBOS` (E, H, I, K, dtype, ids dtype, routing weights
 dtype, x's row stride, an explicit `ExpertsConfig`, so the tiles never follow T), and its token
 count T comes from one of the combo's four `BANDS`. T is the one input left that reaches a
-specialisation: the align kernels' CHUNK and num_warps follow the pair count S = T * K, C_BLOCK the
-chunk count, and S, T, the padded length and the block counts are int arguments (their 1 /
-multiple-of-16 class). So a band is a list of T that launch identically (primes where the band has
-them; the qwen3 and top-1 large bands take S a multiple of 16 on purpose, as real batches have);
-`test_fuzz_plan.py` checks that every T of a band launches the same keys. Everything else a case
-draws compiles nothing new: the routing (uniform, zipf-skewed, every pair on the same K experts,
-experts left empty, duplicate ids in a row), invalid ids (-1, >= E, int64 ids that wrap into [0, E)
-in 32 bits) under ignore_invalid_ids, the routing weights (zero, negative, unnormalised), x's
-scale, a NaN element in one row, an out= buffer, column-major routing tensors. The caller turns
-workspace poisoning on.
+specialisation: the align kernels' CHUNK and num_warps follow the pair count S = T * K (and so does
+the one-launch kernel's HIST, see `KERNELS`), C_BLOCK the chunk count, and S, T, the padded length
+and the block counts are int arguments (their 1 / multiple-of-16 class). So a band is a list of T
+that launch identically (primes where the band has them; the qwen3 and top-1 large bands take S a
+multiple of 16 on purpose, as real batches have); `test_fuzz_plan.py` checks that every T of a band
+launches the same keys. Everything else a case draws compiles nothing new: the routing (uniform,
+zipf-skewed, every pair on the same K experts, experts left empty, duplicate ids in a row), invalid
+ids (-1, >= E, int64 ids that wrap into [0, E) in 32 bits) under ignore_invalid_ids, the routing
+weights (zero, negative, unnormalised), x's scale, a NaN element in one row, an out= buffer,
+column-major routing tensors. The caller turns workspace poisoning on.
 
 Order: case i is combo i % 10 (round robin), and the first four rounds take each band's first T in
 turn, so every specialisation compiles within the first WARMUP_CASES = 40 cases; later cases draw a
@@ -60,8 +60,9 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, I64 = torch.int32, torch.int64
 
 # The bands, in the order the first rounds visit them: the fused align (S <= 1024) with a few
-# blocks per expert or a few pairs per expert; the multi-chunk align (hist, scan, scatter) with
-# T > 2048; fewer rows than a block; decode (T = 1; T = 0 launches nothing).
+# blocks per expert or a few pairs per expert; the multi-chunk align with T > 2048 (hist, scan,
+# scatter; one launch of `align_one_launch_kernel` where S <= 4,096, in the K = 1 combos); fewer rows
+# than a block; decode (T = 1; T = 0 launches nothing).
 BANDS = ("mid", "large", "tiny", "decode")
 BAND_WEIGHTS = (3, 3, 2, 1)
 
@@ -387,8 +388,16 @@ def run_case(case: Case, device: torch.device | str, cache: dict | None = None) 
 
 # What the cases compile: the kernels' launches recorded instead of run, keyed as Triton keys them.
 
+# align_one_launch_kernel (above FUSED_MAX_PAIRS, up to `moekit.align.ONE_LAUNCH_MAX_PAIRS` = 4,096
+# pairs by default): BLOCK_J follows E alone, FILL_COLS E and block_m, num_warps is 8, CHUNK is the
+# three launches' (follows S), and HIST = max(CHUNK, min(8192, next_pow2(S))) follows S too, like
+# CHUNK: a band must not straddle a power of two of S there. The two bands that run it (the large
+# bands of one-expert and top-1, K = 1, S from 2,064 to 3,840) all have HIST = 4,096 and so
+# hist_steps = cdiv(S, HIST) = 1 (compiled in as the constant 1); `test_fuzz_plan.py` checks that
+# every T of a band launches the same keys.
 KERNELS = {
-    "moekit.align": ("align_hist_kernel", "align_scan_kernel", "align_scatter_kernel"),
+    "moekit.align": ("align_hist_kernel", "align_scan_kernel", "align_scatter_kernel",
+                     "align_one_launch_kernel"),
     "moekit.grouped_gemm": ("moe_gemm1_swiglu_kernel", "moe_gemm2_kernel", "moe_sum_kernel"),
 }
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")

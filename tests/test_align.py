@@ -29,7 +29,7 @@ def _both(ids, num_experts, block_m):
 
 CASES = [  # (T, E, K, block_m)
     (1, 8, 2, 16), (4, 4, 2, 2), (13, 7, 3, 4), (31, 60, 7, 16), (3, 5, 5, 3), (17, 1, 1, 8),
-    (FUSED_MAX_PAIRS // 8 + 37, 128, 8, 64),   # two-launch path, with an empty expert
+    (FUSED_MAX_PAIRS // 8 + 37, 128, 8, 64),   # multi-chunk (one launch by default), an empty expert
     (150, 257, 8, 16),                          # E not a power of two, multi-chunk path
 ]
 
@@ -187,15 +187,19 @@ PATHS = {"one": ["align_one_launch_kernel"],
 
 
 def _set_path(monkeypatch, path):
-    """ONE_LAUNCH_MAX_PAIRS for the path: the candidate limit (the opt-in) or 0 (the default)."""
+    """ONE_LAUNCH_MAX_PAIRS for the path: the candidate limit (the default's 4,096) or 0 (the three
+    launches), whatever the default is."""
     monkeypatch.setattr(align_mod, "ONE_LAUNCH_MAX_PAIRS", ONE_LAUNCH_CANDIDATE if path == "one" else 0)
 
 
-def test_one_launch_is_off_by_default(launches):
-    """Until its build has passed the GPU tests (`moekit.align.ONE_LAUNCH_MAX_PAIRS`)."""
-    assert align_mod.ONE_LAUNCH_MAX_PAIRS <= FUSED_MAX_PAIRS
-    _both(distinct_topk_ids(129, 128, 8), 128, 16)
-    assert launches == PATHS["three"]
+def test_one_launch_is_on_by_default(launches):
+    """At the default `moekit.align.ONE_LAUNCH_MAX_PAIRS` (4,096: faster than the three launches on
+    an H200 at 2,048 and 4,096 pairs), a Qwen3-30B-A3B align (E = 128, K = 8) of 2,048 and 4,096
+    pairs is one launch of `align_one_launch_kernel`; one of 4,104 (T = 513), the three."""
+    for num_tokens, block_m, path in ((256, 32, "one"), (512, 64, "one"), (513, 64, "three")):
+        launches.clear()
+        _both(distinct_topk_ids(num_tokens, 128, 8), 128, block_m)
+        assert launches == PATHS[path], num_tokens
 
 
 def _with_invalid(ids, num_experts, count):
@@ -224,10 +228,10 @@ MULTI_CHUNK = [  # (T, E, K, block_m, ids dtype, invalid ids): FUSED_MAX_PAIRS <
 @pytest.mark.parametrize("case", MULTI_CHUNK, ids=lambda c: "T{}-E{}-K{}-bm{}-{}-bad{}".format(
     *c[:4], str(c[4])[-5:], c[5]))
 def test_multi_chunk_paths(monkeypatch, launches, case, path):
-    """One launch (`align_one_launch_kernel`, the opt-in ONE_LAUNCH_MAX_PAIRS at ONE_LAUNCH_CANDIDATE)
-    and the three (ONE_LAUNCH_MAX_PAIRS = 0, the default) each give the
-    tests' own alignment exactly, sentinel rows included, with invalid ids mixed in and an expert
-    without pairs (`distinct_topk_ids` leaves E - 1 out)."""
+    """One launch (`align_one_launch_kernel`, ONE_LAUNCH_MAX_PAIRS at ONE_LAUNCH_CANDIDATE, the
+    default) and the three (ONE_LAUNCH_MAX_PAIRS = 0) each give the tests' own alignment exactly,
+    sentinel rows included, with invalid ids mixed in and an expert without pairs
+    (`distinct_topk_ids` leaves E - 1 out)."""
     num_tokens, num_experts, top_k, block_m, dtype, invalid = case
     _set_path(monkeypatch, path)
     ids = _with_invalid(distinct_topk_ids(num_tokens, num_experts, top_k, dtype=dtype), num_experts, invalid)

@@ -45,9 +45,10 @@ def test_backends_bf16_qwen3(qwen_layer, num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 33, 256, 500, 4096])
 def test_router_and_align_match_references_on_gpu(num_tokens, monkeypatch):
     """Both router and both align backends against the tests' own references (helpers.py), the
-    triton one also with the opt-in one-launch align (`moekit.align.ONE_LAUNCH_MAX_PAIRS` at
-    ONE_LAUNCH_CANDIDATE: 256 and 500 tokens, 2,048 and 4,000 pairs, run it); also with int64 ids
-    holding sentinels (-1, E + 3, 2**32 + 1: never placed)."""
+    triton one both with the three launches above FUSED_MAX_PAIRS (`moekit.align.ONE_LAUNCH_MAX_PAIRS`
+    at 0) and with the one-launch align (the default, at ONE_LAUNCH_CANDIDATE: 256 and 500 tokens,
+    2,048 and 4,000 pairs, run it); also with int64 ids holding sentinels (-1, E + 3, 2**32 + 1:
+    never placed)."""
     logits = torch.randn(num_tokens, QWEN.num_experts, device="cuda", dtype=torch.bfloat16)
     logits[0, :5] = float("nan")
     if num_tokens > 2:

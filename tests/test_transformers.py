@@ -978,15 +978,16 @@ def test_generate_bench_smoke(tmp_path):
                         "--reps", "1", "--bound", "--no-graphs", "--blocks"]) == 0
     import csv
     rows = list(csv.DictReader((tmp_path / "generate_bench.csv").open()))
-    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.NO_GRAPHS, script.BLOCKS)
-             for m in ("prefill", "eager")}
+    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.FREE_BLOCK, script.NO_GRAPHS, script.BLOCKS,
+                              script.UNFOLDED) for m in ("prefill", "eager")}
     assert {(r["impl"], r["mode"]) for r in rows} == cases
     assert all(r["status"] == "ok" and r["reps"] == "1" for r in rows)
     assert all(float(r["ms"]) > 0 for r in rows if r["mode"] == "prefill")
     decoded = [r for r in rows if r["mode"] == "eager"
-               and r["impl"] in (*script.IMPLS, script.NO_GRAPHS, script.BLOCKS)]
+               and r["impl"] in (*script.IMPLS, script.NO_GRAPHS, script.BLOCKS, script.UNFOLDED)]
     assert decoded and all(r["tokens_match"] == "True" for r in decoded)
-    assert all(r["tokens_match"] == "" for r in rows if r["impl"] == script.BOUND)
+    assert all(r["tokens_match"] == "" for r in rows if r["impl"] in (script.BOUND, script.FREE_BLOCK))
+    assert all(float(r["speedup_per_rep"]) > 0 for r in rows)
     text = (tmp_path / "generate_bench.md").read_text()
     assert "grouped_mm ÷ moekit" in text and "| eager (ms per token) |" in text
 
@@ -1019,18 +1020,38 @@ def test_eager_decode_replays_graphs_and_equals_the_kernels_gpu():
 # Whole-block graphs for decoding (`patch_moe_blocks`).
 
 
+class EagerCache:
+    """A stand-in for `moekit.eager_graphs.graph_cache(layer)` on the CPU: computes fn eagerly and
+    keeps each call's key."""
+
+    def __init__(self, calls: list, keys: list):
+        self.calls, self.keys = calls, keys
+
+    def __call__(self, fn, inputs, key):
+        self.calls.append(inputs[0].numel() // inputs[0].shape[-1])
+        self.keys.append(key)
+        return fn(*inputs)
+
+
 @pytest.fixture
 def fast_path_on_cpu(monkeypatch):
     """The block fast path's eligibility forced on (on the CPU the MoELayer then runs its kernels
-    eagerly), with a count of the MoELayer calls the patched blocks make."""
-    calls = []
+    eagerly), with the token counts of the MoELayer calls the patched blocks make (`.keys`: the graph
+    keys of the calls that folded the post-attention norm in)."""
+
+    class Calls(list):
+        keys: list
+
+    calls = Calls()
+    calls.keys = []
 
     def replay(self, flat):            # no graphs on the CPU: the layer's kernels, eagerly
         calls.append(flat.shape[0])
         return self._forward_flat(flat)
 
-    monkeypatch.setattr(mt, "_layer_replays", lambda layer, flat: flat.shape[0] <= 16)
+    monkeypatch.setattr(mt, "_layer_replays", lambda layer, x: x.numel() // x.shape[-1] <= 16)
     monkeypatch.setattr(MoELayer, "_replay", replay)
+    monkeypatch.setattr(mt, "graph_cache", lambda layer: EagerCache(calls, calls.keys))
     return calls
 
 
@@ -1048,6 +1069,7 @@ def test_patched_blocks_keep_parameters_and_match_the_reference(kind, fast_path_
         model.set_experts_implementation("moekit")
         got = model(ids).logits
     assert fast_path_on_cpu == [5, 5]                    # both blocks, the 5-token call
+    assert len(fast_path_on_cpu.keys) == 2               # each with its post-attention norm folded in
     assert rel_err(got, ref) <= 1e-5
 
 
@@ -1093,10 +1115,125 @@ def test_a_replaced_parameter_rebuilds_the_block_layer(fast_path_on_cpu):
     assert rel_err(got, ref) <= 1e-5
 
 
+def _norm_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's own forward, in float64: the oracle of the folded norm."""
+    x64 = x.double()
+    return norm.weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_folded_norm_gives_what_the_unfolded_blocks_give(kind, fast_path_on_cpu):
+    """fold_norm=True runs the post-attention norm inside the block's call (the same ops): logits
+    equal to fold_norm=False's bit for bit, and the graph key names the norm's weight."""
+    model = tiny_model(kind)
+    mt.patch_moe_blocks(model, fold_norm=False)
+    model.set_experts_implementation("moekit")
+    layer = model.model.layers[1]
+    assert not type(layer).__name__.startswith("Moekit")            # nothing to fold: left alone
+    ids = input_ids(seq_len=6)
+    with torch.no_grad():
+        unfolded = model(ids).logits
+        assert fast_path_on_cpu == [6, 6] and fast_path_on_cpu.keys == []
+        mt.patch_moe_blocks(model)
+        assert type(layer).__name__ == "Moekit" + type(layer).__mro__[1].__name__
+        folded = model(ids).logits
+    assert fast_path_on_cpu == [6, 6, 6, 6] and len(fast_path_on_cpu.keys) == 2
+    assert torch.equal(folded, unfolded)
+    key = fast_path_on_cpu.keys[1]
+    assert mt.tensor_key(layer.post_attention_layernorm.weight) in key
+    assert layer.post_attention_layernorm.variance_epsilon in key
+
+
+def test_folded_norm_runs_as_always_outside_its_decoder_layer(fast_path_on_cpu):
+    """Called by itself, or watched by a hook, the patched norm computes the norm."""
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    model.set_experts_implementation("moekit")
+    norm = model.model.layers[0].post_attention_layernorm
+    x = torch.randn(1, 3, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(norm(x), type(norm).__mro__[1].forward(norm, x))
+        assert rel_err(norm(x), _norm_ref(norm, x)) <= 1e-6
+        seen = []
+        handle = norm.register_forward_hook(lambda m, args, out: seen.append(out))
+        model(input_ids(seq_len=3))
+        handle.remove()
+    assert len(seen) == 1 and not torch.equal(seen[0], torch.zeros_like(seen[0]))
+    assert fast_path_on_cpu.keys and len(fast_path_on_cpu.keys) == 1      # layer 1 only: layer 0's hook
+    assert not any(m.__dict__.get("_moekit_prenorm") for m in model.modules())
+
+
+def test_folded_norm_off_and_on_again(fast_path_on_cpu):
+    model = tiny_model("olmoe")
+    model.set_experts_implementation("moekit")
+    ids = input_ids(seq_len=4)
+    with torch.no_grad():
+        mt.patch_moe_blocks(model)
+        mt.patch_moe_blocks(model, enabled=False)
+        model(ids)
+        assert fast_path_on_cpu == [] and fast_path_on_cpu.keys == []
+        mt.patch_moe_blocks(model, fold_norm=False)
+        model(ids)
+        assert fast_path_on_cpu == [4, 4] and fast_path_on_cpu.keys == []
+        mt.patch_moe_blocks(model)
+        model(ids)
+    assert fast_path_on_cpu == [4, 4, 4, 4] and len(fast_path_on_cpu.keys) == 2
+
+
+def test_patched_model_compiles_to_one_graph(fast_path_on_cpu):
+    """Under torch.compile the patched decoder layers, norms and blocks trace as their own forwards
+    (fullgraph: no break, one frame, so no per-layer recompiles), folding nothing."""
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    model.set_experts_implementation("moekit")
+    ids = input_ids(seq_len=5)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        got = compiled(ids).logits
+    assert counter.frame_count == 1 and fast_path_on_cpu == []
+    assert rel_err(got, reference_logits(model, ids)) <= 1e-5
+
+
+def test_folded_norm_refuses_a_forward_that_does_not_feed_the_block(fast_path_on_cpu, monkeypatch):
+    """A decoder forward that would use the handed-on input for anything but the block raises, and an
+    exception inside the forward leaves nothing armed for the next call."""
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    model.set_experts_implementation("moekit")
+    layer = model.model.layers[0]
+    base = type(layer).__mro__[1]
+    x = torch.randn(1, 2, HIDDEN)
+    norm = layer.post_attention_layernorm
+
+    def skips_the_block(self, hidden_states, *args, **kwargs):
+        return self.post_attention_layernorm(hidden_states)
+
+    def feeds_another_tensor(self, hidden_states, *args, **kwargs):
+        return self.mlp(self.post_attention_layernorm(hidden_states) * 1.0)
+
+    def norms_twice(self, hidden_states, *args, **kwargs):
+        return self.mlp(self.post_attention_layernorm(self.post_attention_layernorm(hidden_states)))
+
+    def fails(self, hidden_states, *args, **kwargs):
+        self.post_attention_layernorm(hidden_states)
+        raise KeyError("inside the forward")
+
+    with torch.no_grad():
+        for forward, error in ((skips_the_block, RuntimeError), (feeds_another_tensor, RuntimeError),
+                               (norms_twice, RuntimeError), (fails, KeyError)):
+            monkeypatch.setattr(base, "forward", forward)
+            with pytest.raises(error):
+                layer(x)
+            assert "_moekit_prenorm" not in layer.mlp.__dict__ and norm.__dict__["_moekit_into"] is None
+            assert torch.equal(norm(x), type(norm).__mro__[1].forward(norm, x))   # not armed any more
+
+
 @pytest.mark.gpu
 def test_patched_blocks_decode_through_graphs_gpu():
     """Greedy decoding with whole-block graphs: the logits within bf16 rounding of the experts-only
-    path's (the routing weights stay fp32), one graph per block and token count."""
+    path's (the routing weights stay fp32), one graph per block and token count, the same with the
+    post-attention norm folded in or not."""
     from moekit.eager_graphs import graph_cache
 
     model = tiny_model("qwen3_moe").to("cuda", torch.bfloat16)
@@ -1110,6 +1247,12 @@ def test_patched_blocks_decode_through_graphs_gpu():
     assert rel_err(got, plain) <= 2e-2
     layers = [mt._block_layers[layer.mlp] for layer in model.model.layers]
     assert all(graph_cache(layer).captures == 2 for layer in layers)   # the 7-token prompt, then 1
+    # the post-attention norm folded into those graphs (the default) runs the norm's own kernels:
+    # the same logits as the norm launched by itself before each block's graph
+    assert mt.patch_moe_blocks(model, fold_norm=False) == 2
+    unfolded = torch.stack(model.generate(ids, **kw).logits).float()
+    assert torch.equal(got, unfolded)
+    assert all(graph_cache(layer).captures == 4 for layer in layers)   # and 2 without the norm
 
 
 def test_block_fast_path_checks_what_moe_layer_forward_would(monkeypatch):

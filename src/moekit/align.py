@@ -3,9 +3,8 @@
 Every output has a size fixed by (T, K, E, block_m) alone, so nothing is read back to the host
 and the step can be captured in a CUDA graph. Pair p is token p // K, slot p % K. Backends:
     torch   sort + histogram + cumsum (mirrors vLLM's moe_align_block_size in PyTorch ops)
-    triton  one launch of one program up to FUSED_MAX_PAIRS pairs, else three
-            (`moekit.kernels.align`); opt-in, one launch of a program a chunk up to
-            ONE_LAUNCH_MAX_PAIRS pairs
+    triton  one launch of one program up to FUSED_MAX_PAIRS pairs, one launch of a program a
+            chunk up to ONE_LAUNCH_MAX_PAIRS pairs, else three (`moekit.kernels.align`)
 Both give identical outputs: within an expert, pairs keep ascending pair order.
 """
 
@@ -31,13 +30,16 @@ ALIGN_BACKENDS = ("torch", "triton")
 FUSED_MAX_PAIRS = 1024
 # Above FUSED_MAX_PAIRS and up to this many pairs, one launch of one program a chunk
 # (`align_one_launch_kernel`: each program histograms every id itself) instead of hist + scan +
-# scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. Off (0) by
-# default until this build of the kernel has passed the GPU tests: an earlier build (histograms of
-# 2,048 ids a step, 4 warps) measured on an H200 (E = 128, a CUDA graph of back-to-back aligns,
-# session 20 call 1, scripts/align_compare.py) 5.2 against 7.0 us at 2,048 pairs, 7.3 against 7.5 at
-# 4,096 and 10.4 against 8.6 at 8,192; the device time ran out before this build (up to 8,192 ids a
-# step, 8 warps) could be run. ONE_LAUNCH_CANDIDATE is the limit to try.
-ONE_LAUNCH_MAX_PAIRS = 0
+# scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. On by
+# default since this build passed the GPU tests on an H200 (session 21), where it measured (E = 128,
+# a CUDA graph of back-to-back aligns, scripts/align_compare.py, us a call, one launch against
+# three) 4.95 against 7.04 at 2,048 pairs and 6.16 against 7.43 at 4,096. Not higher: that run's
+# one-launch variant was limited to 4,096 pairs, so at 8,192 both variants ran the three launches
+# (8.63 against 8.50, run-to-run spread); one launch at 8,192 is unmeasured for this build (an
+# earlier one, 2,048 ids a histogram step, was slower there: 10.4 against 8.6, session 20).
+ONE_LAUNCH_MAX_PAIRS = 4096
+# The limit the tests, scripts/align_compare.py ("one") and scripts/aot_compile_check.py set to run
+# the one-launch path whatever the default is.
 ONE_LAUNCH_CANDIDATE = 4096
 # Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
 # the default by chunk size (None). Read at each call.

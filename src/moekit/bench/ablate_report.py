@@ -49,7 +49,7 @@ VARIANTS: dict[str, str] = {
     "dense": "the same FLOPs as two dense matmuls: T·K rows (each token repeated K times) through expert 0, "
              "torch.nn.functional.linear (cuBLAS on a GPU), silu(gate) * up between them",
     "align_torch": "align_block_size(backend='torch'): sort + histogram + cumsum in PyTorch ops",
-    "align_triton": "align_block_size(backend='triton'): one Triton launch up to 1,024 pairs, three above",
+    "align_triton": "align_block_size(backend='triton'): one Triton launch up to 4,096 pairs, three above",
     "masked": "moe_experts(backend='masked'): pairs scattered into the (E, C = T·K, H) layout, GEMMs that "
               "skip the rows past each expert's count, weighted combine",
     BYTES_VARIANT: "DRAM bytes read and written by each kernel of one `layer` call (Nsight Compute)",

@@ -1,8 +1,9 @@
 """`triton` backend launcher: align -> GEMM1 (gather + SwiGLU) -> GEMM2 (weight + scatter) -> sum,
 and its backward (`moekit.grouped_gemm_backward`) as a torch.autograd.Function.
 
-Four launches after the router up to `moekit.align.FUSED_MAX_PAIRS` pairs, or up to
-`ONE_LAUNCH_MAX_PAIRS` where that opt-in is higher (the align in one kernel), six above (in three).
+Four launches after the router up to `moekit.align.ONE_LAUNCH_MAX_PAIRS` pairs (4,096 by default;
+the align in one kernel: one program up to `FUSED_MAX_PAIRS`, a program a chunk above), six above
+(the align in three).
 No host synchronisation: every buffer's size follows from (T, K, E, config) and the grids are
 sized from the fixed upper bound `Alignment.max_blocks`; programs past num_padded return.
 Workspace: h (L, I) and y (S, H) in the input dtype (L = padded rows, S = T * K).

@@ -3,8 +3,8 @@
 Legend: S pairs (= T * K), E experts (E_PAD = next power of two), C chunks of CHUNK pairs.
 Outputs (see `moekit.align.Alignment`): sorted_ids, expert_ids, num_padded, tokens_per_expert.
 
-Three launches when C > 1 (above `moekit.align.ONE_LAUNCH_MAX_PAIRS` pairs where that opt-in is set),
-all parallel but the tiny scan:
+Three launches when C > 1 above `moekit.align.ONE_LAUNCH_MAX_PAIRS` pairs (4,096 by default), all
+parallel but the tiny scan:
     align_hist_kernel     (C programs)  counts[c, e] = pairs of chunk c on expert e (tl.histogram);
                                         fills sorted_ids with the sentinel S
     align_scan_kernel     (1 program)   padded group sizes, their prefix sum pad_end[e], and
@@ -15,7 +15,7 @@ all parallel but the tiny scan:
 One launch when C == 1 (FUSED): the scatter program does all three, in registers, and writes the
 blocks' expert ids expert by expert (`_write_expert_ids_by_expert`: 12 us of the fused kernel's 14
 at 512 pairs on an H200 went to the search over experts a block, `scripts/align_compare.py`).
-Opt-in, one launch of C > 1 programs up to ONE_LAUNCH_MAX_PAIRS pairs (`align_one_launch_kernel`):
+One launch of C > 1 programs up to ONE_LAUNCH_MAX_PAIRS pairs (`align_one_launch_kernel`):
 each program histograms all S ids itself (total[e], and before[e] from the chunks < c), so it has
 its base[c, e] in registers; it scatters its chunk, and of its share of the blocks writes the
 expert ids (expert by expert, clipped to the share) and the sentinel S into the rows no pair goes
