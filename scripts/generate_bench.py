@@ -182,7 +182,8 @@ def run(model, device: torch.device, impls: list[str], modes: list[str], prompt_
         free = impl in (BOUND, FREE_BLOCK)
         match = "" if ref is None or mine is None or free else str(bool(torch.equal(ref, mine)))
         base = times.get((BASE, mode))
-        per_rep = "" if base is None else f"{statistics.median(b / t for b, t in zip(base, ts)):.4f}"
+        pairs = [b / t for b, t in zip(base or [], ts) if t]
+        per_rep = f"{statistics.median(pairs):.4f}" if pairs else ""
         rows.append(dict(impl=impl, mode=mode, status="ok", ms=f"{statistics.median(ts):.4f}",
                          ms_min=f"{min(ts):.4f}", ms_max=f"{max(ts):.4f}", reps=len(ts),
                          unit="ms per call" if mode == "prefill" else "ms per new token",

@@ -43,9 +43,10 @@ weights' addresses and the call's layout; `register(eager_graphs=False)` or MOEK
 turn it off): the same kernels for a fraction of an eager call's host time.
 
 Whole blocks (`patch_moe_blocks(model)`, opt-in): the supported sparse MoE blocks decode through
-one graph of moekit's router and experts on the block's own Parameters (one copy in per call instead
-of Transformers' router launches and the experts function's three copies), wherever nothing would
-notice the router being skipped (no router-logit recording, no hooks, eval mode, no gradients).
+one graph of the decoder layer's post-attention norm and moekit's router and experts on the block's
+own Parameters (one copy in per call instead of the norm's launches, Transformers' router launches
+and the experts function's three copies), wherever nothing would notice the router being skipped
+(no router-logit recording, no hooks, eval mode, no gradients).
 
 Expert parallelism: Transformers marks the experts another rank owns with the id E (the local
 expert count); every id outside [0, E) contributes exactly 0 (no expert weight is read for it) and
@@ -554,10 +555,10 @@ def patch_moe_blocks(model: nn.Module, *, enabled: bool = True, fold_norm: bool 
     forward feeds that norm's output straight into the block (`residual + mlp(norm(h))`): during a
     call of the decoder layer that takes the fast path, the norm hands its input on untouched and
     the block's replay applies the norm's own ops (the same kernels, so the same result as the norm
-    run eagerly). It saves the norm's launches, a third of what an eager decode step of the block
-    and norm cost on the host. Called outside its decoder layer's forward, or watched by a hook, the
-    norm runs as always; should anything other than the block receive a handed-on input, the decoder
-    layer raises rather than return a wrong result.
+    run eagerly). It saves the norm's eager launches (a cast, pow, mean, add, rsqrt, two muls and a
+    cast back) at each layer of each decoding step. Called outside its decoder layer's forward, or
+    watched by a hook, the norm runs as always; should anything other than the block receive a
+    handed-on input, the decoder layer raises rather than return a wrong result.
 
     The modules' classes are swapped for subclasses (parameters, state dict and isinstance checks
     unchanged), as `patch_llama4` does; enabled=False turns the fast path off again.
