@@ -1181,6 +1181,26 @@ def test_folded_norm_off_and_on_again(fast_path_on_cpu):
     assert fast_path_on_cpu == [4, 4, 4, 4] and len(fast_path_on_cpu.keys) == 2
 
 
+def test_folded_norm_needs_the_norm_to_keep_the_dtype(monkeypatch):
+    """A norm whose weight has another dtype than its input returns that other dtype: never handed
+    on (the block's checks saw the input's dtype); with the input's dtype it is."""
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    layer = model.model.layers[0]
+    norm, block = layer.post_attention_layernorm, layer.mlp
+    monkeypatch.setattr(mt, "_block_fast_layer", lambda block, x: "layer")
+    x = torch.randn(1, 2, HIDDEN)
+    for dtype, handed in ((torch.float64, False), (torch.float32, True)):
+        norm.to(dtype)
+        norm.__dict__["_moekit_into"] = block                # as during the decoder layer's call
+        with torch.no_grad():
+            out = norm(x)
+        pending = block.__dict__.pop("_moekit_prenorm", None)
+        assert (out is x) == handed and (pending is not None) == handed
+        if not handed:
+            assert out.dtype == dtype and torch.equal(out, type(norm).__mro__[1].forward(norm, x))
+
+
 def test_patched_model_compiles_to_one_graph(fast_path_on_cpu):
     """Under torch.compile the patched decoder layers, norms and blocks trace as their own forwards
     (fullgraph: no break, one frame, so no per-layer recompiles), folding nothing."""

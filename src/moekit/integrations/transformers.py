@@ -641,7 +641,10 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         return type(self).__mro__[1].forward(self, hidden_states)
     block = self.__dict__.get("_moekit_into")
     hooked = self._forward_pre_hooks or self._forward_hooks
-    if block is not None and hidden_states.dim() == 3 and not hooked:
+    weight = self._parameters.get("weight")
+    # the norm's output has the input's dtype (what the block's graph checked) only when its weight has it
+    same_dtype = weight is not None and weight.dtype == hidden_states.dtype
+    if block is not None and hidden_states.dim() == 3 and same_dtype and not hooked:
         layer = _block_fast_layer(block, hidden_states)
         if layer is not None:
             self.__dict__["_moekit_into"] = None             # once per decoder layer call
