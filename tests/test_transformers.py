@@ -1276,6 +1276,18 @@ def test_patched_blocks_decode_through_graphs_gpu():
     assert all(graph_cache(layer).captures == 4 for layer in layers)   # and 2 without the norm
 
 
+def test_layer_graphable_counts_the_rows_of_any_leading_shape(monkeypatch):
+    """The blocks ask `_graphable` about their (B, S, H) input: T is B * S, as for a flat (T, H)."""
+    import moekit.layer
+
+    layer = MoELayer(MoEShape(4, 32, 16, 2)).requires_grad_(False)
+    seen = []
+    monkeypatch.setattr(moekit.layer, "eligible", lambda rows, tensors, backend: seen.append(rows))
+    for shape in ((6, 32), (2, 3, 32), (3, 1, 32), (0, 5, 32)):
+        layer._graphable(torch.zeros(shape))
+    assert seen == [6, 6, 3, 0]
+
+
 def test_block_fast_path_checks_what_moe_layer_forward_would(monkeypatch):
     """The patched block skips MoELayer's module call, so `_layer_replays` itself refuses an input
     forward would refuse (another hidden size, another dtype) and a layer with its graphs off."""

@@ -109,8 +109,7 @@ class MoELayer(nn.Module):
     def _graphable(self, x: torch.Tensor) -> bool:
         """Whether a call on x (..., H), T = its rows, may replay an eager graph (`eligible`)."""
         params = (x, self.router_weight, self.gate_up_proj, self.down_proj)
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // max(1, x.shape[-1])
-        return eligible(rows, params, self.backend)
+        return eligible(x.shape[:-1].numel(), params, self.backend)
 
     def _graph_key(self) -> tuple:
         """What a graph of this layer bakes in: the weights it reads in place and the backends."""

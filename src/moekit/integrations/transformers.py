@@ -580,8 +580,7 @@ def patch_moe_blocks(model: nn.Module, *, enabled: bool = True, fold_norm: bool 
         fold = enabled and fold_norm and _swap_class(module, _DECODER_LAYERS, _decoder_forward,
                                                       "moekit_layer_patched")
         if fold:
-            norm.__class__ = _patched_class(_unpatched(type(norm), "moekit_norm_patched"), _norm_forward,
-                                            "moekit_norm_patched")
+            _swap_class(norm, None, _norm_forward, "moekit_norm_patched")
         block.moekit_fold_norm = fold
     return patched
 
@@ -599,11 +598,11 @@ def _unpatched(cls: type, flag: str) -> type:
     return cls.__mro__[1] if getattr(cls, flag, False) else cls
 
 
-def _swap_class(module: nn.Module, known: dict, forward: Callable, flag: str) -> bool:
+def _swap_class(module: nn.Module, known: dict | None, forward: Callable, flag: str) -> bool:
     """Give module the patched subclass of its class when that class is one of `known` (by name and
-    defining module); whether it has it now."""
+    defining module; None: any class); whether it has it now."""
     base = _unpatched(type(module), flag)
-    if base.__name__ not in known or base.__module__ != known[base.__name__][1]:
+    if known is not None and (base.__name__ not in known or base.__module__ != known[base.__name__][1]):
         return False
     if type(module) is base:
         module.__class__ = _patched_class(base, forward, flag)
@@ -640,11 +639,13 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return type(self).__mro__[1].forward(self, hidden_states)
     block = self.__dict__.get("_moekit_into")
+    if block is None:                                # not armed: called outside its decoder layer
+        return type(self).__mro__[1].forward(self, hidden_states)
     hooked = self._forward_pre_hooks or self._forward_hooks
     weight = self._parameters.get("weight")
     # the norm's output has the input's dtype (what the block's graph checked) only when its weight has it
     same_dtype = weight is not None and weight.dtype == hidden_states.dtype
-    if block is not None and hidden_states.dim() == 3 and same_dtype and not hooked:
+    if hidden_states.dim() == 3 and same_dtype and not hooked:
         layer = _block_fast_layer(block, hidden_states)
         if layer is not None:
             self.__dict__["_moekit_into"] = None             # once per decoder layer call
