@@ -76,6 +76,14 @@ def _write_expert_ids(expert_ids_ptr, block_codes_ptr, pad_end, num_padded, E, b
 
 
 @triton.jit
+def _block_code(j, nb):
+    """The code of an expert's block j of nb (`Alignment.block_codes`): 2, a tile of this block and
+    the next (same expert); 1, the expert's last block alone; 0, a pair's second block (an expert's
+    tiles start at its even blocks)."""
+    return tl.where(j % 2 == 0, tl.where(j + 1 < nb, 2, 1), 0)
+
+
+@triton.jit
 def _write_expert_ids_by_expert(expert_ids_ptr, block_codes_ptr, padded, pad_end, num_padded, max_blocks,
                                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_J: tl.constexpr):
     """expert_ids and block_codes of every block, as `_write_expert_ids` writes them, from the
@@ -91,9 +99,7 @@ def _write_expert_ids_by_expert(expert_ids_ptr, block_codes_ptr, padded, pad_end
         j = j0 + rj[None, :]                                            # [1, BLOCK_J]
         mine = j < nb[:, None]                                          # [E_PAD, BLOCK_J]
         blk = first[:, None] + j
-        # 2: a tile of this block and the next (same expert), 1: the expert's last block alone, 0: a
-        # pair's second block (an expert's tiles start at its even blocks)
-        code = tl.where(j % 2 == 0, tl.where(j + 1 < nb[:, None], 2, 1), 0)
+        code = _block_code(j, nb[:, None])
         tl.store(expert_ids_ptr + blk, tl.broadcast_to(owner[:, None], (E_PAD, BLOCK_J)), mask=mine)
         tl.store(block_codes_ptr + blk, code, mask=mine)
     dead0 = num_padded // BLOCK_M
@@ -126,9 +132,7 @@ def _write_share(sorted_ids_ptr, expert_ids_ptr, block_codes_ptr, total, padded,
         blk = lo[:, None] + j0 + rj[None, :]                            # [E_PAD, BLOCK_J]
         m = (blk < hi[:, None]) & (re[:, None] < E)
         j = blk - first[:, None]                                        # the block's index in its expert
-        # 2: a tile of this block and the next (same expert), 1: the expert's last block alone, 0: a
-        # pair's second block (an expert's tiles start at its even blocks)
-        code = tl.where(j % 2 == 0, tl.where(j + 1 < nb[:, None], 2, 1), 0)
+        code = _block_code(j, nb[:, None])
         tl.store(expert_ids_ptr + blk, tl.broadcast_to(re[:, None], (E_PAD, BLOCK_J)), mask=m)
         tl.store(block_codes_ptr + blk, code, mask=m)
     last = first + nb - 1
