@@ -1,6 +1,7 @@
 """The README's Python blocks run as written, in order, in one fresh process (CPU here: the blocks
 pick a tiny layer and float32 when there is no GPU). A block preceded by
-`<!-- readme-test: skip (reason) -->` is left out; the reason names the test that covers it."""
+`<!-- readme-test: skip (reason) -->` is left out; the reason names the test that covers it. The
+README's backend table is the registry's own rendering of it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"(<!-- readme-test: skip[^>]*-->\s*\n)?```python\n(.*?)```", re.S)
+
+
+def marked(name: str) -> str:
+    """The README's text between `<!-- name -->` and `<!-- /name -->` (exactly one such span)."""
+    spans = re.findall(rf"<!-- {name} -->\n(.*?)<!-- /{name} -->", README.read_text(encoding="utf-8"), re.S)
+    assert len(spans) == 1, f"README needs one <!-- {name} --> ... <!-- /{name} --> span, found {len(spans)}"
+    return spans[0]
 
 
 def python_blocks() -> tuple[list[str], list[str]]:
@@ -28,3 +36,14 @@ def test_readme_python_blocks_run_as_written():
     res = subprocess.run([sys.executable, "-c", "\n".join(run)], capture_output=True, text=True,
                          timeout=600, cwd=README.parent)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_readme_backend_table_is_the_registrys():
+    from moekit.experts.registry import capability_table  # its package registers the backends
+
+    assert marked("backend-table") == capability_table()
+
+
+def test_readme_has_one_env_table_span():
+    table = marked("env-table")
+    assert table.startswith("| variable |") and "`MOEKIT_CONFIG_DIR`" in table

@@ -136,3 +136,21 @@ def get_backend(name: str) -> Backend:
 
 def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+def capability_table() -> str:
+    """The registered backends' capabilities as a Markdown table (the README's copy is checked
+    against it, so the docs cannot drift from the registry)."""
+
+    def names(opts: frozenset[str] | None) -> str:
+        return ", ".join(f"`{n}`" for n in _OPTION_NAMES if n in opts) if opts else "–"
+
+    lines = ["| backend | what it is | CUDA graph | backward on | options | options its backward takes |",
+             "|---|---|---|---|---|---|"]
+    for b in _REGISTRY.values():
+        grad = ", ".join(sorted(b.backward_devices)) or "–"
+        back = "–" if not b.backward_devices else "all" if b.backward_options is None else names(
+            b.backward_options & b.options)
+        lines.append(f"| `{b.name}` | {b.description} | {'yes' if b.capturable else 'no'} | {grad} | "
+                     f"{names(b.options)} | {back} |")
+    return "\n".join(lines) + "\n"
