@@ -1,0 +1,76 @@
+"""The docs hold together: every relative link resolves, the README stays a short guide, every
+recorded run is listed in the index, and the docs speak of the product alone (runs are named by
+device, date and commit)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+LINKED_DOCS = ["README.md", "CHANGELOG.md", "benchmarks/README.md", "benchmarks/results/INDEX.md",
+               *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 250
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# The words of how the work was organised, which no doc may use.
+WORKFLOW = [re.compile(r"\bsessions?\b", re.I), re.compile(r"call [0-9]", re.I)]
+TEXT_SUFFIXES = {".md", ".csv", ".json", ".jsonl", ".txt"}
+
+
+def relative_links(doc: Path) -> list[str]:
+    """The doc's link targets outside code blocks, anchors cut, web and mail links left out."""
+    text = FENCE.sub("", doc.read_text(encoding="utf-8"))
+    targets = (t.split("#", 1)[0] for t in LINK.findall(text))
+    return [t for t in targets if t and not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def doc_files() -> list[Path]:
+    """README.md, CHANGELOG.md, docs/ and every text file under benchmarks/."""
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*")]
+    files += (ROOT / "benchmarks").rglob("*")
+    return sorted(p for p in files if p.is_file() and p.suffix in TEXT_SUFFIXES)
+
+
+@pytest.mark.parametrize("name", LINKED_DOCS)
+def test_every_relative_link_resolves(name):
+    doc = ROOT / name
+    assert doc.is_file(), f"{name} is missing"
+    broken = [t for t in relative_links(doc) if not (doc.parent / t).exists()]
+    assert not broken, f"{name} links to missing files: {broken}"
+
+
+def test_readme_is_a_short_guide():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+
+
+def test_docs_name_runs_by_device_date_and_commit():
+    hits = []
+    for path in doc_files():
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            hits += [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for w in WORKFLOW if w.search(line)]
+    assert not hits, "workflow words in the docs:\n" + "\n".join(hits)
+
+
+def test_recorded_runs_follow_the_folder_pattern():
+    """benchmarks/results/<device>/<date>_<commit>/<study>/, no workflow word in any name."""
+    assert RESULTS.is_dir()
+    bad = [str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*")
+           if re.search(r"session|call", p.name, re.I)]
+    assert not bad, f"names that speak of the workflow: {bad}"
+    for run in RESULTS.glob("*/*"):
+        assert run.is_dir() and re.fullmatch(r"\d{4}-\d\d-\d\d_[0-9a-f]{7}", run.name), run
+
+
+def test_index_lists_every_recorded_run():
+    index = (RESULTS / "INDEX.md").read_text(encoding="utf-8")
+    links = relative_links(RESULTS / "INDEX.md")
+    listed = {(RESULTS / t).parent.resolve() for t in links if t.endswith("report.md")}
+    runs = {p.parent.resolve() for p in RESULTS.rglob("report.md")}
+    missing = sorted(str(p.relative_to(RESULTS)) for p in runs - listed)
+    assert not missing, f"runs not in INDEX.md: {missing}"
+    assert "| run | device | date | commit |" in index
