@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -22,20 +21,11 @@ import torch.nn.functional as F
 from moekit.reference import moe_experts_ref
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/<name>.py imported as a module (the scripts are no package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def aot_compile_check(*args: str) -> str:
-    """stdout of scripts/aot_compile_check.py run with these arguments on this checkout's sources,
+    """stdout of tools/aot_compile_check.py run with these arguments on this checkout's sources,
     which must exit 0; the test is skipped where this Triton has no CUDA backend or ptxas (exit 2)."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "scripts" / "aot_compile_check.py"), *args],
+    done = subprocess.run([sys.executable, str(root / "tools" / "aot_compile_check.py"), *args],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(root / "src")})
     if done.returncode == 2:

@@ -222,7 +222,7 @@ def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direc
 
 
 def test_decode_kernels_compile_for_sm90_without_spills():
-    """scripts/aot_compile_check.py --decode default: both kernels at the Qwen3-30B-A3B shape, bf16,
+    """tools/aot_compile_check.py --decode default: both kernels at the Qwen3-30B-A3B shape, bf16,
     through ptxas for sm_90, no local memory."""
     out = aot_compile_check("--decode", "default", "--regs")
     assert "1/1 decode variants compile" in out and "local" not in out

@@ -124,7 +124,7 @@ def test_unfused_epilogue_stores_biased_pre_activations():
 
 # TMA weights (`ExpertsConfig.tma_weights`) under the expert math: the descriptor path (emulated by
 # the interpreter) feeds the same bias and activation epilogues; interleaved gate/up rows are read as
-# one [2 BN, BK] box. Its compiled form for sm_90 is checked by scripts/aot_compile_check.py.
+# one [2 BN, BK] box. Its compiled form for sm_90 is checked by tools/aot_compile_check.py.
 
 TMA = dataclasses.replace(SMALL, tma_weights=True)
 TMA_CASES = [  # (T, E, H, I, K): fp32 rows 16-byte aligned (H, I multiples of 4)

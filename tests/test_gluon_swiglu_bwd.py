@@ -12,7 +12,7 @@ tile variants), poisoned workspaces and NaN on the pre-activations' padding rows
 0, bitwise reproducible, each subset of the outputs, a spy proving the Gluon kernel ran; the
 moe_experts autograd step through it (tests/test_gluon_wgrad.py and test_grouped_gemm_backward.py
 run the whole backward on the GPU too). The sm_90 compile check: `aot_compile_check.py --gluon-wgrad`
-(tests/test_wgrad_compare.py) and `scripts/gluon_swiglu_bwd_probe.py --aot`.
+(tests/test_wgrad_tiles.py).
 """
 
 from __future__ import annotations

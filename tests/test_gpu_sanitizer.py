@@ -1,5 +1,5 @@
 """Every Triton kernel family once on the GPU, with no cuBLAS call anywhere: the suite for
-`compute-sanitizer --tool racecheck` / `memcheck` (`scripts/gpu_check.sh racecheck`).
+`compute-sanitizer --tool racecheck` / `memcheck` (`tools/gpu_check.sh racecheck`).
 
 Why a separate file: under racecheck, cuBLAS's Hopper kernels (`nvjet_sm90_*`) report hazards of
 their own and then stop the sanitizer ("failed to handle a hardware exception"), so the other GPU

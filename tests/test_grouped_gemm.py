@@ -4,7 +4,7 @@ twins, chained, against the whole-path fp32 reference (so a twin cannot drift fr
 CPU (Triton interpreter, float32; float16 for the TMA-weights path) with poisoned workspaces; rows a
 kernel must not write (padding rows past num_padded, pairs never placed) are left out of the
 comparison. The `gpu` tests run the TMA-weights path compiled, in bf16 (`pytest -m gpu -k tma`);
-without a GPU, scripts/aot_compile_check.py compiles the kernels for sm_90 (a subset here).
+without a GPU, tools/aot_compile_check.py compiles the kernels for sm_90 (a subset here).
 """
 
 from __future__ import annotations
@@ -402,7 +402,7 @@ def test_replay_from_a_cuda_graph(qwen_layer, variant, num_tokens):
 
 
 # Compiled for Hopper without a GPU: Triton's CUDA backend and ptxas, sm_90, bf16. The whole matrix
-# (tiles x default / TMA / gpt-oss / interleaved) is `python scripts/aot_compile_check.py`.
+# (tiles x default / TMA / gpt-oss / interleaved) is `python tools/aot_compile_check.py`.
 
 
 def test_forward_kernels_compile_for_sm90_ahead_of_time(tmp_path):

@@ -114,7 +114,8 @@ def test_the_report_modules_need_no_console():
     """Reports and plots are drawn without rich (only a study's console summary uses it)."""
     code = BLOCK.split("from moekit.cli")[0].format(blocked=["rich"], argv=[]) + (
         "from moekit.bench.study import studies\n"
-        "assert [s.name for s in studies()] == ['bench', 'imbalance', 'ep-bench', 'tune', 'ablate']\n"
+        "assert [s.name for s in studies()] == ['bench', 'imbalance', 'ep-bench', 'tune', 'ablate', "
+        "'profile', 'sweep', 'e2e']\n"
         "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})

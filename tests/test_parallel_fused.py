@@ -312,10 +312,10 @@ def test_simulated_group_bitwise_on_both_paths(routing):
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter does not see compiled-mode errors; `scripts/ep_compile_check.py --quick`
+    """The interpreter does not see compiled-mode errors; `tools/ep_compile_check.py --quick`
     compiles the normal and the low-latency launches (replicas included) and the masked layout
     kernel to sm_90 cubins, no GPU needed (Triton's bundled ptxas)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "ep_compile_check.py"
+    script = Path(__file__).resolve().parents[1] / "tools" / "ep_compile_check.py"
     src = str(Path(moekit.__file__).parents[1])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}

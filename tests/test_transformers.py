@@ -34,8 +34,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import moekit.experts
 import moekit.experts.triton as triton_experts
 import moekit.ops
-from helpers import experts_same_dtype, layer_ref, load_script, rel_err, same_dtype_bound
+from helpers import experts_same_dtype, layer_ref, rel_err, same_dtype_bound
 from moekit import MoELayer, MoEShape
+from moekit.bench.e2e import build_model
 from moekit.reference import moe_experts_ref
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -688,16 +689,11 @@ def test_auto_trains_on_the_cpu_loop(kind, warns):
     assert_grads_match(model, eager)
 
 
-def gpu_script():
-    """scripts/gpu_transformers.py, the one home of the published models' sizes."""
-    return load_script("gpu_transformers")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
 def test_full_shapes_bf16_match_reference_gpu(kind):
     """One decoder layer at the published expert shapes: moekit's error <= 2x plain bf16 PyTorch's."""
-    model = gpu_script().build(kind, torch.device("cuda"))
+    model = build_model(kind, torch.device("cuda"))
     block, hidden = model.model.layers[0].mlp, model.config.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
@@ -724,7 +720,7 @@ def test_full_shapes_bf16_match_reference_gpu(kind):
 
 @pytest.mark.gpu
 def test_compiled_block_full_shape_gpu():
-    model = gpu_script().build("qwen3_moe", torch.device("cuda"))
+    model = build_model("qwen3_moe", torch.device("cuda"))
     model.set_experts_implementation("moekit")
     block, hidden = model.model.layers[0].mlp, model.config.hidden_size
     counter = CompileCounterWithBackend("inductor")
@@ -967,30 +963,6 @@ def test_gpt_oss_full_expert_shape_bf16_gpu():
                 assert ran == (impl == "moekit")
             plain_err = rel_err(outs[PLAIN], outs[REFERENCE])
             assert math.isfinite(plain_err) and rel_err(outs["moekit"], outs[REFERENCE]) <= 2 * plain_err
-
-
-def test_generate_bench_smoke(tmp_path):
-    """scripts/generate_bench.py end to end on a tiny float32 model: every implementation and mode
-    gets a row with a positive median, and greedy decoding gives grouped_mm's tokens (float32: no
-    near-tie flips) with moekit's experts."""
-    script = load_script("generate_bench")
-    assert script.main([str(tmp_path), "--smoke", "--layers", "1", "--prompt", "16", "--new-tokens", "3",
-                        "--reps", "1", "--bound", "--no-graphs", "--blocks"]) == 0
-    import csv
-    rows = list(csv.DictReader((tmp_path / "generate_bench.csv").open()))
-    cases = {(i, m) for i in (*script.IMPLS, script.BOUND, script.FREE_BLOCK, script.NO_GRAPHS, script.BLOCKS,
-                              script.UNFOLDED) for m in ("prefill", "eager")}
-    assert {(r["impl"], r["mode"]) for r in rows} == cases
-    assert all(r["status"] == "ok" and r["reps"] == "1" for r in rows)
-    assert all(float(r["ms"]) > 0 for r in rows if r["mode"] == "prefill")
-    decoded = [r for r in rows if r["mode"] == "eager"
-               and r["impl"] in (*script.IMPLS, script.NO_GRAPHS, script.BLOCKS, script.UNFOLDED)]
-    assert decoded and all(r["tokens_match"] == "True" for r in decoded)
-    assert all(r["tokens_match"] == "" for r in rows if r["impl"] in (script.BOUND, script.FREE_BLOCK))
-    assert all(math.isfinite(float(r["speedup_per_rep"])) for r in rows)   # in every row (values: timings)
-    assert all(float(r["speedup_per_rep"]) == 1.0 for r in rows if r["impl"] == "grouped_mm")
-    text = (tmp_path / "generate_bench.md").read_text()
-    assert "grouped_mm ÷ moekit" in text and "| eager (ms per token) |" in text
 
 
 @pytest.mark.gpu

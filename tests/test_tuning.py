@@ -128,7 +128,7 @@ def test_lookup_without_an_entry_uses_the_default(table_dir):
 
 def test_lookup_in_a_given_table_ignores_the_config_dir(table_dir):
     """get_config(table=...) reads that table alone: the packaged one beside a table under test in
-    $MOEKIT_CONFIG_DIR (scripts/tile_compare.py --set tables)."""
+    $MOEKIT_CONFIG_DIR (`moekit sweep --set tiles`: "packaged")."""
     shape = PRESETS["tiny"]
     under_test, shipped = ExpertsConfig(block_m=16, block_n1=32), ExpertsConfig(block_m=32, block_k1=32)
     table_dir({shape_key(shape, torch.float32): {"16": under_test.to_dict()}})

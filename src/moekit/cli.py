@@ -19,6 +19,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ep-bench": ("moekit.bench.ep_bench", "expert parallelism over torch.distributed (use torchrun)"),
     "tune": ("moekit.bench.tune", "search tile configs for a shape on this GPU, write a JSON table"),
     "ablate": ("moekit.bench.ablate", "what each design choice of the triton path buys, against the article"),
+    "profile": ("moekit.bench.profile", "where one call's time goes: kernels, host work, graph launch"),
+    "sweep": ("moekit.bench.variants", "tile configs and variants of the triton path side by side"),
+    "e2e": ("moekit.bench.e2e", "Transformers generation end to end, per experts implementation"),
 }
 
 

@@ -28,10 +28,11 @@ The studies (the subcommand, then its rows and report step)
     ablate.py           `moekit ablate`         ablate_report.py      AblateRow, the catalogue, report
     ablate_variants.py  the variants it times   ablate_plots.py       one figure per ablation
     ablate_bytes.py     Nsight Compute DRAM bytes (a child process under ncu)
-
-The backward's tile sweeps (scripts/wgrad_compare.py, scripts/swiglu_bwd_compare.py)
-    tile_sweep.py       their shared arguments, set-up, timing, best-first summary and rows
-    wgrad.py            the weight-gradient candidates and one T's case with the error rule
+    profile.py          `moekit profile`        ProfileRow, report (kernels, host work, graph launch)
+    variants.py         `moekit sweep`          SweepRow, report (the sets of variants side by side)
+    wgrad.py            the weight-gradient candidates and one T's case (`moekit sweep --set wgrad`)
+    e2e.py              `moekit e2e`            E2ERow, report, the Transformers models' sizes
+    lab.py              what those three share: the run, the report's head and tables
 
 Only the light modules are imported here; plotting pulls in matplotlib when it is used. The lab
 imports `moekit.kernels` first: on a machine without CUDA it switches Triton to its interpreter,

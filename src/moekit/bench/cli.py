@@ -39,6 +39,7 @@ from moekit.bench import args as arg_types
 from moekit.bench import peers
 from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.dense import DENSE
+from moekit.bench.kernel_work import TILED
 from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
 from moekit.bench.results import ResultRow, json_text
 from moekit.bench.runner import LAYER, Options
@@ -69,6 +70,9 @@ QUICK = Options(warmup=1, rep=5, routing_draws=16)
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
 RESULT_NAMES = (*STUDY.result_names, JSON_NAME)
+# Said once above a CPU run's tables: the triton rows' hundreds of ms are the interpreter's.
+INTERPRETER_NOTE = ("Triton kernels run under the interpreter on this CPU-only machine: their times measure "
+                    "the interpreter, not the kernels")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
             rows = with_threads(run_sweep(plan, ceilings, prov, options, on_case), threads)
 
     written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
+    if plan.device.type == "cpu" and any(b in (TILED, LAYER) for b in plan.backends):
+        console.print(INTERPRETER_NOTE, highlight=False)
     for preset in plan.presets:
         console.print(_summary(rows, preset, plan.direction))
     console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))

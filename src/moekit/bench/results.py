@@ -433,11 +433,3 @@ def read_csv(path: Path, row_type: type = ResultRow, *, what: str = "a moekit re
     if not rows:
         raise ValueError(f"{path}: no result rows")
     return rows
-
-
-def write_jsonl(path: str | os.PathLike | None, rows: Iterable[Mapping]) -> None:
-    """The scripts' --out: one JSON object per row, one row per line (nothing when path is None)."""
-    if path is None:
-        return
-    with open(path, "w") as f:
-        f.writelines(json.dumps(dict(r)) + "\n" for r in rows)

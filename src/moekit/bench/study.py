@@ -46,7 +46,8 @@ CSV_NAME = "results.csv"
 REPORT_NAME = "report.md"
 RESULT_FILES = (CSV_NAME, REPORT_NAME)
 REPORT_MODULES = ("moekit.bench.report", "moekit.bench.imbalance_report", "moekit.bench.ep_report",
-                  "moekit.bench.tune_report", "moekit.bench.ablate_report")
+                  "moekit.bench.tune_report", "moekit.bench.ablate_report", "moekit.bench.profile",
+                  "moekit.bench.variants", "moekit.bench.e2e")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The weight-gradient kernel's tiles under study (`scripts/wgrad_compare.py` times them on a GPU,
-`scripts/aot_compile_check.py --wgrad` compiles them for sm_90): the candidates, the tiles the kernel
+"""The weight-gradient kernel's tiles under study (`moekit sweep --set wgrad` times them,
+`tools/aot_compile_check.py --wgrad` compiles them for sm_90): the candidates, the tiles the kernel
 ran with before it had its own, and one T's inputs with the error rule.
 
 The two launches of a training step (`moekit.grouped_gemm_backward`), unscaled: the SwiGLU backward

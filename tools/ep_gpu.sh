@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert parallelism on this machine's GPUs: the GPU tests, then `moekit ep-bench` under torchrun.
 #
-#   scripts/ep_gpu.sh [NPROC] [ep-bench arguments...]
+#   tools/ep_gpu.sh [NPROC] [ep-bench arguments...]
 #
 # NPROC defaults to every visible GPU. With 2 or more GPUs the results go to
 # benchmarks/results/ep-<N>xgpu-<UTC time>/ (CSV, plot, report); COMPARE_TORCH=1 runs the bench a

@@ -36,8 +36,8 @@ another commit's dump (same instructions: PTX without its debug lines and labels
 paths without TMA (or PERSISTENT) run on commits that predate it, e.g. to show that the flags off
 compile to main's kernels:
 
-    PYTHONPATH=<main>/src python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/main
-    python scripts/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
+    PYTHONPATH=<main>/src python tools/aot_compile_check.py --paths default,gpt-oss --dump /tmp/main
+    python tools/aot_compile_check.py --paths default,gpt-oss --dump /tmp/new --compare /tmp/main
 
 `--wgrad [all|old,default,<i>,...]` checks the weight-gradient kernel instead (`moe_wgrad_kernel`,
 both launches of a training step, unscaled: d gate_up_proj, A by sorted row and B by token; d
@@ -70,14 +70,14 @@ launches them): the one-program kernel, the one-launch kernel of a program a chu
 counts, expert counts, block sizes and id dtypes of `ALIGN_CASES`; --regs as above (the scan kernel
 of the three launches spills 136 B at 32,768 pairs with Triton 3.8).
 
-Usage: python scripts/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
+Usage: python tools/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,MP,L] [--paths ...]
        [--quick] [--regs] [--dump DIR [--compare DIR]]
-       python scripts/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
-       python scripts/aot_compile_check.py --backward [--tiles S,M,MP,L] [--regs] [--dump DIR]
-       python scripts/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
-       python scripts/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
-       python scripts/aot_compile_check.py --gluon-swiglu [--regs] [--dump DIR]
-       python scripts/aot_compile_check.py --align [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --wgrad [all|old,default,0,3,...] [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --backward [--tiles S,M,MP,L] [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --decode [all|default,0,1,...] [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --gluon-swiglu [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --align [--regs] [--dump DIR]
 """
 
 from __future__ import annotations

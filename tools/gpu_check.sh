@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash scripts/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|breakdown|transformers|finetune]...
+# Usage: bash tools/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|breakdown|transformers|finetune]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -42,7 +42,8 @@ for step in $steps; do
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
-        compare) MOEKIT_CONFIG_DIR=$OUT python3 scripts/quick_compare.py 2>&1 | tee "$OUT/compare.log" ;;
+        compare) MOEKIT_CONFIG_DIR=$OUT timeout ${COMPARE_TIMEOUT:-300} python3 -m moekit sweep --set tiles ${COMPARE_ARGS:-} \
+                     --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" | tail -40 ;;
         bench)   timeout ${BENCH_TIMEOUT:-450} python3 -m moekit bench --peers ${BENCH_ARGS:-} \
                      --tokens 1,4,16,64,256,1024,2048,4096,8192,16384 --out "$OUT/bench" 2>&1 \
                      | tee "$OUT/bench.log" | tail -60 ;;
@@ -53,10 +54,10 @@ for step in $steps; do
         ablate)  timeout ${ABLATE_TIMEOUT:-570} python3 -m moekit ablate ${ABLATE_ARGS:-} --out "$OUT/ablate" 2>&1 \
                      | tee "$OUT/ablate.log" | tail -40 ;;
         breakdown) # where one call's device time goes, per kernel: forward and forward + backward
-                 timeout ${BREAKDOWN_TIMEOUT:-240} sh -c "python3 scripts/kernel_breakdown.py --out '$OUT/breakdown_fwd.md' ${BREAKDOWN_ARGS:-} \
-                     && python3 scripts/kernel_breakdown.py --backward --out '$OUT/breakdown_bwd.md' ${BREAKDOWN_ARGS:-}" \
+                 timeout ${BREAKDOWN_TIMEOUT:-240} sh -c "python3 -m moekit profile --what kernels,host,graph --backends triton,grouped_mm --out '$OUT/breakdown_fwd' ${BREAKDOWN_ARGS:-} \
+                     && python3 -m moekit profile --backward --what kernels,host --backends triton,grouped_mm --out '$OUT/breakdown_bwd' ${BREAKDOWN_ARGS:-}" \
                      > "$OUT/breakdown.log" 2>&1; tail -30 "$OUT/breakdown.log" ;;
-        transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 scripts/gpu_transformers.py "$OUT/transformers" ${TRANSFORMERS_ARGS:-} \
+        transformers) timeout ${TRANSFORMERS_TIMEOUT:-300} python3 -m moekit e2e ${TRANSFORMERS_ARGS:-} --out "$OUT/transformers" \
                      2>&1 | tee "$OUT/transformers.log" | tail -40 ;;
         finetune) timeout ${FINETUNE_TIMEOUT:-300} python3 examples/qwen3_moe_finetune.py --device cuda --dtype bfloat16 \
                      --steps ${FINETUNE_STEPS:-20} ${FINETUNE_ARGS:-} 2>&1 | tee "$OUT/finetune.log" | tail -30 ;;

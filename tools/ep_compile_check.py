@@ -9,7 +9,7 @@ compiles every recorded launch with `triton.compile(ASTSource(...), target=GPUTa
 128))` down to a cubin (ptxas, bundled with Triton), specializing integer arguments as the JIT does
 (1 becomes a constexpr).
 
-    python scripts/ep_compile_check.py [--quick]        # exit status 1 if any fails
+    python tools/ep_compile_check.py [--quick]        # exit status 1 if any fails
 
 --quick compiles the first case's launches only (one per kernel; tests/test_parallel_fused.py runs
 it). Each line gives the registers and spill bytes per thread from `ptxas -v`.

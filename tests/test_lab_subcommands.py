@@ -1,0 +1,128 @@
+"""`moekit profile`, `sweep` and `e2e` on the CPU (tiny preset, Triton interpreted): each runs, writes
+its rows and report, is redrawn by `moekit report`, and refuses bad arguments with one error line.
+Timings are never asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import error_line, run_cli
+from moekit.bench import e2e, profile, variants
+from moekit.bench.study import find_results
+
+
+def _read(out, study):
+    found, csv_path = find_results(out)
+    assert found.name == study.name
+    rows = study.read(csv_path)
+    assert (out / "report.md").is_file()
+    return rows
+
+
+def test_help_lists_the_subcommands_and_each_has_its_own(capsys):
+    assert run_cli(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("profile", "sweep", "e2e"))
+    for name, flag in (("profile", "--what"), ("sweep", "--set"), ("e2e", "--impls")):
+        assert run_cli([name, "--help"]) == 0
+        assert flag in capsys.readouterr().out
+
+
+def test_profile_kernels_and_host_write_rows_and_report(tmp_path):
+    out = tmp_path / "p"
+    argv = ["profile", "--what", "kernels,host", "--tokens", "2", "--rep", "2", "--out", str(out)]
+    assert run_cli(argv) == 0
+    rows = _read(out, profile.STUDY)
+    assert {r.what for r in rows} == {"kernels", "host"} and all(r.status == "ok" for r in rows)
+    assert any(r.item.startswith("aten::") for r in rows if r.what == "kernels")
+    host = {r.item: r for r in rows if r.what == "host"}
+    assert set(host) == {"router", "experts", "layer"}
+    assert host["experts"].count >= 2 and host["experts"].ms > 0     # at least the two GEMMs, stubbed
+    assert "## host: tiny triton fwd, T = 2" in (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    assert run_cli(["report", str(out)]) == 0 and (out / "report.md").is_file()
+
+
+def test_stubbed_launches_run_no_kernel_and_count_each_launch():
+    import torch
+
+    from moekit.experts import moe_experts
+
+    x = torch.randn(3, 32)
+    gate_up, down = torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    w, ids = torch.full((3, 2), 0.5), torch.tensor([[0, 1], [1, 2], [2, 0]])
+    sink: list = []
+    with profile.stubbed_launches(sink):
+        out = moe_experts(x, gate_up, down, w, ids, backend="triton", validate=False)
+    assert len(sink) >= 3 and out.shape == x.shape
+    sink.clear()
+    moe_experts(x, gate_up, down, w, ids, backend="triton")
+    assert sink == []      # restored on exit
+
+
+def test_sweep_writes_one_row_per_variant_and_checks_each(tmp_path):
+    out = tmp_path / "s"
+    assert run_cli(["sweep", "--set", "hints,flush", "--tokens", "2", "--rep", "1", "--out", str(out)]) == 0
+    rows = _read(out, variants.STUDY)
+    hints, flush = ("plain", "evict", "pdl", "both"), ("write", "clean", "none")
+    want = [("hints", v) for v in hints] + [("flush", v) for v in flush]
+    assert [(r.variant_set, r.variant) for r in rows] == want
+    assert all(r.status == "ok" and r.max_err >= 0 and r.n_rep == 1 for r in rows)
+    assert rows[0].speedup == 1.0 and rows[4].speedup == 1.0      # each set against its first variant
+    assert "## flush: tiny, T = 2 (eager)" in (out / "report.md").read_text()
+
+
+def test_sweep_tile_sets_name_their_configs():
+    import torch
+
+    from moekit.bench.runner import make_weights, make_workload
+    from moekit.shapes import PRESETS
+    shape, dev = PRESETS["tiny"], torch.device("cpu")
+    work = make_workload("tiny", shape, 8, make_weights(shape, torch.float16, dev), torch.float16, dev,
+                         routing_draws=1)
+    tiles = variants.tile_variants(work)
+    assert list(tiles) == ["table", "persistent", "persistent+tma", "tma", "paired", "paired+tma", "packaged",
+                           "default"]
+    assert "persistent=True" in tiles["persistent"].tiles and "pair_blocks=2" in tiles["paired"].tiles
+    group = variants.group_variants(work)
+    assert "group_m=1" in group["group 1"].tiles and "block_m=32" in group["bm32"].tiles
+    assert list(variants.wgrad_variants(work))[:2] == ["old", "default"]
+
+
+def test_e2e_smoke_times_every_implementation_and_compares_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e"
+    assert run_cli(["e2e", "--impls", "moekit,free-experts", "--prompt", "8", "--new-tokens", "2",
+                    "--out", str(out)]) == 0
+    rows = _read(out, e2e.STUDY)
+    assert {(r.impl, r.what) for r in rows} == {(i, w) for i in ("grouped_mm", "moekit", "free-experts")
+                                                for w in ("prefill", "eager")}
+    assert all(r.status == "ok" and r.n_rep == 1 for r in rows)
+    assert all(r.median_ms > 0 for r in rows if r.what == "prefill")
+    assert [r.tokens_match for r in rows if r.what == "eager"] == [1, 1, None]   # float32: no near-tie flips
+    assert "## eager: qwen3_moe, 1 layers, 2 tokens" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "--what", "graph"], "--what graph needs a CUDA device"),
+    (["profile", "--what", "flame"], "unknown profile 'flame'"),
+    (["sweep", "--set", "align"], "unknown set 'align'"),
+    (["sweep", "--graph"], "--graph needs a CUDA device"),
+    (["e2e", "--what", "compiled"], "--what compiled needs a CUDA device"),
+    (["e2e", "--new-tokens", "1"], "argument --new-tokens"),
+], ids=["profile-graph-cpu", "profile-what", "sweep-set", "sweep-graph-cpu", "e2e-compiled-cpu",
+        "e2e-new-tokens"])
+def test_bad_arguments_get_one_error_line(argv, message, capsys, tmp_path):
+    assert run_cli([*argv, "--out", str(tmp_path / "x")]) == 2
+    assert message in error_line(capsys, f"moekit {argv[0]}")
+    assert not (tmp_path / "x").exists()
+
+
+def test_bench_says_once_that_interpreted_triton_times_the_interpreter(tmp_path, capsys):
+    from moekit.bench.cli import INTERPRETER_NOTE
+
+    argv = ["bench", "--tokens", "1", "--rep", "1", "--warmup", "0", "--no-layer", "--no-dense"]
+    assert run_cli([*argv, "--backends", "triton", "--out", str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out.replace("\n", " ").count(INTERPRETER_NOTE[:60]) == 1
+    assert run_cli([*argv, "--backends", "loop", "--out", str(tmp_path / "b")]) == 0
+    assert INTERPRETER_NOTE[:40] not in capsys.readouterr().out.replace("\n", " ")

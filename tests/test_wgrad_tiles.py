@@ -1,0 +1,45 @@
+"""The weight-gradient kernel's tiles under study (`moekit.bench.wgrad`, `moekit sweep --set wgrad`):
+the candidates launch on Hopper, and the kernels compile for sm_90 (`tools/aot_compile_check.py`)."""
+
+from __future__ import annotations
+
+from helpers import aot_compile_check
+from moekit.bench.wgrad import CANDIDATES, LAUNCHES, legacy_tiles
+from moekit.tuning import ExpertsConfig, WgradConfig, shared_memory_limit
+
+
+def test_candidates_are_distinct_and_launchable_on_hopper():
+    assert len(set(CANDIDATES)) == len(CANDIDATES) and WgradConfig() in CANDIDATES
+    assert all(t.pipeline_bytes(2) <= shared_memory_limit(None) for t in CANDIDATES)
+    old = legacy_tiles(ExpertsConfig(block_m=128, block_n1=128, block_k1=64, block_n2=256, block_k2=64))
+    assert old == dict.fromkeys(LAUNCHES, WgradConfig(64, 64, 64, 4, 3))
+
+
+def test_wgrad_kernel_compiles_for_sm90_without_spills():
+    """The old and the default tiles and a range-kernel candidate, every launch, through ptxas for
+    sm_90 (skipped where this Triton has no CUDA backend or ptxas)."""
+    ranged = str(CANDIDATES.index(WgradConfig(128, 128, 64, 8, 3, experts=8)))   # the range kernel
+    out = aot_compile_check("--wgrad", f"old,default,{ranged}", "--regs")
+    assert "3/3 wgrad variants compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("wgrad ")]
+    assert len(lines) == 3 and all("r/" in line and " local " not in line for line in lines), lines
+
+
+def test_gluon_wgrad_kernel_compiles_for_sm90_without_spills():
+    """The Hopper Gluon weight gradient's two tiles (bf16 and fp16) and its row gather, through ptxas
+    for sm_90 (skipped where this Triton has no Gluon, CUDA backend or ptxas)."""
+    out = aot_compile_check("--gluon-wgrad", "--regs")
+    assert "5/5 gluon wgrad kernels compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("gluon-wgrad ")]
+    assert len(lines) == 5 and all(" OK " in line and "r " in line and " local " not in line
+                                   for line in lines), lines
+
+
+def test_gluon_swiglu_kernel_compiles_for_sm90():
+    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16) and a launch storing dpre_w alone,
+    through ptxas for sm_90, within the shared-memory limit (skipped where this Triton has no Gluon,
+    CUDA backend or ptxas). The 128-column tiles spill loop counters (reported, allowed)."""
+    out = aot_compile_check("--gluon-swiglu", "--regs")
+    assert "5/5 gluon swiglu kernels compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("gluon-swiglu ")]
+    assert len(lines) == 5 and all(" OK " in line and "r " in line for line in lines), lines
