@@ -273,3 +273,26 @@ def test_align_kernels_compile_for_sm90_ahead_of_time():
     assert "7/7 align cases compile" in text                     # the script's ALIGN_CASES
     one_launch = [line for line in text.splitlines() if "align_one_launch_kernel" in line]
     assert len(one_launch) == 5 and not any(" local " in line for line in one_launch), one_launch
+
+
+# int64 ids past int32's range, each of which truncates into [0, E) when cut to 32 bits.
+WIDE_IDS = [2**32 + 3, -(2**32) + 2, 2**32, 2**40 + 1, 2**63 - 1, -(2**63), -(2**31) - 1]
+
+
+@pytest.mark.parametrize("path", ["fused", *PATHS])
+def test_int64_ids_past_int32_are_never_placed_on_every_path(monkeypatch, path, device):
+    """Both backends give the test's own alignment, field for field, on each kernel path (the
+    one-program kernel; a program a chunk; the three launches) when int64 ids lie past int32's range:
+    such a pair is counted nowhere and never placed, and every other pair lands as with valid ids."""
+    num_tokens = 37 if path == "fused" else 500          # S = 296 or 4,000 pairs (K = 8)
+    num_experts, block_m = 16, 16
+    if path != "fused":
+        _set_path(monkeypatch, path)
+    ids = distinct_topk_ids(num_tokens, num_experts, 8, dtype=torch.int64).to(device)
+    flat = ids.view(-1)
+    flat[::5] = torch.tensor(WIDE_IDS, device=device)[torch.arange(flat[::5].numel(), device=device) % 7]
+    expected = align_ref(ids.cpu(), num_experts, block_m)
+    for backend in ("torch", "triton"):
+        with poisoning():
+            got = align_block_size(ids, num_experts, block_m, backend=backend)
+        assert_alignment_equals(got, expected)

@@ -18,7 +18,7 @@ from moekit import tuning
 from moekit.bench import tune as tuner
 from moekit.bench.tune_report import CONFIG_FIELDS
 from moekit.cli import build_parser, main
-from moekit.shapes import PRESETS
+from moekit.shapes import PRESETS, MoEShape
 from moekit.tuning import (
     PACKAGED_DIR,
     SHARED_MEMORY_BUDGET,
@@ -136,6 +136,30 @@ def test_lookup_in_a_given_table_ignores_the_config_dir(table_dir):
     assert get_config(shape, 16, torch.float32, "cpu") == under_test
     assert get_config(shape, 16, torch.float32, "cpu", table=given) == shipped
     assert get_config(shape, 16, torch.float32, "cpu", table=TuningTable()) == default_config(shape, 16, 4)
+
+
+def test_config_dir_set_after_a_lookup_is_the_table_the_triton_path_uses(tmp_path, monkeypatch):
+    """A table in $MOEKIT_CONFIG_DIR is what the triton path resolves, also when the variable is set
+    (or changed) after an earlier lookup in the process: nothing cached hides it."""
+    from moekit.experts.triton import auto_config
+
+    shape = MoEShape(8, 64, 32, 2)
+    gate_up = torch.empty(8, 64, 64)
+    mine = ExpertsConfig(16, 32, 32, 2, 2, 32, 32, 2, 2, 1)
+    other = dataclasses.replace(mine, block_n1=64)
+    for name, cfg in (("a", mine), ("b", other)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpu.json").write_text(
+            json.dumps({shape_key(shape, torch.float32): {"16": dataclasses.asdict(cfg)}}))
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MOEKIT_CONFIG_DIR", raising=False)
+    assert auto_config(16, gate_up, 2, torch.float32, cpu) == default_config(shape, 16, 4)
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path / "a"))
+    assert auto_config(16, gate_up, 2, torch.float32, cpu) == mine
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path / "b"))
+    assert auto_config(16, gate_up, 2, torch.float32, cpu) == other
+    monkeypatch.delenv("MOEKIT_CONFIG_DIR")
+    assert auto_config(16, gate_up, 2, torch.float32, cpu) == default_config(shape, 16, 4)
 
 
 def test_packaged_table_skips_the_config_dir(table_dir, tmp_path):

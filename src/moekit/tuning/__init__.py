@@ -483,8 +483,7 @@ def _cuda_slug(index: int) -> str:
     return torch.cuda.get_device_name(index).lower().replace(" ", "_")
 
 
-def _config_dirs() -> list[Path]:
-    extra = os.environ.get("MOEKIT_CONFIG_DIR")
+def _config_dirs(extra: str | None) -> list[Path]:
     return ([Path(extra)] if extra else []) + [PACKAGED_DIR]
 
 
@@ -497,11 +496,20 @@ def _first_table(slug: str, dirs: list[Path]) -> TuningTable:
     return TuningTable()
 
 
-@functools.lru_cache(maxsize=64)
 def load_table(slug: str) -> TuningTable:
     """{shape_key: {tokens: ExpertsConfig}} from the first table file found for `slug` (empty when
-    there is none)."""
-    return _first_table(slug, _config_dirs())
+    there is none), searching $MOEKIT_CONFIG_DIR as it is at this call: setting or changing it
+    takes effect at the next lookup. Files are parsed once per (slug, directory);
+    `load_table.cache_clear()` forgets them (a table rewritten in place)."""
+    return _load_table(slug, os.environ.get("MOEKIT_CONFIG_DIR") or None)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_table(slug: str, extra: str | None) -> TuningTable:
+    return _first_table(slug, _config_dirs(extra))
+
+
+load_table.cache_clear = _load_table.cache_clear
 
 
 def packaged_table(slug: str) -> TuningTable:
