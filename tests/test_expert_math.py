@@ -324,7 +324,7 @@ def test_gradients_never_drop_a_bias_gradient():
     want = torch.autograd.grad((ref * dout).sum(), leaves)
     leaves = _leaves(x, gate_up, down, w, bias_gu, bias_down)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")           # CPU: grouped_mm has no backward, loop runs
+        warnings.simplefilter("error")            # CPU: grouped_mm differentiates, no fallback
         out = moe_experts(*leaves[:4], ids, **math_kwargs("gpt_oss", True, *leaves[4:]))
     got = torch.autograd.grad((out * dout).sum(), leaves)
     for name, a, b in zip(("x", "gate_up", "down", "w", "gate_up_bias", "down_bias"), got, want, strict=True):

@@ -86,7 +86,7 @@ register_backend(Backend(
     "grouped_mm",
     lambda x, gu, d, w, ids, opts, out: _into(out, experts_grouped_mm(
         x, gu, d, w, ids, **opts.math_kwargs())),
-    "sort, gather, torch grouped_mm x2, weighted sum", backward_devices=frozenset({"cuda"}),
+    "sort, gather, torch grouped_mm x2, weighted sum",
     check_layout=check_grouped_mm_layout, options=MATH_OPTIONS))
 register_backend(Backend(
     "triton",

@@ -31,11 +31,9 @@ autograd reaches the experts' gate_up_proj / down_proj Parameters (through the t
 transposed module), the hidden states and the routing weights (so the router trains); frozen
 experts (requires_grad=False) get no gradient and cost no weight-gradient kernel. "auto" picks a
 backend with a backward: triton on CUDA (its backward in `moekit.experts.triton`, also under
-torch.compile through the `moekit::experts` op's autograd); loop on CPU (where grouped_mm, which
-serves aligned sizes in inference, has no backward, `moekit.experts.resolve_backend` warns once
-that it swapped it). An explicit backend without a backward on the device
-(`moekit.experts.has_backward`: grouped_mm on CPU, masked) falls back to Transformers' grouped_mm
-for such calls, with the one warning.
+torch.compile through the `moekit::experts` op's autograd); grouped_mm on CPU for aligned sizes,
+else loop. An explicit backend without a backward on the device (`moekit.experts.has_backward`:
+masked) falls back to Transformers' grouped_mm for such calls, with one warning.
 
 Decoding: an eager call of at most 16 tokens that needs no gradient, on the triton backend, replays
 a CUDA graph of the experts recorded for its token count (`moekit.eager_graphs`, keyed by the
