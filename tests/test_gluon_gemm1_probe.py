@@ -1,6 +1,6 @@
 """scripts/gluon_gemm1_probe.py on the CPU: the script imports (its Gluon kernel is defined, not compiled),
 its launcher refuses what the kernel does not take, and `--help` works. The kernel itself is checked by
-`gluon_gemm1_probe.py --aot` (sm_90 compile) and on a GPU (session 16)."""
+`gluon_gemm1_probe.py --aot` (sm_90 compile) and on a GPU."""
 
 from __future__ import annotations
 

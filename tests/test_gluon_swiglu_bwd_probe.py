@@ -22,7 +22,7 @@ def test_imports_with_its_variants():
     assert mod.GLUON_ERROR is None
     assert {"pp_64x128", "pp_64x128_s5", "pp_64x64"} <= set(mod.VARIANTS)
     # the runtime's tiles are among the variants timed (the kernel is the runtime's)
-    from moekit.kernels.gluon_swiglu_bwd import gluon_swiglu_bwd_kernel
+    from moekit.grouped_gemm.gluon_swiglu_bwd import gluon_swiglu_bwd_kernel
     from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
 
     assert mod.gluon_swiglu_bwd_kernel is gluon_swiglu_bwd_kernel

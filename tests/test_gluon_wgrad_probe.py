@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gluon_wgrad_probe.py
 
 
 def test_imports_with_its_variants():
-    from moekit.kernels.gluon_wgrad import gluon_wgrad_kernel
+    from moekit.grouped_gemm.gluon_wgrad import gluon_wgrad_kernel
     from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD
 
     mod = load_script("gluon_wgrad_probe")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import load_script
-from moekit.grouped_gemm_backward import SAVED_TILES, SAVED_TILES_64, saved_tiles
+from moekit.grouped_gemm.backward import SAVED_TILES, SAVED_TILES_64, saved_tiles
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the script")

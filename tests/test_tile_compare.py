@@ -1,5 +1,5 @@
 """scripts/tile_compare.py on the CPU: the `--set group` variants (the row-block grouping study for
-few-expert shapes, session 16). The timings themselves run on a GPU."""
+few-expert shapes). The timings themselves run on a GPU."""
 
 from __future__ import annotations
 

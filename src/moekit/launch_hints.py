@@ -20,11 +20,9 @@ side by side (`scripts/hints_compare.py`):
                                 is read again or still has to be written back (a call that small
                                 is short enough for those write-backs to show).
 
-Measured on an H200 (Qwen3-30B-A3B, bf16, expert path and whole layer in CUDA graphs after a write
-flush, `scripts/hints_compare.py`, 2026-12-01, session 9): evict_first 1.17x on the experts at T = 1
-and 1.09x at T = 2, level at T = 4 and 0.99x at T = 8 (hence the pair limit; the grouped GEMMs'
-weight tiles go through cp.async or TMA, which carry no policy in Triton 3.6); PDL 1.00-1.03x from
-T = 2 to 256 (the whole layer 1.01-1.03x). Both change only the schedule or the cache priority,
+The grouped GEMMs' weight tiles go through cp.async or TMA, which carry no cache policy in Triton,
+so evict_first applies to the decode kernels alone, and only to small calls (beyond a few pairs it
+gains nothing). Both change only the schedule or the cache priority,
 never a value: the results are bitwise those of the plain launch (GPU-tested). Off CUDA, under the
 interpreter and before compute capability 9 both are off.
 """
@@ -43,7 +41,7 @@ EVICT_ENV = "MOEKIT_WEIGHT_EVICT_FIRST"
 PDL_DEFAULT = "1"
 EVICT_DEFAULT = "1"
 # evict_first up to this many (token, slot) pairs a call: Qwen3-30B-A3B's T = 1 and 2 (the decode
-# kernels' SMALL_DECODE band); at 32 pairs it was level, at 64 0.99x.
+# kernels' SMALL_DECODE band); from 32 pairs on, the weights' L2 reuse outweighs it.
 EVICT_MAX_PAIRS = 16
 
 

@@ -1,7 +1,7 @@
 """Backward of the grouped GEMM family: fused SwiGLU backward, per-expert weight gradients, and the
 reduction of the routing-weight gradient.
 
-Legend as in the forward (`moekit.kernels.grouped_gemm`): T tokens, K top_k, S = T*K pairs, E experts,
+Legend as in the forward (`moekit.grouped_gemm.kernels`): T tokens, K top_k, S = T*K pairs, E experts,
 H hidden, I intermediate, L padded rows, BM/BN/BK tiles. r is a sorted row, p = sorted_ids[r] its pair,
 t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the gradient of the output.
 
@@ -25,7 +25,7 @@ t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the g
     dx          the forward's GEMM2 on (dpre_w, gate_up_e viewed as (H, 2I)) without the routing-
                 weight epilogue (MUL_W off), then SUM over the slots.
     GATHER_ROWS x_sorted[r] = x[t] (or dout): the gathered operand copied into sorted-row order, 0 on
-                padding rows, for the Hopper Gluon weight gradient (`moekit.kernels.gluon_wgrad`),
+                padding rows, for the Hopper Gluon weight gradient (`moekit.grouped_gemm.gluon_wgrad`),
                 which reads both operands by TMA.
 
 dpre_w and h_w carry the routing weight (dh = w_p * g), applied once in the SwiGLU backward's fp32
@@ -36,10 +36,13 @@ reaches a result), so every row of a live block is written (zeros there); pairs 
 outside [0, E) are never placed, so never gathered.
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 
-from moekit.kernels.grouped_gemm import _tile_ids
+from moekit.grouped_gemm.kernels import _tile_ids
 from moekit.kernels.pdl import pdl_enter
 
 
