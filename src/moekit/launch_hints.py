@@ -30,16 +30,14 @@ interpreter and before compute capability 9 both are off.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from moekit import env
 from moekit._validation import interpreting
 
 PDL_ENV = "MOEKIT_PDL"
 EVICT_ENV = "MOEKIT_WEIGHT_EVICT_FIRST"
-PDL_DEFAULT = "1"
-EVICT_DEFAULT = "1"
 # evict_first up to this many (token, slot) pairs a call: Qwen3-30B-A3B's T = 1 and 2 (the decode
 # kernels' SMALL_DECODE band); from 32 pairs on, the weights' L2 reuse outweighs it.
 EVICT_MAX_PAIRS = 16
@@ -58,13 +56,9 @@ def _hopper(device: torch.device) -> bool:
     return capability_major(index) >= 9
 
 
-def _on(env: str, default: str) -> bool:
-    return os.environ.get(env, default).strip() not in ("", "0")
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` use programmatic dependent launch ($MOEKIT_PDL, Hopper+)."""
-    return _on(PDL_ENV, PDL_DEFAULT) and _hopper(device)
+    return env.flag(PDL_ENV) and _hopper(device)
 
 
 def pdl_kwargs(device: torch.device) -> dict:
@@ -76,6 +70,6 @@ def pdl_kwargs(device: torch.device) -> dict:
 def weight_evict(device: torch.device, num_pairs: int) -> str:
     """The eviction policy of the decode kernels' weight loads for a call of num_pairs pairs:
     "evict_first" ($MOEKIT_WEIGHT_EVICT_FIRST, Hopper+, at most EVICT_MAX_PAIRS pairs) or ""."""
-    if num_pairs > EVICT_MAX_PAIRS or not _on(EVICT_ENV, EVICT_DEFAULT) or not _hopper(device):
+    if num_pairs > EVICT_MAX_PAIRS or not env.flag(EVICT_ENV) or not _hopper(device):
         return ""
     return "evict_first"

@@ -25,12 +25,11 @@ No host sync; grids depend on shapes only (CUDA-graph safe); deterministic (no a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._host import cdiv
 from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.launch_hints import pdl_kwargs, weight_evict
@@ -111,7 +110,7 @@ DECODE_TILES = (
 
 def decode_direct_enabled() -> bool:
     """Whether the direct decode path is on: unless $MOEKIT_DECODE_DIRECT is 0 (read at each call)."""
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+    return env.flag(ENV_VAR)
 
 
 def decode_config(num_pairs: int) -> DecodeConfig:

@@ -64,13 +64,12 @@ $MOEKIT_WGRAD_TILES, or `tiles=` on the launchers).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._host import cdiv, next_power_of_2
 from moekit._validation import interpreting
 from moekit.align import Alignment
@@ -415,11 +414,11 @@ def _gluon_wgrad_tiles(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Ten
         a and b 2-D; each sorted-row operand TMA-readable as it lies (`_tma_operand`; a gathered
         one is copied into a fresh buffer first)
     """
-    if os.environ.get(GLUON_WGRAD_ENV, "1").strip() == "0" or not _gluon.GLUON_AVAILABLE:
+    if not env.flag(GLUON_WGRAD_ENV) or not _gluon.GLUON_AVAILABLE:
         return None
     if not _sm90(a.device):
         return None
-    if tiles is not None or os.environ.get(WGRAD_ENV, "").strip():
+    if tiles is not None or env.text(WGRAD_ENV):
         return None
     if topk_weights is not None or not padding_zero or (a_by_token and b_by_token):
         return None
@@ -501,7 +500,7 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
         H a multiple of 64 with more ring steps than PRE_STEP; tiles dividing I
         down_proj contiguous, E * H rows within TMA's int32 coordinates; pre TMA-readable as it lies
     """
-    if pre is None or os.environ.get(GLUON_SWIGLU_ENV, "1").strip() == "0":
+    if pre is None or not env.flag(GLUON_SWIGLU_ENV):
         return None
     if not _gluon.GLUON_AVAILABLE:
         return None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from moekit import env
 from moekit.shapes import MoEShape
 
 _Tiles = TypeVar("_Tiles")
@@ -340,7 +340,7 @@ def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,
     """The weight-gradient tiles: $MOEKIT_WGRAD_TILES when set (as given), else, fitted to the
     device's shared-memory budget for the dtype and by the rows per expert when the caller says how
     many: RANGE_WGRAD below RANGE_WGRAD_ROWS, WIDE_WGRAD from WIDE_WGRAD_ROWS, the default between."""
-    text = os.environ.get(WGRAD_ENV, "").strip()
+    text = env.text(WGRAD_ENV)
     if text:
         return _parse_wgrad_env(text)
     tiles = WgradConfig()
@@ -480,7 +480,7 @@ def _cuda_slug(index: int) -> str:
 
 
 def _config_dirs() -> list[Path]:
-    extra = os.environ.get("MOEKIT_CONFIG_DIR")
+    extra = env.text("MOEKIT_CONFIG_DIR")
     return ([Path(extra)] if extra else []) + [PACKAGED_DIR]
 
 
