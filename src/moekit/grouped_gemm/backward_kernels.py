@@ -223,6 +223,18 @@ def moe_tile_sum_kernel(
 
 
 @triton.jit
+def _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                   A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr):
+    """The weight gradient's two tiles at one row step: a's [BLOCK_N, BLOCK_M] and b's [BLOCK_M,
+    BLOCK_C], each operand's rows by token (tok) or in sorted-row order (rows)."""
+    ra = tok if A_BY_TOKEN else rows
+    rb = tok if B_BY_TOKEN else rows
+    a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
+    b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+    return a, b
+
+
+@triton.jit
 def moe_wgrad_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, sorted_ids_ptr, row_starts_ptr,
     S, N, C, num_n_tiles, num_c_tiles,
@@ -286,10 +298,8 @@ def moe_wgrad_kernel(
             tok = pair // TOP_K
             a_mask = valid[None, :] & n_in[:, None]
             b_mask = valid[:, None] & c_in[None, :]
-        ra = tok if A_BY_TOKEN else rows
-        rb = tok if B_BY_TOKEN else rows
-        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
-        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+        a, b = _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                              A_BY_TOKEN, B_BY_TOKEN)                       # [BN, BM], [BM, BC]
         if SCALE:
             w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)      # [BM]
             if BLOCK_N < BLOCK_C:
@@ -379,10 +389,8 @@ def moe_wgrad_range_kernel(
             tok = pair // TOP_K
             a_mask = valid[None, :] & n_in[:, None]
             b_mask = valid[:, None] & c_in[None, :]
-        ra = tok if A_BY_TOKEN else rows
-        rb = tok if B_BY_TOKEN else rows
-        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
-        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+        a, b = _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                              A_BY_TOKEN, B_BY_TOKEN)                       # [BN, BM], [BM, BC]
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
         if e_next != e_here:                                           # e_here's last step
             tl.store(c_tile + e_here.to(tl.int64) * stride_ce, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
