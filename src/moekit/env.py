@@ -33,35 +33,36 @@ class Switch:
     blank: str = "0"
 
 
-# Each switch: "name type default read [blank]" (default "-": none), then its meaning, indented.
+# Each switch: "name type default blank read" ("-": none; blank, for a flag: what an empty value
+# stands for), then its meaning, indented.
 _TABLE = """
-MOEKIT_DECODE_DIRECT flag 1 call 1
+MOEKIT_DECODE_DIRECT flag 1 1 call
     the triton backend's direct decode path (two kernels, no align) for a few pairs
-MOEKIT_PDL flag 1 call 0
+MOEKIT_PDL flag 1 0 call
     programmatic dependent launch of the kernels (Hopper and later)
-MOEKIT_WEIGHT_EVICT_FIRST flag 1 call 0
+MOEKIT_WEIGHT_EVICT_FIRST flag 1 0 call
     the decode kernels' weight loads carry L2 evict_first in small calls (Hopper and later)
-MOEKIT_EAGER_GRAPHS flag 1 import 0
+MOEKIT_EAGER_GRAPHS flag 1 0 import
     eager calls of a few tokens replay a cached CUDA graph of the experts (`moekit.eager_graphs`)
-MOEKIT_GLUON_WGRAD flag 1 call 1
+MOEKIT_GLUON_WGRAD flag 1 1 call
     the Hopper Gluon kernel for the training step's weight gradients
-MOEKIT_GLUON_SWIGLU flag 1 call 1
+MOEKIT_GLUON_SWIGLU flag 1 1 call
     the Hopper Gluon kernel for the SwiGLU backward reading the saved pre-activations
-MOEKIT_WGRAD_TILES text - call
+MOEKIT_WGRAD_TILES text - - call
     the weight-gradient kernel's Triton tiles as key=value pairs (`block_m=32,stages=3`)
-MOEKIT_CONFIG_DIR path - call
+MOEKIT_CONFIG_DIR path - - call
     a folder of tuning tables (`<device>.json`) read before the packaged ones
-MOEKIT_POISON_WORKSPACES flag 0 import 0
+MOEKIT_POISON_WORKSPACES flag 0 0 import
     fresh workspaces filled with NaN (integers: their minimum), to catch rows never written
-MOEKIT_LAYOUT_TORCH flag 0 call 0
+MOEKIT_LAYOUT_TORCH flag 0 0 call
     the masked layout's torch twin everywhere, CUDA tensors included
-MOEKIT_LAYOUT_TRITON flag 0 call 0
+MOEKIT_LAYOUT_TRITON flag 0 0 call
     the masked layout's Triton kernel on CPU tensors too (under TRITON_INTERPRET=1)
-MOEKIT_EP_TORCH flag 0 call 0
+MOEKIT_EP_TORCH flag 0 0 call
     the expert-parallel steps' torch twins everywhere, CUDA tensors included
-MOEKIT_EP_TRITON flag 0 call 0
+MOEKIT_EP_TRITON flag 0 0 call
     the expert-parallel steps' Triton kernels on CPU tensors too (under TRITON_INTERPRET=1)
-MOEKIT_COMMIT text - call
+MOEKIT_COMMIT text - - call
     the commit the lab records with its results, for a source tree without its .git
 """
 
@@ -70,8 +71,8 @@ def _rows(table: str) -> tuple[Switch, ...]:
     lines = table.strip().splitlines()
     rows = []
     for head, meaning in zip(lines[::2], lines[1::2]):
-        name, kind, default, read, *blank = head.split()
-        rows.append(Switch(name, kind, "" if default == "-" else default, read, meaning.strip(), *blank))
+        name, kind, default, blank, read = (cell if cell != "-" else "" for cell in head.split())
+        rows.append(Switch(name, kind, default, read, meaning.strip(), blank or "0"))
     return tuple(rows)
 
 
