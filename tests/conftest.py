@@ -96,9 +96,9 @@ def qwen_layer():
 @pytest.fixture
 def on_hopper(monkeypatch):
     """The Hopper Gluon kernels' dispatch predicates as on an H200 with Gluon, for CPU tensors (the
-    device check is `moekit.grouped_gemm_backward._sm90`); their switches and Triton tiles unset."""
-    import moekit.grouped_gemm_backward as gb
-    from moekit.kernels import gluon_wgrad
+    device check is `moekit.grouped_gemm.backward._sm90`); their switches and Triton tiles unset."""
+    import moekit.grouped_gemm.backward as gb
+    from moekit.grouped_gemm import gluon_wgrad
     from moekit.tuning import WGRAD_ENV
 
     monkeypatch.setattr(gluon_wgrad, "GLUON_AVAILABLE", True)

@@ -122,7 +122,7 @@ def test_row_starts_kernel_matches_its_twin(counts, block_m):
     first (every element must be written)."""
     from moekit._host import next_power_of_2
     from moekit.align import Alignment
-    from moekit.kernels.align import row_starts_kernel
+    from moekit.align.kernels import row_starts_kernel
 
     tpe = torch.tensor(counts, dtype=torch.int32)
     e = tpe.numel()

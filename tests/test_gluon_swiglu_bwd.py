@@ -1,5 +1,5 @@
-"""The Hopper Gluon SwiGLU backward on `swiglu_backward`'s runtime path (`moekit.kernels.gluon_swiglu_bwd`,
-`moekit.grouped_gemm_backward.gluon_swiglu_backward`).
+"""The Hopper Gluon SwiGLU backward on `swiglu_backward`'s runtime path
+(`moekit.grouped_gemm.gluon_swiglu_bwd`, `moekit.grouped_gemm.backward.gluon_swiglu_backward`).
 
 CPU: the tiles by I (`gluon_swiglu_tiles`); the dispatch predicate `_gluon_swiglu_tiles` on each of
 its conditions (capability and Gluon monkeypatched); the Gluon branch's host side (dout copied into
@@ -20,12 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moekit.grouped_gemm_backward as gb
+import moekit.grouped_gemm.backward as gb
 from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
 from moekit import PRESETS, align_block_size
 from moekit._workspace import poisoning
-from moekit.kernels import gluon_swiglu_bwd as swiglu_kernels
-from moekit.kernels import gluon_wgrad as gluon_kernels
+from moekit.grouped_gemm import gluon_swiglu_bwd as swiglu_kernels
+from moekit.grouped_gemm import gluon_wgrad as gluon_kernels
 from moekit.tuning import (
     GLUON_SWIGLU_64,
     GLUON_SWIGLU_128,

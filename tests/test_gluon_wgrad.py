@@ -1,5 +1,5 @@
-"""The Hopper Gluon weight gradient on `wgrad`'s runtime path (`moekit.kernels.gluon_wgrad`,
-`moekit.grouped_gemm_backward.gluon_wgrad`) and the row gather that feeds it (`sorted_rows`).
+"""The Hopper Gluon weight gradient on `wgrad`'s runtime path (`moekit.grouped_gemm.gluon_wgrad`,
+`moekit.grouped_gemm.backward.gluon_wgrad`) and the row gather that feeds it (`sorted_rows`).
 
 CPU: the gather kernel (interpreted) against its twin `sorted_rows_torch`, exactly; the dispatch
 predicate `_gluon_wgrad_tiles` on each of its conditions (capability, interpreter and Gluon
@@ -20,11 +20,11 @@ import sys
 import pytest
 import torch
 
-import moekit.grouped_gemm_backward as gb
+import moekit.grouped_gemm.backward as gb
 from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
 from moekit import PRESETS, align_block_size, moe_experts
 from moekit._workspace import poisoning
-from moekit.kernels import gluon_wgrad as gluon_kernels
+from moekit.grouped_gemm import gluon_wgrad as gluon_kernels
 from moekit.tuning import (
     GLUON_COOP_WGRAD,
     GLUON_COOP_WGRAD_ROWS,
@@ -295,7 +295,7 @@ def test_moekit_imports_without_gluon():
         "        if name == 'triton.experimental.gluon' or name.startswith('triton.experimental.gluon.'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import moekit.kernels.gluon_wgrad as k, moekit.grouped_gemm_backward as gb\n"
+        "import moekit.grouped_gemm.gluon_wgrad as k, moekit.grouped_gemm.backward as gb\n"
         "assert k.GLUON_AVAILABLE is False and k.gluon_wgrad_kernel is None, k.GLUON_ERROR\n"
         "assert 'blocked' in k.GLUON_ERROR\n"
         "import moekit.experts.triton\n"

@@ -1,5 +1,5 @@
 """The triton path's backward (issue 10): each backward kernel against its pure-PyTorch twin
-(`moekit.grouped_gemm_backward.*_torch`), the twins against torch autograd through the fp32 reference
+(`moekit.grouped_gemm.backward.*_torch`), the twins against torch autograd through the fp32 reference
 and against finite differences (gradcheck, float64), and every gradient of
 moe_experts(backend="triton") against torch autograd through `moekit.reference.moe_experts_ref`.
 
@@ -32,7 +32,7 @@ from moekit.grouped_gemm import (
     gemm2_weighted_torch,
     moe_sum_torch,
 )
-from moekit.grouped_gemm_backward import (
+from moekit.grouped_gemm.backward import (
     SAVED_TILES,
     SAVED_TILES_64,
     BackwardTiles,
@@ -501,7 +501,7 @@ RANGE_TILES = [WgradConfig(16, 32, 16, 4, 2, experts=2), WgradConfig(32, 16, 32,
 @pytest.mark.parametrize("tiles", RANGE_TILES, ids=WgradConfig.label)
 @pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[5], CASES[6]], ids=case_id)
 def test_weight_gradients_walking_expert_ranges(case, tiles, align_m, padding_zero, monkeypatch):
-    import moekit.grouped_gemm_backward as gb
+    import moekit.grouped_gemm.backward as gb
 
     num_tokens, num_experts, hidden, inter, top_k, kind = case
     x, gate_up, down, w, ids, dout = make(*case)
@@ -535,7 +535,7 @@ def test_weight_gradients_walking_expert_ranges(case, tiles, align_m, padding_ze
 
 def test_range_kernel_only_where_it_applies():
     """Scaled calls, and align blocks that are no power of two >= 16, take the per-tile kernel."""
-    from moekit.grouped_gemm_backward import _range_rows
+    from moekit.grouped_gemm.backward import _range_rows
 
     x, gate_up, down, w, ids, dout = make(*CASES[3])
     tiles = WgradConfig(16, 32, 64, 4, 2, experts=4)
@@ -584,7 +584,7 @@ def test_wgrad_tiles_from_the_environment(monkeypatch):
 
 def test_wgrad_picks_its_tiles_by_rows_per_expert(monkeypatch):
     """`wgrad` without tiles asks for the tiles of its call's rows per expert (S / E)."""
-    import moekit.grouped_gemm_backward as gb
+    import moekit.grouped_gemm.backward as gb
 
     asked = []
     real = gb.wgrad_config

@@ -500,7 +500,7 @@ def test_hand_count_on_a_small_case():
     assert count.dropped == {(1, 0, 0)} and count.expert_dropped == [1, 0]
 
 
-# ---- GPU (NCCL): the 2-GPU session ----------------------------------------------------------------
+# ---- GPU (NCCL): two GPUs ----------------------------------------------------------------------
 
 def _capture_worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
     """The whole layer in CUDA graphs (one bucket, the default): replays at T = 1, 5, 128 and 0 (ranks

@@ -50,21 +50,21 @@ index); with --regs its lines give shared memory, registers and spills per launc
 --tiles, with `BackwardTiles.fit`'s tiles): reading the saved pre-activations (what the autograd
 Function runs) and RECOMPUTE (the custom op's backward), every output stored; --regs as above.
 
-`--gluon-wgrad` checks the Hopper Gluon weight gradient instead (`moekit.kernels.gluon_wgrad`, both
-tiles `moekit.grouped_gemm_backward.wgrad` picks from, `moekit.tuning.GLUON_PP_WGRAD` and
+`--gluon-wgrad` checks the Hopper Gluon weight gradient instead (`moekit.grouped_gemm.gluon_wgrad`, both
+tiles `moekit.grouped_gemm.backward.wgrad` picks from, `moekit.tuning.GLUON_PP_WGRAD` and
 `GLUON_COOP_WGRAD`, and the row gather that feeds it); a Gluon kernel compiles through Gluon's own AST
 source; --regs as above, and spills or shared memory past the limit fail. Exit 2 without Gluon.
 
-`--gluon-swiglu` checks the Hopper Gluon SwiGLU backward instead (`moekit.kernels.gluon_swiglu_bwd`, both
-tiles `moekit.grouped_gemm_backward.swiglu_backward` picks from, `GLUON_SWIGLU_128` and `GLUON_SWIGLU_64`,
+`--gluon-swiglu` checks the Hopper Gluon SwiGLU backward instead (`moekit.grouped_gemm.gluon_swiglu_bwd`, both
+tiles `moekit.grouped_gemm.backward.swiglu_backward` picks from, `GLUON_SWIGLU_128` and `GLUON_SWIGLU_64`,
 in bf16 and fp16, and the 128-column tiles with only dpre_w stored); shared memory past the limit fails;
 spills are reported (the 128-column tiles spill loop counters: 72 B with Triton 3.6, 184 B with 3.9).
 
-`--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.kernels.decode`:
+`--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.decode.kernels`:
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
 (`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
 
-`--align` checks the align kernels instead (`moekit.kernels.align`, as `align_block_size_triton`
+`--align` checks the align kernels instead (`moekit.align.kernels`, as `align_block_size_triton`
 launches them): the one-program kernel, the one-launch kernel of a program a chunk (up to
 `ONE_LAUNCH_MAX_PAIRS` pairs, run at `ONE_LAUNCH_CANDIDATE`) and the three launches, over the pair
 counts, expert counts, block sizes and id dtypes of `ALIGN_CASES`; --regs as above (the scan kernel
@@ -104,7 +104,7 @@ import moekit
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import align_block_size
 from moekit.grouped_gemm import gemm1_swiglu, gemm2_weighted
-from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel
+from moekit.grouped_gemm.kernels import moe_gemm1_swiglu_kernel, moe_gemm2_kernel
 
 TARGET = ("cuda", 90, 32)    # GPUTarget(backend, arch, warp_size): sm_90, 32-thread warps
 NUM_TOKENS = 64
@@ -192,7 +192,7 @@ def compile_launch(kernel, args, kwargs, target):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, _ = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, None)
-    if getattr(kernel, "is_gluon", lambda: False)():      # a Gluon kernel (`moekit.kernels.gluon_wgrad`)
+    if getattr(kernel, "is_gluon", lambda: False)():      # a Gluon kernel (`moekit.grouped_gemm.gluon_wgrad`)
         from triton.experimental.gluon._runtime import GluonASTSource
 
         src = GluonASTSource(kernel, signature, constexprs, attrs)
@@ -279,8 +279,8 @@ def wgrad_variants(spec: str) -> dict[str, object]:
 
 def run_wgrad(inp: Inputs, tiles: dict, target, dump: Path | None, name: str, regs: bool) -> str:
     """'OK  shared gate_up/down ...' for the two weight-gradient launches with these tiles."""
-    from moekit.grouped_gemm_backward import down_proj_grad, gate_up_proj_grad, wgrad
-    from moekit.kernels.grouped_gemm_backward import moe_wgrad_kernel, moe_wgrad_range_kernel
+    from moekit.grouped_gemm.backward import down_proj_grad, gate_up_proj_grad, wgrad
+    from moekit.grouped_gemm.backward_kernels import moe_wgrad_kernel, moe_wgrad_range_kernel
 
     top_k = inp.ids.shape[1]
     align = align_block_size(inp.ids, inp.gate_up.shape[0], 64, backend="torch")
@@ -310,8 +310,8 @@ def check_backward(inp: Inputs, tiles: list[str], target, dump: Path | None, reg
     """One line per (tiles, mode): the SwiGLU backward and the tile sum as `swiglu_backward` launches
     them, reading the saved pre-activations (saved) or recomputing them (recompute), every output
     stored (shared memory, registers, spills)."""
-    from moekit.grouped_gemm_backward import BackwardTiles, swiglu_backward
-    from moekit.kernels.grouped_gemm_backward import moe_swiglu_bwd_kernel, moe_tile_sum_kernel
+    from moekit.grouped_gemm.backward import BackwardTiles, swiglu_backward
+    from moekit.grouped_gemm.backward_kernels import moe_swiglu_bwd_kernel, moe_tile_sum_kernel
 
     top_k = inp.ids.shape[1]
     failed = total = 0
@@ -357,7 +357,7 @@ ALIGN_CASES = ((64, 128, 8, 16, torch.int32), (129, 128, 8, 16, torch.int32), (2
 def check_align(target, dump: Path | None, regs: bool) -> int:
     """Compile each `ALIGN_CASES` align's launches; 1 on a failure."""
     import moekit.align as align_mod
-    from moekit.kernels import align as kernels
+    from moekit.align import kernels
 
     names = ("align_scatter_kernel", "align_hist_kernel", "align_scan_kernel", "align_one_launch_kernel")
     launched = tuple(getattr(kernels, n) for n in names if hasattr(kernels, n))
@@ -483,7 +483,7 @@ def decode_variants(spec: str) -> dict[str, object]:
 def check_decode(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
     """One line per decode tile choice: both kernels at T = 1 (shared memory, registers, spills)."""
     from moekit.decode import experts_decode
-    from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+    from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 
     x, ids, w = inp.x[:1], inp.ids[:1], inp.w[:1]
     failed = 0
@@ -521,13 +521,13 @@ def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bo
 
 def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
     """One line per Gluon weight-gradient tiles (`moekit.tuning.GLUON_PP_WGRAD`, `GLUON_COOP_WGRAD`, as
-    `moekit.grouped_gemm_backward.gluon_wgrad` launches them on the d gate_up shape, in bf16 and fp16;
+    `moekit.grouped_gemm.backward.gluon_wgrad` launches them on the d gate_up shape, in bf16 and fp16;
     d down's differs in runtime integers only) and the gather that feeds them (`sorted_rows`): shared
     memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills (none
     allowed). Exit 2 where this Triton has no Gluon."""
-    from moekit.grouped_gemm_backward import gluon_wgrad, sorted_rows
-    from moekit.kernels import gluon_wgrad as kernels
-    from moekit.kernels.grouped_gemm_backward import moe_gather_rows_kernel
+    from moekit.grouped_gemm.backward import gluon_wgrad, sorted_rows
+    from moekit.grouped_gemm import gluon_wgrad as kernels
+    from moekit.grouped_gemm.backward_kernels import moe_gather_rows_kernel
     from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD
 
     if not kernels.GLUON_AVAILABLE:
@@ -582,13 +582,13 @@ def run_gluon_checks(prefix: str, what: str, checks: dict, target, dump: Path | 
 def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
     """One line per Gluon SwiGLU-backward launch (`moekit.tuning.GLUON_SWIGLU_128`, `GLUON_SWIGLU_64`
     in bf16 and fp16, and the 128-column tiles storing dpre_w alone, as
-    `moekit.grouped_gemm_backward.gluon_swiglu_backward` launches them at Qwen3-30B-A3B's H and I):
+    `moekit.grouped_gemm.backward.gluon_swiglu_backward` launches them at Qwen3-30B-A3B's H and I):
     shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills.
     Exit 2 where this Triton has no Gluon."""
     import types
 
-    from moekit.grouped_gemm_backward import gluon_swiglu_backward
-    from moekit.kernels import gluon_swiglu_bwd as kernels
+    from moekit.grouped_gemm.backward import gluon_swiglu_backward
+    from moekit.grouped_gemm import gluon_swiglu_bwd as kernels
     from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
 
     if kernels.gluon_swiglu_bwd_kernel is None:

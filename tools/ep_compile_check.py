@@ -1,4 +1,4 @@
-"""Compile the expert-parallel kernels (`moekit.kernels.ep`, and the masked layout's
+"""Compile the expert-parallel kernels (`moekit.parallel.kernels`, and the masked layout's
 `masked_layout_kernel` the low-latency mode runs) for sm_90 without a GPU.
 
 The interpreter (TRITON_INTERPRET=1, what the CPU tests run) executes kernels op by op in NumPy and

@@ -9,18 +9,14 @@ Used by the expert-parallel steps (`moekit.parallel.fused`, MOEKIT_EP_*) and the
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
+from moekit import env
 from moekit._validation import interpreting
 
 PATHS = ("auto", "torch", "triton")
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "0") not in ("", "0")
 
 
 class PathSwitch:
@@ -33,9 +29,9 @@ class PathSwitch:
     def requested(self) -> str:
         if self.forced is not None:
             return self.forced
-        if _env_on(self.torch_env):
+        if env.flag(self.torch_env):
             return "torch"
-        if _env_on(self.triton_env):
+        if env.flag(self.triton_env):
             return "triton"
         return "auto"
 

@@ -9,12 +9,13 @@ never as a plausible stale value. Off by default: it costs a fill per buffer.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
-_poison = os.environ.get("MOEKIT_POISON_WORKSPACES", "0") not in ("", "0")
+from moekit import env
+
+_poison = env.flag("MOEKIT_POISON_WORKSPACES")
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

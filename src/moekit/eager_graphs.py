@@ -39,7 +39,6 @@ from two threads (they share the static buffers), as a module's eager calls norm
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moekit import env
 from moekit._validation import interpreting
 from moekit.experts import resolve_backend
 from moekit.graphs import NotCapturable, capture_graph
@@ -59,7 +59,7 @@ MAX_GRAPHS = 2 * EAGER_GRAPH_MAX_TOKENS    # every token count of two weight set
                                            # varies from step to step never evicts a graph it needs
 _PLAIN = (torch.Tensor, nn.Parameter)
 
-_enabled = os.environ.get("MOEKIT_EAGER_GRAPHS", "1").strip() not in ("0", "")
+_enabled = env.flag("MOEKIT_EAGER_GRAPHS")
 
 
 def set_enabled(enabled: bool) -> bool:

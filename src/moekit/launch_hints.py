@@ -20,11 +20,9 @@ side by side (`scripts/hints_compare.py`):
                                 is read again or still has to be written back (a call that small
                                 is short enough for those write-backs to show).
 
-Measured on an H200 (Qwen3-30B-A3B, bf16, expert path and whole layer in CUDA graphs after a write
-flush, `scripts/hints_compare.py`, 2026-12-01, session 9): evict_first 1.17x on the experts at T = 1
-and 1.09x at T = 2, level at T = 4 and 0.99x at T = 8 (hence the pair limit; the grouped GEMMs'
-weight tiles go through cp.async or TMA, which carry no policy in Triton 3.6); PDL 1.00-1.03x from
-T = 2 to 256 (the whole layer 1.01-1.03x). Both change only the schedule or the cache priority,
+The grouped GEMMs' weight tiles go through cp.async or TMA, which carry no cache policy in Triton,
+so evict_first applies to the decode kernels alone, and only to small calls (beyond a few pairs it
+gains nothing). Both change only the schedule or the cache priority,
 never a value: the results are bitwise those of the plain launch (GPU-tested). Off CUDA, under the
 interpreter and before compute capability 9 both are off.
 """
@@ -32,18 +30,16 @@ interpreter and before compute capability 9 both are off.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from moekit import env
 from moekit._validation import interpreting
 
 PDL_ENV = "MOEKIT_PDL"
 EVICT_ENV = "MOEKIT_WEIGHT_EVICT_FIRST"
-PDL_DEFAULT = "1"
-EVICT_DEFAULT = "1"
 # evict_first up to this many (token, slot) pairs a call: Qwen3-30B-A3B's T = 1 and 2 (the decode
-# kernels' SMALL_DECODE band); at 32 pairs it was level, at 64 0.99x.
+# kernels' SMALL_DECODE band); from 32 pairs on, the weights' L2 reuse outweighs it.
 EVICT_MAX_PAIRS = 16
 
 
@@ -60,13 +56,9 @@ def _hopper(device: torch.device) -> bool:
     return capability_major(index) >= 9
 
 
-def _on(env: str, default: str) -> bool:
-    return os.environ.get(env, default).strip() not in ("", "0")
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launches on `device` use programmatic dependent launch ($MOEKIT_PDL, Hopper+)."""
-    return _on(PDL_ENV, PDL_DEFAULT) and _hopper(device)
+    return env.flag(PDL_ENV) and _hopper(device)
 
 
 def pdl_kwargs(device: torch.device) -> dict:
@@ -78,6 +70,6 @@ def pdl_kwargs(device: torch.device) -> dict:
 def weight_evict(device: torch.device, num_pairs: int) -> str:
     """The eviction policy of the decode kernels' weight loads for a call of num_pairs pairs:
     "evict_first" ($MOEKIT_WEIGHT_EVICT_FIRST, Hopper+, at most EVICT_MAX_PAIRS pairs) or ""."""
-    if num_pairs > EVICT_MAX_PAIRS or not _on(EVICT_ENV, EVICT_DEFAULT) or not _hopper(device):
+    if num_pairs > EVICT_MAX_PAIRS or not env.flag(EVICT_ENV) or not _hopper(device):
         return ""
     return "evict_first"

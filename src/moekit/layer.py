@@ -23,8 +23,7 @@ from torch import nn
 
 from moekit._validation import check_dtype
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
-from moekit.experts import moe_experts, resolve_backend
-from moekit.experts.triton import experts_triton
+from moekit.experts import ExpertsOptions, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
 from moekit.shapes import MoEShape, get_shape
@@ -169,7 +168,8 @@ class CapturedMoE:
         logits = F.linear(x, layer.router_weight)
         weights, ids = topk_softmax(logits, shape.top_k, renormalize=shape.norm_topk_prob,
                                     backend="triton", num_valid_tokens=self.num_valid)
-        experts_triton(x, layer.gate_up_proj, layer.down_proj, weights, ids, out=self.out[:bucket])
+        get_backend("triton").run(x, layer.gate_up_proj, layer.down_proj, weights, ids, ExpertsOptions(),
+                                  self.out[:bucket])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) with T <= max_tokens -> (T, H) view of the static output."""

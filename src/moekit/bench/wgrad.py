@@ -2,7 +2,7 @@
 `tools/aot_compile_check.py --wgrad` compiles them for sm_90): the candidates, the tiles the kernel
 ran with before it had its own, and one T's inputs with the error rule.
 
-The two launches of a training step (`moekit.grouped_gemm_backward`), unscaled: the SwiGLU backward
+The two launches of a training step (`moekit.grouped_gemm.backward`), unscaled: the SwiGLU backward
 stores dpre_w and h_w with the routing weight applied, so neither launch multiplies by it (the
 kernel's SCALE off; the scaled mode, used only when down_proj alone trains, is not swept):
     gate_up  d gate_up_proj (E, 2I, H) = sum over e's rows of dpre_w[r]^T x[t]
@@ -17,7 +17,7 @@ import torch
 
 from moekit.align import Alignment, align_block_size
 from moekit.grouped_gemm import _placed_rows
-from moekit.grouped_gemm_backward import sorted_rows, wgrad, wgrad_torch
+from moekit.grouped_gemm.backward import sorted_rows, wgrad, wgrad_torch
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, WgradConfig
 

@@ -60,7 +60,7 @@ from moekit.experts.registry import (
     get_backend,
     register_backend,
 )
-from moekit.experts.triton import experts_triton, experts_triton_grads, experts_triton_train
+from moekit.experts.triton import auto_config, experts_triton, experts_triton_grads, experts_triton_train
 from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
@@ -94,12 +94,13 @@ register_backend(Backend(
                                                        **opts.math_kwargs()),
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
     capturable=True, backward_devices=frozenset({"cpu", "cuda"}),
-    options=frozenset({"config"}) | MATH_OPTIONS, backward_options=frozenset({"config"})))
+    options=frozenset({"config"}) | MATH_OPTIONS, backward_options=frozenset({"config"}),
+    default_config=auto_config))
 register_backend(Backend(
     "masked",
     lambda x, gu, d, w, ids, opts, out: experts_masked(
         x, gu, d, w, ids, capacity_factor=opts.capacity_factor, stats=opts.stats, config=opts.config,
-        out=out),
+        out=out, capacity=opts.capacity),
     "DeepGEMM's masked layout: pairs scattered into (E, C, H), counts on the device, grouped GEMMs "
     "whose programs past a count exit, weighted gather",
     capturable=True, backward_devices=frozenset(), options=frozenset({"config", "capacity_factor", "stats"})))

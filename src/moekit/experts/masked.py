@@ -41,13 +41,16 @@ def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsiz
 def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    capacity_factor: float | None = None, stats: dict | None = None,
-                   config: ExpertsConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   config: ExpertsConfig | None = None, out: torch.Tensor | None = None,
+                   capacity: int | None = None) -> torch.Tensor:
     check_triton_device("hidden_states", hidden_states)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
-    cap = masked_capacity(num_tokens * top_k, num_experts, capacity_factor)
+    if capacity is None:
+        capacity = masked_capacity(num_tokens * top_k, num_experts, capacity_factor)
+    cap = capacity
     dev = hidden_states.device
     # The free-memory query is skipped while capturing: the graph's sizes were checked eagerly.
     if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -63,4 +66,5 @@ def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     if stats is not None:
         stats["capacity"] = cap
         stats["dropped"] = layout.dropped                                # device scalar, no sync
+        stats["counts"] = layout.counts                                  # (E,) int32 on the device
     return masked_moe(hidden_states, layout, gate_up_proj, down_proj, topk_weights, config, out)

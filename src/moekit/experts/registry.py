@@ -37,6 +37,9 @@ class ExpertsOptions:
         down_bias: (E, H) added to the down projection, before the routing weight.
         activation: a `GatedActivation` other than SwiGLU (None: SwiGLU).
         interleaved: True when gate_up_proj's rows alternate gate, up (None: [gate; up]).
+        capacity: masked: C rows per expert given outright, instead of from capacity_factor; set
+            by callers of the entry (the low-latency expert-parallel mode's C_e), not a
+            `moe_experts` argument. The masked backend's `stats` also get its per-expert counts.
     """
 
     config: ExpertsConfig | None = None
@@ -46,6 +49,7 @@ class ExpertsOptions:
     down_bias: torch.Tensor | None = None
     activation: GatedActivation | None = None
     interleaved: bool | None = None
+    capacity: int | None = None
 
     @staticmethod
     def math(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: GatedActivation,
@@ -86,6 +90,10 @@ class Backend:
         dtypes: the float dtypes it computes in.
         backward_options: the options its backward handles (None: every option it takes); a
             call given another one has no backward (`has_backward`).
+        default_config: for a backend whose tiles follow the rows of a call, the config a call
+            takes when given none, as default_config(rows, gate_up_proj, top_k, dtype, device); a
+            caller that splits one call into chunks passes the whole call's to each (same tiles,
+            same summation order); None: the tiles do not follow the rows.
     """
 
     name: str
@@ -97,6 +105,7 @@ class Backend:
     check_layout: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     backward_options: frozenset[str] | None = None
+    default_config: Callable[..., ExpertsConfig] | None = None
 
     def has_backward(self, device: torch.device, options: ExpertsOptions | None = None) -> bool:
         return device.type in self.backward_devices and not self.no_backward_for(options)

@@ -1,5 +1,5 @@
 """`triton` backend launcher: align -> GEMM1 (gather + SwiGLU) -> GEMM2 (weight + scatter) -> sum,
-and its backward (`moekit.grouped_gemm_backward`) as a torch.autograd.Function.
+and its backward (`moekit.grouped_gemm.backward`) as a torch.autograd.Function.
 
 Four launches after the router up to `moekit.align.ONE_LAUNCH_MAX_PAIRS` pairs (4,096 by default;
 the align in one kernel: one program up to `FUSED_MAX_PAIRS`, a program a chunk above), six above
@@ -27,11 +27,11 @@ Launches, each skipped when no input needs it:
     hidden_states_grad  dx: GEMM2 on (dpre_w, gate_up^T) + slot sum  if x needs grad
     gate_up_proj_grad   (E, 2I, H)                                   if gate_up_proj needs grad
     down_proj_grad      (E, H, I)                                    if down_proj needs grad
-dpre_w and h_w carry the routing weight (`moekit.grouped_gemm_backward`), so dx and the weight
+dpre_w and h_w carry the routing weight (`moekit.grouped_gemm.backward`), so dx and the weight
 gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
 Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
 per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). On Hopper (the Gluon
-SwiGLU backward, `moekit.grouped_gemm_backward`) also dout copied into sorted rows (L, H), made once
+SwiGLU backward, `moekit.grouped_gemm.backward`) also dout copied into sorted rows (L, H), made once
 and read by the SwiGLU backward and by d down, alive until d down has run; the weight gradients'
 copies of x (and of dout where d down runs alone) are made inside `wgrad`. Deterministic (no
 atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
@@ -67,7 +67,7 @@ from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import BLOCK_M_BOUND, Alignment, align_block_size, padded_length, unpack_alignment
 from moekit.decode import experts_decode, use_decode_direct
 from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum, resolve_tma
-from moekit.grouped_gemm_backward import (
+from moekit.grouped_gemm.backward import (
     down_proj_grad,
     gate_up_proj_grad,
     gluon_swiglu_applies,

@@ -1,6 +1,8 @@
-"""@triton.jit code only; launchers live beside the ops that use them (routing, align, grouped_gemm,
-masked). Importing this package first switches Triton to its interpreter on a machine without CUDA:
-the flag must be set before any kernel is defined (set TRITON_INTERPRET=0 to opt out).
+"""What the kernel families share (each family's kernels live in its folder: routing, align,
+grouped_gemm, decode, masked, parallel): the programmatic dependent launch entry (`pdl`), and the
+interpreter switch. Every family's kernels module imports this package before Triton: on a machine
+without CUDA it switches Triton to its interpreter, and the flag must be set before any kernel is
+defined (set TRITON_INTERPRET=0 to opt out).
 """
 
 import os as _os

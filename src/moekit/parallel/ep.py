@@ -303,7 +303,7 @@ class CapturedEP:
 
     Call `close()` (or use it as a context manager) before `dist.destroy_process_group()`: NCCL
     keeps a communicator alive while a CUDA graph holding its operations exists, so destroying the
-    group with a live capture hangs (measured on 2 H200, NCCL under torch 2.11).
+    group with a live capture hangs.
     """
 
     def __init__(self, ep: ExpertParallelMoE, max_tokens: int, buckets: Sequence[int] | None = None):

@@ -1,4 +1,4 @@
-"""Fused expert-parallel routing, packing and reduce: the launchers of `moekit.kernels.ep`.
+"""Fused expert-parallel routing, packing and reduce: the launchers of `moekit.parallel.kernels`.
 
 Each step has a pure-torch twin, the reference and the CPU fallback, which its kernel must match
 exactly (integers equal, rows the same bits):
@@ -30,7 +30,7 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
 from moekit._paths import PATHS, PathSwitch  # noqa: F401  (PATHS: the accepted names)
-from moekit.kernels.ep import ep_pack_kernel, ep_reduce_kernel, ep_route_kernel
+from moekit.parallel.kernels import ep_pack_kernel, ep_reduce_kernel, ep_route_kernel
 
 if TYPE_CHECKING:
     from moekit.parallel.dispatch import RoutePlan

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit.masked import masked_layout, masked_moe
+from moekit.experts import ExpertsOptions, get_backend
 from moekit.parallel import fused
 from moekit.parallel.dispatch import (
     Probe,
@@ -69,8 +69,7 @@ from moekit.parallel.dispatch import (
     unpack_meta,
 )
 from moekit.placement import Placement
-from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig, get_config
+from moekit.tuning import ExpertsConfig
 
 OVERFLOW_POLICIES = ("drop", "raise")
 
@@ -220,8 +219,7 @@ def low_latency_experts(tokens: LowLatencyTokens, gate_up_proj: torch.Tensor, do
         config: tiles of the masked kernels (default: the tuned table for E_r experts, N * C rows).
         stats: filled with "expert_dropped", "expert_counts", "recv_counts", "expert_capacity".
     """
-    rows, hidden = tokens.x.shape
-    num_local, two_i, _ = gate_up_proj.shape
+    rows, num_local = tokens.x.shape[0], gate_up_proj.shape[0]
     cap = check_capacity("expert_capacity", expert_capacity if expert_capacity is not None else rows)
     dev = tokens.x.device
     if num_local == 0:
@@ -230,12 +228,12 @@ def low_latency_experts(tokens: LowLatencyTokens, gate_up_proj: torch.Tensor, do
         counts = torch.zeros(0, dtype=torch.int32, device=dev)
         dropped = torch.zeros((), dtype=torch.int64, device=dev)
     else:
-        layout = masked_layout(tokens.topk_ids, num_local, cap)
-        if config is None:
-            top_k = min(tokens.topk_ids.shape[1], num_local)
-            config = get_config(MoEShape(num_local, hidden, two_i // 2, top_k), rows, tokens.x.dtype, dev)
-        partial = masked_moe(tokens.x, layout, gate_up_proj, down_proj, tokens.topk_weights, config)
-        counts, dropped = layout.counts, layout.dropped
+        # The masked backend's default tiles are the tuned table's for E_r experts and N * C rows.
+        found: dict = {}
+        options = ExpertsOptions(config, stats=found, capacity=cap)
+        partial = get_backend("masked").run(tokens.x, gate_up_proj, down_proj, tokens.topk_weights,
+                                            tokens.topk_ids, options, None)
+        counts, dropped = found["counts"], found["dropped"]
     if stats is not None:
         stats.update(expert_dropped=dropped, expert_counts=counts, recv_counts=tokens.recv_counts,
                      expert_capacity=cap)

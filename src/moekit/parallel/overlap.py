@@ -23,10 +23,11 @@ compute stream and used on the comm stream are `record_stream`-ed to it. On CPU 
 calls run in program order.
 
 Bitwise equal to n = 1: each token is sent to the same ranks with the same metadata, each received
-row's partial depends only on that row and its expert (the triton backend gets the config a single
-call on all the received rows would pick, `experts.triton.auto_config`, so its tiles do not follow
-the chunk size), and each token's partials are summed in the same rank order. Per-call expert
-options that are not per row (capacity_factor, stats) are refused.
+row's partial depends only on that row and its expert (a backend whose tiles follow the rows gets
+the config a single call on all the received rows would pick, its registry entry's
+`default_config`, so its tiles do not follow the chunk size), and each token's partials are summed
+in the same rank order. Per-call expert options that are not per row (capacity_factor, stats) are
+refused.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from moekit.experts import resolve_backend
-from moekit.experts.triton import auto_config
+from moekit.experts import get_backend, resolve_backend
 from moekit.parallel.dispatch import (
     DispatchedTokens,
     Probe,
@@ -136,10 +136,10 @@ def _pin_config(experts_opts: dict, backend: str, x: torch.Tensor, gate_up_proj:
     """experts_opts with the triton config of one call on all `rows` received rows (when none given)."""
     if experts_opts.get("config") is not None or rows == 0 or gate_up_proj.shape[0] == 0:
         return experts_opts
-    name = resolve_backend(backend, x.device, x.shape[1], down_proj.shape[2], x.element_size())
-    if name != "triton":
+    impl = get_backend(resolve_backend(backend, x.device, x.shape[1], down_proj.shape[2], x.element_size()))
+    if impl.default_config is None:
         return experts_opts
-    return {**experts_opts, "config": auto_config(rows, gate_up_proj, top_k, x.dtype, x.device)}
+    return {**experts_opts, "config": impl.default_config(rows, gate_up_proj, top_k, x.dtype, x.device)}
 
 
 def overlapped_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

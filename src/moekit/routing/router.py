@@ -21,9 +21,9 @@ from moekit._validation import (
     check_triton_device,
     needs_grad,
 )
-from moekit.kernels.router import topk_softmax_kernel
 from moekit.launch_hints import pdl_kwargs
 from moekit.reference import topk_softmax_ref
+from moekit.routing.kernels import topk_softmax_kernel
 
 ROUTER_BACKENDS = ("torch", "triton")
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from typing import TypeVar
 
 import torch
 
+from moekit import env
 from moekit.shapes import MoEShape
 
 _Tiles = TypeVar("_Tiles")
@@ -132,7 +132,7 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class WgradConfig:
-    """Tiles of the weight-gradient kernel (`moekit.kernels.grouped_gemm_backward.moe_wgrad_kernel`),
+    """Tiles of the weight-gradient kernel (`moekit.grouped_gemm.backward_kernels.moe_wgrad_kernel`),
     its own, not the forward's: each program computes a (block_n, block_c) tile of one expert's
     gradient, reducing over the expert's sorted rows block_m at a time.
 
@@ -245,8 +245,8 @@ RANGE_WGRAD_ROWS = 128   # rows per expert (on average) below which RANGE_WGRAD 
 
 @dataclass(frozen=True)
 class GluonWgradTiles:
-    """Tiles of the Hopper Gluon weight gradient (`moekit.kernels.gluon_wgrad`), which
-    `moekit.grouped_gemm_backward.wgrad` runs where it applies (`gluon_wgrad_tiles` picks them).
+    """Tiles of the Hopper Gluon weight gradient (`moekit.grouped_gemm.gluon_wgrad`), which
+    `moekit.grouped_gemm.backward.wgrad` runs where it applies (`gluon_wgrad_tiles` picks them).
 
     Attributes:
         block_n, block_c: the gradient tile, rows (N) by columns (C); each must divide its dimension.
@@ -292,8 +292,8 @@ def gluon_wgrad_tiles(rows_per_expert: float) -> GluonWgradTiles:
 
 @dataclass(frozen=True)
 class GluonSwigluTiles:
-    """Tiles of the Hopper Gluon SwiGLU backward (`moekit.kernels.gluon_swiglu_bwd`), which
-    `moekit.grouped_gemm_backward.swiglu_backward` runs where it applies (`gluon_swiglu_tiles`).
+    """Tiles of the Hopper Gluon SwiGLU backward (`moekit.grouped_gemm.gluon_swiglu_bwd`), which
+    `moekit.grouped_gemm.backward.swiglu_backward` runs where it applies (`gluon_swiglu_tiles`).
 
     Attributes:
         block_n: columns of I a work item (one wgmma accumulator a warpgroup); must divide I.
@@ -320,10 +320,8 @@ class GluonSwigluTiles:
         return f"pp_{self.block_m}x{self.block_n}_s{self.stages}"
 
 
-# H200, Qwen3-30B-A3B bf16, dout copied into sorted rows first (`scripts/gluon_swiglu_bwd_probe.py`,
-# 2026-12-01, session 10): ping-pong 64 x 128, 5 stages, 0.301 ms at 4,096 tokens and 1.023 at 16,384
-# against 0.398 and 1.403 for the Triton kernel (1.14x and 1.16x with the copy). 64 x 64 (8 stages)
-# serves an I that 128 does not divide.
+# Ping-pong 64 x 128, 5 stages: the fastest Hopper tiles at Qwen3-30B-A3B (bf16, dout copied into
+# sorted rows first). 64 x 64 (8 stages) serves an I that 128 does not divide.
 GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=24, consumer_regs=240)
 GLUON_SWIGLU_64 = GluonSwigluTiles(block_n=64, stages=8, producer_regs=40, consumer_regs=232)
 
@@ -342,7 +340,7 @@ def wgrad_config(itemsize: int = 2, device: torch.device | str | None = None,
     """The weight-gradient tiles: $MOEKIT_WGRAD_TILES when set (as given), else, fitted to the
     device's shared-memory budget for the dtype and by the rows per expert when the caller says how
     many: RANGE_WGRAD below RANGE_WGRAD_ROWS, WIDE_WGRAD from WIDE_WGRAD_ROWS, the default between."""
-    text = os.environ.get(WGRAD_ENV, "").strip()
+    text = env.text(WGRAD_ENV)
     if text:
         return _parse_wgrad_env(text)
     tiles = WgradConfig()
@@ -406,16 +404,14 @@ def _default_config(shape: MoEShape, num_tokens: int, itemsize: int, budget: int
     rows = max(1, num_tokens) * shape.top_k / shape.num_experts
     # group_m 8 in every family: when an expert takes several row blocks (few experts: Mixtral
     # 8x7B's 16 rows an expert at 64 tokens), its blocks' programs run side by side and share the
-    # weight tiles in L2; with group_m 1 each block streamed the expert's weights from memory again
-    # (H200, session 17: 0.928 -> 0.739 ms, 72% -> 91% of the floor; level elsewhere).
+    # weight tiles in L2; with group_m 1 each block streams the expert's weights from memory again.
     if rows <= 12:
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4, 8)
     elif rows <= 16:
         # At 16 rows an expert (Poisson: ~40% of the experts take two 16-row blocks) `moekit tune` chose
         # on the H200, for gpt-oss-20b and OLMoE 1B-7B at 128 tokens alike, 16-row blocks computed as
         # 32-row pairs over 64 x 128 / 128 x 128 tiles: an expert's two blocks are one tile, its weight
-        # tiles loaded once. Against the unpaired tiles above, side by side (session 18): 1.07x on both
-        # at 128 tokens, 1.09x on Mixtral 8x7B at 64 (94% -> 102% of the floor).
+        # tiles loaded once (also faster on Mixtral 8x7B at 64 tokens than the unpaired tiles above).
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 128, 128, 4, 3, 8, pair_blocks=2)
     elif rows <= 48:
         # What `moekit tune` chose on the H200 for OLMoE 1B-7B and Qwen3-30B-A3B's 64-expert
@@ -501,7 +497,7 @@ def load_table(slug: str) -> TuningTable:
     there is none), searching $MOEKIT_CONFIG_DIR as it is at this call: setting or changing it
     takes effect at the next lookup. Files are parsed once per (slug, directory);
     `load_table.cache_clear()` forgets them (a table rewritten in place)."""
-    return _load_table(slug, os.environ.get("MOEKIT_CONFIG_DIR") or None)
+    return _load_table(slug, env.text("MOEKIT_CONFIG_DIR") or None)
 
 
 @functools.lru_cache(maxsize=64)

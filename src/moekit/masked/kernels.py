@@ -18,10 +18,13 @@ to [0, C], so a count out of range reads nothing past the buffer. Rows at or pas
 read or written: whatever they hold (NaN, stale rows) cannot reach a valid row.
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 
-from moekit.kernels.grouped_gemm import k_loop, store_token_tile, swiglu_k_loop, token_tile
+from moekit.grouped_gemm.kernels import k_loop, store_token_tile, swiglu_k_loop, token_tile
 
 
 @triton.jit

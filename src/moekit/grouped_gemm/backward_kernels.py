@@ -1,7 +1,7 @@
 """Backward of the grouped GEMM family: fused SwiGLU backward, per-expert weight gradients, and the
 reduction of the routing-weight gradient.
 
-Legend as in the forward (`moekit.kernels.grouped_gemm`): T tokens, K top_k, S = T*K pairs, E experts,
+Legend as in the forward (`moekit.grouped_gemm.kernels`): T tokens, K top_k, S = T*K pairs, E experts,
 H hidden, I intermediate, L padded rows, BM/BN/BK tiles. r is a sorted row, p = sorted_ids[r] its pair,
 t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the gradient of the output.
 
@@ -25,7 +25,7 @@ t = p // K its token, e its expert, w_p its routing weight; dout (T, H) is the g
     dx          the forward's GEMM2 on (dpre_w, gate_up_e viewed as (H, 2I)) without the routing-
                 weight epilogue (MUL_W off), then SUM over the slots.
     GATHER_ROWS x_sorted[r] = x[t] (or dout): the gathered operand copied into sorted-row order, 0 on
-                padding rows, for the Hopper Gluon weight gradient (`moekit.kernels.gluon_wgrad`),
+                padding rows, for the Hopper Gluon weight gradient (`moekit.grouped_gemm.gluon_wgrad`),
                 which reads both operands by TMA.
 
 dpre_w and h_w carry the routing weight (dh = w_p * g), applied once in the SwiGLU backward's fp32
@@ -36,10 +36,13 @@ reaches a result), so every row of a live block is written (zeros there); pairs 
 outside [0, E) are never placed, so never gathered.
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 
-from moekit.kernels.grouped_gemm import _tile_ids
+from moekit.grouped_gemm.kernels import _tile_ids
 from moekit.kernels.pdl import pdl_enter
 
 
@@ -220,6 +223,18 @@ def moe_tile_sum_kernel(
 
 
 @triton.jit
+def _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                   A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr):
+    """The weight gradient's two tiles at one row step: a's [BLOCK_N, BLOCK_M] and b's [BLOCK_M,
+    BLOCK_C], each operand's rows by token (tok) or in sorted-row order (rows)."""
+    ra = tok if A_BY_TOKEN else rows
+    rb = tok if B_BY_TOKEN else rows
+    a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
+    b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+    return a, b
+
+
+@triton.jit
 def moe_wgrad_kernel(
     a_ptr, b_ptr, scale_ptr, c_ptr, sorted_ids_ptr, row_starts_ptr,
     S, N, C, num_n_tiles, num_c_tiles,
@@ -283,10 +298,8 @@ def moe_wgrad_kernel(
             tok = pair // TOP_K
             a_mask = valid[None, :] & n_in[:, None]
             b_mask = valid[:, None] & c_in[None, :]
-        ra = tok if A_BY_TOKEN else rows
-        rb = tok if B_BY_TOKEN else rows
-        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
-        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+        a, b = _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                              A_BY_TOKEN, B_BY_TOKEN)                       # [BN, BM], [BM, BC]
         if SCALE:
             w = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)      # [BM]
             if BLOCK_N < BLOCK_C:
@@ -376,10 +389,8 @@ def moe_wgrad_range_kernel(
             tok = pair // TOP_K
             a_mask = valid[None, :] & n_in[:, None]
             b_mask = valid[:, None] & c_in[None, :]
-        ra = tok if A_BY_TOKEN else rows
-        rb = tok if B_BY_TOKEN else rows
-        a = tl.load(a_cols + ra.to(tl.int64)[None, :] * stride_ar, mask=a_mask, other=0.0)   # [BN, BM]
-        b = tl.load(b_cols + rb.to(tl.int64)[:, None] * stride_br, mask=b_mask, other=0.0)   # [BM, BC]
+        a, b = _operand_tiles(a_cols, b_cols, rows, tok, a_mask, b_mask, stride_ar, stride_br,
+                              A_BY_TOKEN, B_BY_TOKEN)                       # [BN, BM], [BM, BC]
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
         if e_next != e_here:                                           # e_here's last step
             tl.store(c_tile + e_here.to(tl.int64) * stride_ce, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -13,8 +13,8 @@ parallel but the tiny scan:
     align_scatter_kernel  (C programs)  sort the chunk's keys e * CHUNK + i; the element at sorted
                                         position p goes to row base[c, e] + p; writes expert_ids
 One launch when C == 1 (FUSED): the scatter program does all three, in registers, and writes the
-blocks' expert ids expert by expert (`_write_expert_ids_by_expert`: 12 us of the fused kernel's 14
-at 512 pairs on an H200 went to the search over experts a block, `scripts/align_compare.py`).
+blocks' expert ids expert by expert (`_write_expert_ids_by_expert`: one program searching the
+experts for every block would be most of the fused kernel's time).
 One launch of C > 1 programs up to ONE_LAUNCH_MAX_PAIRS pairs (`align_one_launch_kernel`):
 each program histograms all S ids itself (total[e], and before[e] from the chunks < c), so it has
 its base[c, e] in registers; it scatters its chunk, and of its share of the blocks writes the
@@ -28,6 +28,9 @@ Loop bounds are kernel arguments, never values derived from program_id. USE_PDL:
 programmatic dependent launch (`moekit.launch_hints`).
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 

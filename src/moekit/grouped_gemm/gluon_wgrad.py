@@ -1,12 +1,12 @@
 """Grouped weight gradient for Hopper (sm_90) in Gluon: persistent, warp-specialized, TMA and wgmma.
 
-Legend as in `moekit.kernels.grouped_gemm_backward`: E experts, L sorted rows (num_padded of them in
+Legend as in `moekit.grouped_gemm.backward_kernels`: E experts, L sorted rows (num_padded of them in
 use), r a sorted row. Per expert e, its rows_e = [row_starts[e], row_starts[e + 1]) (a whole number
 of the align block size, a multiple of BK):
 
     C[e] (N, C) = A[rows_e]^T @ B[rows_e]       A (L, N), B (L, C) sorted rows, 16-bit; fp32 acc
 
-Both operands are in sorted-row order (the launcher, `moekit.grouped_gemm_backward.wgrad`, first copies
+Both operands are in sorted-row order (the launcher, `moekit.grouped_gemm.backward.wgrad`, first copies
 the one gathered by token there with `moe_gather_rows_kernel`), with zeros on every padding row of one
 of them and finite values on the other's, so TMA loads whole tiles and no index is read:
 
@@ -58,6 +58,8 @@ core imports everywhere.
 from __future__ import annotations
 
 import types
+
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
 
 try:
     from triton.experimental import gluon

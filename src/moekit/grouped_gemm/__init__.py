@@ -3,8 +3,8 @@
 Each launcher (checks done by the caller, buffers allocated here, grid from fixed upper bounds) sits
 beside its pure-PyTorch twin (`*_torch`), which computes the same rows in fp32 and is what the
 kernel tests compare against (fp64 inputs stay fp64, for gradcheck). The @triton.jit code is in
-`moekit.kernels.grouped_gemm`; the backward is `moekit.grouped_gemm_backward` (kernels in
-`kernels/grouped_gemm_backward.py`), and quantized variants go beside these the same way.
+`moekit.grouped_gemm.kernels`; the backward is `moekit.grouped_gemm.backward` (kernels in
+`moekit.grouped_gemm.backward_kernels`), and quantized variants go beside these the same way.
 
 Legend: T tokens, K top_k, S = T * K pairs, E experts, H hidden, I intermediate, L padded rows
 (`Alignment.sorted_ids` length). Rows of h at or past `num_padded`, and rows of y of pairs that
@@ -33,7 +33,7 @@ interleaved weights take TMA while 2 * block_n1 fits TMA's box (<= 256 rows), el
 holds, from the compiled kernel's registers, shared memory and warps; cached), at most the tile
 bound, each looping over tiles up to the live count read on the device. Off the GPU (the interpreter)
 the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles a persistent tile is two row
-blocks (`moekit.kernels.grouped_gemm._for_each_tile`), so the bound is cdiv(max_blocks, 2) times
+blocks (`moekit.grouped_gemm.kernels._for_each_tile`), so the bound is cdiv(max_blocks, 2) times
 the column tiles.
 """
 
@@ -51,7 +51,7 @@ from moekit._host import cdiv, next_power_of_2
 from moekit._validation import interpreting
 from moekit.activation import SWIGLU, GatedActivation, gated, split_gate_up
 from moekit.align import Alignment
-from moekit.kernels.grouped_gemm import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
+from moekit.grouped_gemm.kernels import moe_gemm1_swiglu_kernel, moe_gemm2_kernel, moe_sum_kernel
 from moekit.launch_hints import capability_major as _cuda_capability_major
 from moekit.launch_hints import pdl_kwargs
 from moekit.tuning import ExpertsConfig

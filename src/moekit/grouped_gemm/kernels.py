@@ -32,7 +32,7 @@ For training, GEMM1's STORE_PRE (off by default; plain SwiGLU only: no bias, not
 gpt_oss) stores, beside h, the fp32 gate and up accumulators rounded to the input dtype into a
 contiguous (L, 2I) buffer at the sorted row ([gate | up], the layout SWIGLU False gives h; padding
 rows zeros): the backward reads them instead of recomputing x @ gate_up^T
-(`moekit.kernels.grouped_gemm_backward`). It is an epilogue store only, so it runs with TMA_W,
+(`moekit.grouped_gemm.backward_kernels`). It is an epilogue store only, so it runs with TMA_W,
 PAIRED and PERSISTENT alike.
 
 With TMA_W (Hopper and later, `ExpertsConfig.tma_weights`), the weight operand `w` is a TMA tensor
@@ -56,6 +56,9 @@ With PAIRED a persistent tile number covers two row blocks (a pair's second bloc
 round robin over single blocks would hand some programs mostly empty tiles).
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 

@@ -5,6 +5,9 @@ The top-k is taken on unique int64 keys built exactly as `moekit.reference.routi
 so ids are identical to the torch backend's, ties go to the lower id and NaN ranks lowest.
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 

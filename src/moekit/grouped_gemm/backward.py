@@ -31,20 +31,17 @@ Launchers, in the order the autograd Function (`moekit.experts.triton`) calls th
 
 On Hopper (compute capability 9.x, Gluon available) the training step's weight gradients (unscaled,
 padding_zero, bf16 / fp16, an align block size that is a multiple of 64) run the persistent warp-
-specialized Gluon kernel instead (`moekit.kernels.gluon_wgrad`, `gluon_wgrad`), after copying the
-gathered operand (x or dout) into sorted-row order (`sorted_rows`): 1.3-1.8x the Triton kernels'
-speed on an H200 at Qwen3-30B-A3B, the copies included. $MOEKIT_GLUON_WGRAD=0 turns it off;
+specialized Gluon kernel instead (`moekit.grouped_gemm.gluon_wgrad`, `gluon_wgrad`), after copying the
+gathered operand (x or dout) into sorted-row order (`sorted_rows`: TMA needs contiguous rows, and
+the copy costs less than the gather it saves). $MOEKIT_GLUON_WGRAD=0 turns it off;
 `_gluon_wgrad_tiles` lists every condition. So does the SwiGLU backward reading the saved
-pre-activations (`moekit.kernels.gluon_swiglu_bwd`, `gluon_swiglu_backward`: dout copied into
-sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers; 1.30x
-the Triton kernel at 4,096 tokens and 1.37x at 16,384 on an H200, 2026-12-01, 1.12x and 1.16x with
-the copy); $MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. The
+pre-activations (`moekit.grouped_gemm.gluon_swiglu_bwd`, `gluon_swiglu_backward`: dout copied into
+sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers);
+$MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. The
 training backward makes that copy of dout once and d down reads it too (`down_proj_grad(...,
-dout_by_token=False)`: both operands sorted, one launch): 2% of the step's device time and three
-launches fewer than a copy of its own, made a column chunk at a time, which d down takes where it
-runs alone (the copy then lives until d down: session 12 measured the single-layer step's peak at
-1,247 against 1,216 MiB at 1,024 tokens, 1,404 against 1,324 at 4,096 and 2,697 against 2,121 at
-16,384; grouped_mm's were 1,244, 1,520 and 5,443).
+dout_by_token=False)`: both operands sorted, one launch): three launches fewer than a copy of its
+own, made a column chunk at a time, which d down takes where it
+runs alone (the price: the copy lives until d down, which raises the step's peak memory).
 
 Metadata: the forward's `Alignment` (sorted_ids (L,), expert_ids (L / block_m,), num_padded, and
 `Alignment.row_starts()` (E + 1,) for the weight gradients). Every grid is sized from
@@ -67,13 +64,12 @@ $MOEKIT_WGRAD_TILES, or `tiles=` on the launchers).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._host import cdiv, next_power_of_2
 from moekit._validation import interpreting
 from moekit.align import Alignment
@@ -89,9 +85,9 @@ from moekit.grouped_gemm import (
     num_sms,
     twin_dtype,
 )
-from moekit.kernels import gluon_swiglu_bwd as _gluon_swiglu
-from moekit.kernels import gluon_wgrad as _gluon
-from moekit.kernels.grouped_gemm_backward import (
+from moekit.grouped_gemm import gluon_swiglu_bwd as _gluon_swiglu
+from moekit.grouped_gemm import gluon_wgrad as _gluon
+from moekit.grouped_gemm.backward_kernels import (
     moe_gather_rows_kernel,
     moe_swiglu_bwd_kernel,
     moe_tile_sum_kernel,
@@ -173,11 +169,9 @@ class BackwardTiles:
                              (("stages", 2), ("block_k", 16)))
 
 
-# Reading the saved pre-activations (the training step's launch), by the forward's block_m: the
-# fastest of `scripts/swiglu_bwd_compare.py` on an H200 (Qwen3-30B-A3B, bf16, 2026-12-01, the
-# restructured kernel): at 16,384 tokens (block_m 128) 64 x 64, 5 stages, 8 warps, the
-# pre-activations loaded before the loop: 1.425 ms against 1.522 with 4 stages; at 4,096 tokens
-# (block_m 64) 128 x 128, 4 stages: 0.404 ms against 0.641 for 64 x 64 (4 stages). At 128 rows
+# Reading the saved pre-activations (the training step's launch), by the forward's block_m: 64 x 64,
+# 5 stages, 8 warps, the pre-activations loaded before the loop at 128 rows; 128 x 128, 4 stages at
+# 64 rows (the fastest of the tile comparison at Qwen3-30B-A3B, bf16). At 128 rows
 # narrow columns win although each dout row tile is read I / 64 times: the epilogue's fp32 tiles
 # (g, a, b and what follows from them) stay small; at 64 rows the wider tile fits in registers.
 SAVED_TILES = BackwardTiles(64, 64, 5, recompute=False, warps=8, pre_first=True)
@@ -186,7 +180,7 @@ SAVED_TILES_64 = BackwardTiles(128, 128, 4, recompute=False, warps=8, pre_first=
 
 def saved_tiles(block_m: int) -> BackwardTiles:
     """The SwiGLU backward's tiles reading the saved pre-activations, for the forward's block_m:
-    `SAVED_TILES` from 128 rows, `SAVED_TILES_64` below (measured at 64)."""
+    `SAVED_TILES` from 128 rows, `SAVED_TILES_64` below (chosen at 64)."""
     return SAVED_TILES if block_m >= 128 else SAVED_TILES_64
 
 
@@ -420,11 +414,11 @@ def _gluon_wgrad_tiles(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Ten
         a and b 2-D; each sorted-row operand TMA-readable as it lies (`_tma_operand`; a gathered
         one is copied into a fresh buffer first)
     """
-    if os.environ.get(GLUON_WGRAD_ENV, "1").strip() == "0" or not _gluon.GLUON_AVAILABLE:
+    if not env.flag(GLUON_WGRAD_ENV) or not _gluon.GLUON_AVAILABLE:
         return None
     if not _sm90(a.device):
         return None
-    if tiles is not None or os.environ.get(WGRAD_ENV, "").strip():
+    if tiles is not None or env.text(WGRAD_ENV):
         return None
     if topk_weights is not None or not padding_zero or (a_by_token and b_by_token):
         return None
@@ -506,7 +500,7 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
         H a multiple of 64 with more ring steps than PRE_STEP; tiles dividing I
         down_proj contiguous, E * H rows within TMA's int32 coordinates; pre TMA-readable as it lies
     """
-    if pre is None or os.environ.get(GLUON_SWIGLU_ENV, "1").strip() == "0":
+    if pre is None or not env.flag(GLUON_SWIGLU_ENV):
         return None
     if not _gluon.GLUON_AVAILABLE:
         return None

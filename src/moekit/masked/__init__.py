@@ -16,7 +16,7 @@ A DeepEP low-latency dispatch output (recv_x, recv_count) feeds `masked_experts`
 
 Each launcher (checks done by the caller, buffers allocated here, grid fixed by (E, C, tiles)) sits
 beside its pure-PyTorch twin (`*_torch`, fp32, rows past a count 0); @triton.jit code is in
-`moekit.kernels.masked`. Legend: T tokens, K top_k, S = T * K pairs, E experts, C capacity (rows per
+`moekit.masked.kernels`. Legend: T tokens, K top_k, S = T * K pairs, E experts, C capacity (rows per
 expert), H hidden, I intermediate.
 """
 
@@ -42,7 +42,7 @@ from moekit._validation import (
 )
 from moekit.align import sort_pairs
 from moekit.grouped_gemm import _dot_precision
-from moekit.kernels.masked import (
+from moekit.masked.kernels import (
     masked_combine_kernel,
     masked_dispatch_kernel,
     masked_gemm1_swiglu_kernel,

@@ -30,6 +30,9 @@ mask as a bound (`T * (pid == 0)`), since the interpreter cannot AND a vector wi
 `scripts/ep_compile_check.py` compiles every launch for sm_90 without a GPU.
 """
 
+import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)
+
+# isort: split
 import triton
 import triton.language as tl
 

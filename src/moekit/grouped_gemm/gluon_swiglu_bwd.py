@@ -1,6 +1,6 @@
 """Fused SwiGLU backward for Hopper (sm_90) in Gluon: persistent, warp-specialized, TMA and wgmma.
 
-Legend as in `moekit.kernels.grouped_gemm_backward`: S pairs, L sorted rows (num_padded of them in
+Legend as in `moekit.grouped_gemm.backward_kernels`: S pairs, L sorted rows (num_padded of them in
 use), r a sorted row of expert e, t its token, w_p its pair's routing weight. Per row, in fp32:
 
     g = dout[t] @ down_e                 (down_proj (E, H, I): down_e is (H, I), g is (I,))
@@ -11,7 +11,7 @@ use), r a sorted row of expert e, t its token, w_p its pair's routing weight. Pe
     part[r, n_tile] = sum over the tile's BN columns of g h  (L, I / BN) fp32 -> d topk_weights
     padding rows (pair >= S): dpre_w and h_w rows 0, part 0.
 
-dout is first copied into sorted-row order (`moekit.grouped_gemm_backward.sorted_rows`: zeros on the
+dout is first copied into sorted-row order (`moekit.grouped_gemm.backward.sorted_rows`: zeros on the
 padding rows), so the GEMM's A operand is plain rows loaded by TMA:
 
     A = dout_sorted (L, H) in [64, BK] boxes (K-major, as wgmma's A wants it)
@@ -39,12 +39,12 @@ expert: expert_ids[row0 // ALIGN_M]. Items stop at num_padded, read on the devic
 
 STORE_DPRE, STORE_H, STORE_PART leave out the outputs nobody needs (their stores compiled out).
 Deterministic: every output element is one program's, in a fixed order; no atomics. Without Gluon
-(`moekit.kernels.gluon_wgrad.GLUON_AVAILABLE` False) the kernel name is None.
+(`moekit.grouped_gemm.gluon_wgrad.GLUON_AVAILABLE` False) the kernel name is None.
 """
 
 from __future__ import annotations
 
-from moekit.kernels.gluon_wgrad import (
+from moekit.grouped_gemm.gluon_wgrad import (
     GLUON_AVAILABLE,
     fence_async_shared,
     gl,

@@ -3,7 +3,7 @@
     decode_gemm1_swiglu   h (S, I): silu(x_t @ gate_e^T) * (x_t @ up_e^T) per pair, unsorted
     decode_gemm2_sum      out (T, H): sum over slots k ascending of w[t,k] * (h[t*K+k] @ down_e^T)
 
-(kernels: `moekit.kernels.decode`), each beside its pure-PyTorch twin (`*_torch`, fp32). At decode
+(kernels: `moekit.decode.kernels`), each beside its pure-PyTorch twin (`*_torch`, fp32). At decode
 sizes (T * K pairs of the order of E) each expert gets about one pair: sorting pairs by expert buys
 no weight reuse, and the normal path's four dependent launches (align, GEMM1, GEMM2, moe_sum) each
 pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
@@ -14,15 +14,9 @@ hit (expected under uniform routing: every pair reads its expert's weights, so a
 pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
 (read at each call).
 
-Measured (H200, Qwen3-30B-A3B, bf16, 2026-11-30; `benchmarks/results/h200/2026-11-30/session4/`):
-in a CUDA graph after an L2 flush it is level with the normal path's tuned table from 1 to 8 tokens
-(T = 1: 0.042 ms both; T = 4: 0.088 against 0.092 ms; T = 8: 0.140 ms both; at 16 tokens, 128
-pairs, the table wins: 0.209 against 0.241 ms, so 64 pairs is the limit), and an eager layer call
-costs half the host time (0.132 against 0.269 ms at T = 1: 3 launches and 6 torch ops a layer call
-instead of 5 and 10). On by default since the whole GPU suite passed with it on
-(`benchmarks/results/h200/2026-11-30/session5/`); a first run had found two tests that assumed the
-normal path's bits at T = 1 (a captured layer, which named its tiles, against an eager call; gpt-oss
-with zero biases against plain SwiGLU), fixed before.
+Why 64 pairs: past that, sorting pairs by expert pays for itself (the normal path's tuned tiles
+read each expert's weights once for several pairs); below it, the direct path saves launches and
+host time (3 launches and 6 torch ops a layer call instead of 5 and 10).
 
 Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
 and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
@@ -31,23 +25,20 @@ No host sync; grids depend on shapes only (CUDA-graph safe); deterministic (no a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._host import cdiv
-from moekit.kernels.decode import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.launch_hints import pdl_kwargs, weight_evict
 from moekit.tuning import check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
 # ... and at most this many pairs per expert hit, expected under uniform routing (`expected_rereads`).
-# The direct path reads an expert's weights once per pair: Mixtral 8x7B (E = 8, K = 2) took it up to
-# T = 32 and ran at 49% / 43% of the floor at T = 4 / 16 on an H200 (2026-12-01, session 7), 1.46 and
-# 4.0 pairs per expert hit. Qwen3-30B-A3B's largest direct call, T = 8, has 1.24 (level with the
-# normal path there, 2026-11-30).
+# The direct path reads an expert's weights once per pair, so few experts (Mixtral 8x7B: E = 8,
+# K = 2) would re-read them several times a call; Qwen3-30B-A3B's largest direct call, T = 8, has 1.24.
 DECODE_MAX_REREAD = 1.25
 ENV_VAR = "MOEKIT_DECODE_DIRECT"
 
@@ -100,8 +91,7 @@ class DecodeConfig:
 
 DEFAULT_DECODE = DecodeConfig()
 # Up to SMALL_DECODE_PAIRS pairs GEMV2 computes a token's 8 slots together over narrower column
-# tiles: more loads in flight when only one or two tokens' outputs are being produced (T = 1: 0.042
-# against 0.047 ms with DEFAULT_DECODE; T = 2: 0.060 against 0.061; T = 4: 0.088 against 0.085).
+# tiles: more loads in flight when only one or two tokens' outputs are being produced.
 SMALL_DECODE = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
 SMALL_DECODE_PAIRS = 16
 # Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
@@ -120,7 +110,7 @@ DECODE_TILES = (
 
 def decode_direct_enabled() -> bool:
     """Whether the direct decode path is on: unless $MOEKIT_DECODE_DIRECT is 0 (read at each call)."""
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+    return env.flag(ENV_VAR)
 
 
 def decode_config(num_pairs: int) -> DecodeConfig:
