@@ -1,7 +1,8 @@
 """The README's Python blocks run as written, in order, in one fresh process (CPU here: the blocks
 pick a tiny layer and float32 when there is no GPU). A block preceded by
 `<!-- readme-test: skip (reason) -->` is left out; the reason names the test that covers it. The
-README's backend table is the registry's own rendering of it."""
+README's backend table is the registry's own rendering of it, and its environment table
+`moekit.env`'s."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def test_readme_backend_table_is_the_registrys():
     assert marked("backend-table") == capability_table()
 
 
-def test_readme_has_one_env_table_span():
-    table = marked("env-table")
-    assert table.startswith("| variable |") and "`MOEKIT_CONFIG_DIR`" in table
+def test_readme_env_table_is_moekit_envs():
+    from moekit import env
+
+    assert marked("env-table") == env.markdown_table().rstrip("\n") + "\n"
