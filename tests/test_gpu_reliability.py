@@ -49,6 +49,24 @@ def test_long_context_prefill(num_tokens):
     assert torch.isfinite(out).all()
 
 
+def test_more_experts_than_the_router_kernel_takes_capture_and_run():
+    """5,000 experts (the router kernel takes 4,096): the default router path and the captured layer
+    route through the torch router; eager and replayed outputs are equal and within the 2x rule."""
+    from moekit import MoEShape
+
+    torch.manual_seed(2)
+    layer = MoELayer(MoEShape(5000, 256, 128, 4), dtype=torch.bfloat16, device="cuda").requires_grad_(False)
+    captured = layer.capture(32, buckets=[4, 32])
+    for num_tokens in (3, 32):
+        x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16)
+        eager = layer(x)
+        w, ids = layer.route(x)
+        args = (x, layer.gate_up_proj, layer.down_proj, w, ids)
+        ref = moe_experts_ref(*args)
+        assert rel_err(eager, ref) <= same_dtype_bound(*args, ref)
+        assert torch.equal(captured(x), eager), f"CUDA graph, T={num_tokens}"
+
+
 @pytest.mark.parametrize("direct", ["0", "1"], ids=["normal-path", "direct-decode"])
 def test_eager_graph_and_compile_are_bitwise_equal(direct, monkeypatch):
     """With the direct decode path off and on: a captured layer replays what an eager call of the

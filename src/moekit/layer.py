@@ -167,7 +167,7 @@ class CapturedMoE:
         x = self.x[:bucket]
         logits = F.linear(x, layer.router_weight)
         weights, ids = topk_softmax(logits, shape.top_k, renormalize=shape.norm_topk_prob,
-                                    backend="triton", num_valid_tokens=self.num_valid)
+                                    backend=layer.router_backend, num_valid_tokens=self.num_valid)
         get_backend("triton").run(x, layer.gate_up_proj, layer.down_proj, weights, ids, ExpertsOptions(),
                                   self.out[:bucket])
 

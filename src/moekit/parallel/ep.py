@@ -268,12 +268,12 @@ class ExpertParallelMoE(nn.Module):
     def forward_padded(self, x: torch.Tensor, num_valid_tokens: torch.Tensor,
                        stats: dict | None = None, **experts_opts) -> torch.Tensor:
         """Low-latency mode on a padded batch, the body `capture` records: x (T, H), of which rows
-        >= num_valid_tokens (int32 device scalar) are padding; the triton router gives them id -1,
+        >= num_valid_tokens (int32 device scalar) are padding; the router gives them id -1,
         so they are never sent. Returns (T, H); padding rows are 0. Collective."""
         if self.mode != "low_latency":
             raise ValueError("forward_padded and capture need mode='low_latency'")
         weights, ids = route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
-                             backend="triton", num_valid_tokens=num_valid_tokens)
+                             backend=self.router_backend, num_valid_tokens=num_valid_tokens)
         return ep_moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, placement=self.placement,
                               group=self.group, backend=self.backend, ignore_invalid_ids=True,
                               tables=self.tables(), mode="low_latency", capacity=self.capacity,

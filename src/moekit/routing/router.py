@@ -65,8 +65,9 @@ def topk_softmax(
         top_k: experts per token, 1 <= top_k <= E.
         renormalize: divide the K chosen probabilities by their sum.
         backend: "auto", "torch" or "triton".
-        num_valid_tokens: optional int32 device scalar n (triton only); rows >= n get id -1 and
-            weight 0, so a CUDA graph captured for T rows can serve any n <= T.
+        num_valid_tokens: optional int32 device scalar n; rows >= n get id -1 and weight 0, so a
+            CUDA graph captured for T rows can serve any n <= T (both backends: more experts than
+            the kernel takes route through the torch one).
 
     Returns:
         (topk_weights float32 (T, K), topk_ids int32 (T, K)).
@@ -82,8 +83,6 @@ def _topk_softmax_checked(logits: torch.Tensor, top_k: int, renormalize: bool, b
     which imply them: F.linear of checked inputs is a (T, E) float tensor)."""
     backend = resolve_router_backend(backend, logits)
     if num_valid_tokens is not None:
-        if backend != "triton":
-            raise ValueError("num_valid_tokens is supported by backend='triton' only")
         check_tensor("num_valid_tokens", num_valid_tokens, dtypes=(torch.int32,), device=logits.device)
     elif torch.compiler.is_compiling() and not needs_grad(logits):
         return torch.ops.moekit.topk_softmax(logits, top_k, renormalize, backend)
@@ -94,7 +93,12 @@ def _run(logits: torch.Tensor, top_k: int, renormalize: bool, backend: str,
          num_valid_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The checked router: the torch twin, or the Triton kernel."""
     if backend == "torch":
-        return topk_softmax_ref(logits, top_k, renormalize)
+        weights, ids = topk_softmax_ref(logits, top_k, renormalize)
+        if num_valid_tokens is None:
+            return weights, ids
+        # as the kernel: rows at or past n are padding (id -1, weight 0), with no host sync
+        pad = torch.arange(logits.shape[0], device=logits.device)[:, None] >= num_valid_tokens
+        return weights.masked_fill(pad, 0.0), ids.masked_fill(pad, -1)
     check_triton_device("logits", logits)
     num_tokens, num_experts = logits.shape
     weights = _workspace.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
