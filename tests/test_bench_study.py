@@ -96,7 +96,7 @@ def test_a_folder_without_results_is_one_error_line(tmp_path, capsys):
 
 def test_every_study_is_registered_once_with_distinct_columns():
     names = [s.name for s in study.studies()]
-    assert names == ["bench", "imbalance", "ep-bench", "tune", "ablate"]
+    assert names == ["bench", "imbalance", "ep-bench", "tune", "ablate", "profile", "sweep", "e2e"]
     from moekit.bench.results import columns
     sets = [set(columns(s.row_type)) for s in study.studies()]
     for i, a in enumerate(sets):

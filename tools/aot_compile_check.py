@@ -525,8 +525,8 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
     d down's differs in runtime integers only) and the gather that feeds them (`sorted_rows`): shared
     memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills (none
     allowed). Exit 2 where this Triton has no Gluon."""
-    from moekit.grouped_gemm.backward import gluon_wgrad, sorted_rows
     from moekit.grouped_gemm import gluon_wgrad as kernels
+    from moekit.grouped_gemm.backward import gluon_wgrad, sorted_rows
     from moekit.grouped_gemm.backward_kernels import moe_gather_rows_kernel
     from moekit.tuning import GLUON_COOP_WGRAD, GLUON_PP_WGRAD
 
@@ -587,8 +587,8 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
     Exit 2 where this Triton has no Gluon."""
     import types
 
-    from moekit.grouped_gemm.backward import gluon_swiglu_backward
     from moekit.grouped_gemm import gluon_swiglu_bwd as kernels
+    from moekit.grouped_gemm.backward import gluon_swiglu_backward
     from moekit.tuning import GLUON_SWIGLU_64, GLUON_SWIGLU_128
 
     if kernels.gluon_swiglu_bwd_kernel is None:
