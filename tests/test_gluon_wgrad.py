@@ -233,42 +233,36 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
     tiles = GLUON_PP_WGRAD                                   # 8 rows an expert
     e, n, c = grad.shape
     assert (n, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter))
-    # The by-token operand (d down's dout as A, d gate_up's x as B) in column chunks through one buffer.
-    if launch == "down":
-        chunks, along = gb.gluon_a_chunks(n, tiles), n
-    else:
-        chunks, along = gb.gluon_chunks(c, tiles.block_c, gb.GLUON_B_CHUNKS), c
-    assert chunks == 2                  # 256 columns: two chunks of the tiles' 128
+    # d down's dout (A by token) in column chunks through one buffer; d gate_up's x (B) whole.
+    chunks = gb.gluon_a_chunks(n, tiles) if launch == "down" else 1
+    assert chunks == (2 if launch == "down" else 1)
     assert len(launches) == chunks
-    width = along // chunks
+    width = n // chunks
     npad = int(align.num_padded)
     for i, (grid, args, kwargs) in enumerate(launches):
         a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n_arg = args
         assert n_arg == n
         assert (kwargs["STAGES"], kwargs["PINGPONG"]) == (tiles.stages, tiles.pingpong)
-        n_tile, c_cols = (width, c) if launch == "down" else (n, width)
-        assert tiles_per_expert == (n_tile // tiles.block_n) * (c_cols // tiles.block_c)
-        assert c_tiles == c_cols // tiles.block_c
+        assert tiles_per_expert == (width // tiles.block_n) * (c // tiles.block_c)
+        assert c_tiles == c // tiles.block_c
         assert num_items == e * tiles_per_expert and grid == (min(gb.num_sms(x.device), num_items),)
         assert torch.equal(row_starts, align.row_starts())
         descs = (a_desc, b_desc)
         assert descs[1 - gathered].base is sorted_op
         copy = descs[gathered].base
-        cols = slice(i * width, (i + 1) * width)
+        cols = slice(i * width, (i + 1) * width) if launch == "down" else slice(None)
         # The buffer holds the last chunk once all launches are made: check the recorded last one.
         if i == len(launches) - 1:
             assert torch.equal(copy[:npad], gb.sorted_rows_torch(token_major[:, cols], align, top_k)[:npad])
         assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
-        # d down: the store view starts i * width rows into the (E * N, C) gradient (rows e * N + n land
-        # on rows e * N + i * width + n); d gate_up: i * width columns in, width columns wide.
-        if launch == "down":
-            offset, store_shape = i * width * c, [e * n - i * width, c]
-        else:
-            offset, store_shape = i * width, [e * n, width]
-        assert c_desc.base.data_ptr() == grad.data_ptr() + offset * grad.element_size()
-        assert list(c_desc.shape) == store_shape
+        # The store view starts i * width rows into the (E * N, C) gradient: rows e * N + n land on
+        # the gradient's rows e * N + i * width + n.
+        row0 = i * width
+        assert c_desc.base.data_ptr() == grad.data_ptr() + row0 * c * grad.element_size()
+        assert list(c_desc.shape) == [e * n - row0, c]
         assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
-    assert launches[0][1][gathered].base is launches[1][1][gathered].base    # one buffer for both chunks
+    if launch == "down":
+        assert launches[0][1][0].base is launches[1][1][0].base    # one buffer for both chunks
 
 
 def test_gluon_a_chunks_and_launch_arguments_refused():
@@ -278,17 +272,12 @@ def test_gluon_a_chunks_and_launch_arguments_refused():
     pp = GLUON_PP_WGRAD
     assert gb.gluon_a_chunks(2048, pp) == gb.GLUON_A_CHUNKS == 2
     assert gb.gluon_a_chunks(128, pp) == 1 and gb.gluon_a_chunks(384, pp) == 1
-    assert gb.gluon_chunks(2048, 128, 8) == 8 and gb.gluon_chunks(2048, 256, 8) == 8
-    assert gb.gluon_chunks(768, 128, 8) == 2 and gb.gluon_chunks(384, 128, 8) == 1
     out = torch.empty(2, 256, 128, dtype=torch.bfloat16)
     row_starts = torch.zeros(3, dtype=torch.int32)
     a, b = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
     for n_base in (-128, 64, 256):     # outside [0, N - Na], or not a multiple of block_n
         with pytest.raises(ValueError, match="n_base"):
             gb.gluon_wgrad(a, b, row_starts, out, pp, n_base=n_base)
-    for c_base in (-128, 64, 128):     # outside [0, C - Cb], or not a multiple of block_c
-        with pytest.raises(ValueError, match="c_base"):
-            gb.gluon_wgrad(a, b, row_starts, out, pp, c_base=c_base)
     ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
     align = align_block_size(ids, 2, 64, backend="torch")
     t = torch.randn(2, 8)
@@ -397,10 +386,8 @@ def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
              gb.wgrad_torch(dout, h_w, None, align, top_k, a_by_token=True, b_by_token=False,
                             compute_dtype=bf16))
     wanted_tiles = gluon_wgrad_tiles(align.num_pairs / shape[0])
-    # d gate_up once a column chunk of x, d down once a column chunk of dout
-    launches = (gb.gluon_chunks(shape[1], wanted_tiles.block_c, gb.GLUON_B_CHUNKS)
-                + gb.gluon_a_chunks(shape[1], wanted_tiles))
-    assert gluon_spy == [wanted_tiles] * launches, gluon_spy
+    # d gate_up once, d down once a column chunk of dout
+    assert gluon_spy == [wanted_tiles] * (1 + gb.gluon_a_chunks(shape[1], wanted_tiles)), gluon_spy
     assert (wanted_tiles == GLUON_COOP_WGRAD) is name.endswith("-coop")
     valid = (ids >= 0) & (ids < shape[0])
     empty = torch.ones(shape[0], dtype=torch.bool, device="cuda")
@@ -439,5 +426,5 @@ def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
                                  block_m=64)
     check_training_step(lambda *a: moe_experts(*a, backend="triton", config=config), QWEN, num_tokens)
     # two backwards (the second one checked bitwise, with no host sync): d gate_up once each, d down
-    # once each, on the sorted copy of dout the SwiGLU backward made (no column chunks)
-    assert gluon_spy == [GLUON_PP_WGRAD] * 4, gluon_spy
+    # once a column chunk of its own copy of dout (GLUON_A_CHUNKS) each
+    assert gluon_spy == [GLUON_PP_WGRAD] * 2 * (1 + gb.gluon_a_chunks(QWEN[1], GLUON_PP_WGRAD)), gluon_spy

@@ -35,8 +35,9 @@ import torch
 
 from moekit.decode import use_decode_direct
 from moekit.experts.triton import align_pairs, auto_config
+from moekit.grouped_gemm.backward import gluon_a_chunks
 from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import ExpertsConfig, gluon_wgrad_tiles
 
 TILED = "triton"   # the backend whose tiles `triton_rows` counts (the bench's padding and dense columns)
 
@@ -68,10 +69,11 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
                 KernelFlops("moe_wgrad_kernel", "d down_proj", 2 * s * h * i),
                 KernelFlops("moe_wgrad_range_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_range_kernel", "d down_proj", 2 * s * h * i),
-                KernelFlops("gluon_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
-                # one launch on the sorted copy of dout the Gluon SwiGLU backward made (d down alone
-                # on dout by token runs a column chunk a launch, `gluon_a_chunks`: not the step's path)
-                KernelFlops("gluon_wgrad_kernel", "d down_proj", 2 * s * h * i)]
+                KernelFlops("gluon_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h)]
+        # d down copies dout into sorted rows a column chunk at a time: a launch a chunk
+        chunks = gluon_a_chunks(h, gluon_wgrad_tiles(s / shape.num_experts))
+        role = "d down_proj" if chunks == 1 else f"d down_proj, 1 of {chunks} column chunks"
+        out += [KernelFlops("gluon_wgrad_kernel", role, 2 * s * h * i // chunks)] * chunks
     return out
 
 

@@ -20,21 +20,20 @@ SwiGLU backward has read it, before the weight gradients are allocated (a lower 
 backward through a retained graph has GEMM1 store it again, bit for bit. Not saved: h (recomputed
 from the saved a, b in the SwiGLU backward's epilogue, silu(a) * b) and y. When only down_proj needs a
 gradient nothing extra is saved and the backward recomputes h by the forward's GEMM1 (one GEMM).
-Launches, in this order, each skipped when no input needs it:
+Launches, each skipped when no input needs it:
     swiglu_backward     dpre_w (L, 2I), h_w (L, I), d topk_weights   if x, gate_up or weights need grad
                         (g = dout @ down_e, one GEMM; a, b read from the saved pre-activations)
     (gemm1_swiglu)      h alone, unscaled                            if only down_proj needs grad
-    down_proj_grad      (E, H, I)                                    if down_proj needs grad
     hidden_states_grad  dx: GEMM2 on (dpre_w, gate_up^T) + slot sum  if x needs grad
     gate_up_proj_grad   (E, 2I, H)                                   if gate_up_proj needs grad
+    down_proj_grad      (E, H, I)                                    if down_proj needs grad
 dpre_w and h_w carry the routing weight (`moekit.grouped_gemm.backward`), so dx and the weight
 gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
 Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
 per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). On Hopper (the Gluon
-SwiGLU backward, `moekit.grouped_gemm.backward`) also dout copied into sorted rows (L, H), made once
-and read by the SwiGLU backward and by d down. d down runs first so that h_w and that copy are freed
-before dx and d gate_up allocate: the step's peak then holds, beside the gradients, dpre_w and one
-column chunk of x's sorted copy (`wgrad` makes it, GLUON_B_CHUNKS chunks). Deterministic (no
+SwiGLU backward, `moekit.grouped_gemm.backward`) also dout copied into sorted rows (L, H) for the
+SwiGLU backward alone, freed once it has run; the weight gradients' copies of x (whole) and of dout
+(a column chunk at a time, `GLUON_A_CHUNKS`) are made inside `wgrad`. Deterministic (no
 atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
 `moekit::experts_train` custom op (`experts_triton_train`): it saves the same things as the eager
 autograd (the alignment, packed into one buffer, and the pre-activations under the same rule), and
@@ -71,9 +70,7 @@ from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weigh
 from moekit.grouped_gemm.backward import (
     down_proj_grad,
     gate_up_proj_grad,
-    gluon_swiglu_applies,
     hidden_states_grad,
-    sorted_rows,
     swiglu_backward,
 )
 from moekit.shapes import MoEShape
@@ -123,34 +120,27 @@ def experts_triton_backward(
     top_k = topk_ids.shape[1]
     dx = d_gu = d_down = d_w = None
     if need_x or need_gu or need_w:
-        # Hopper: the Gluon SwiGLU backward reads dout copied into sorted-row order; d down then reads
-        # the same copy (one copy of dout, not two; one d down launch, not one a column chunk)
-        dout_sorted = None
-        if need_down and gluon_swiglu_applies(dout, down_proj, pre, align):
-            dout_sorted = sorted_rows(dout, align, top_k)
+        # On Hopper the SwiGLU backward copies dout into sorted rows for itself and frees the copy on
+        # return; d down, the last weight gradient, makes its own a column chunk at a time: the step's
+        # peak then holds h_w and half a copy beside the gradients, not a whole one (2-3% more time).
         grads = swiglu_backward(x, gate_up_proj, down_proj, dout, topk_weights, align, top_k, config, pre=pre,
-                                want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w,
-                                dout_sorted=dout_sorted)
+                                want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
         if release_pre and pre is not None and _owns_storage(pre):
             # Stream-ordered: the allocator hands the block on only to work queued after the read.
             pre.untyped_storage().resize_(0)
         if need_w:
             d_w = grads.topk_weights.view(topk_weights.shape).to(topk_weights.dtype)
-        # dpre_w and h_w: zeros on padding rows, as swiglu_backward writes them; one row_starts
-        starts = align.row_starts() if need_gu or need_down else None
-        # d down first: its operands (sorted dout, h_w) are freed before dx's and d gate_up's buffers
-        # exist, so the step's peak holds dpre_w and a chunk of x's copy beside the gradients, no more
-        if need_down:
-            a_down = dout if dout_sorted is None else dout_sorted
-            d_down = down_proj_grad(a_down, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
-                                    row_starts=starts, dout_by_token=dout_sorted is None)
-            a_down = dout_sorted = None
-        grads = grads._replace(h_w=None)
         if need_x:
             dx = hidden_states_grad(grads.dpre_w, gate_up_proj, topk_ids, align, config)
+        # dpre_w and h_w: zeros on padding rows, as swiglu_backward writes them; one row_starts
+        starts = align.row_starts() if need_gu or need_down else None
         if need_gu:
             d_gu = gate_up_proj_grad(grads.dpre_w, x, None, align, top_k, gate_up_proj.dtype,
                                      padding_zero=True, row_starts=starts)
+        grads = grads._replace(dpre_w=None)     # freed before d down's buffers: a lower peak
+        if need_down:
+            d_down = down_proj_grad(dout, grads.h_w, None, align, top_k, down_proj.dtype, padding_zero=True,
+                                    row_starts=starts)
     elif need_down:          # frozen everything else: h alone, unscaled, by the forward's GEMM1
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config)
         d_down = down_proj_grad(dout, h, topk_weights, align, top_k, down_proj.dtype)

@@ -304,22 +304,16 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     if gluon_tiles is not None:
         row_starts = align.row_starts() if row_starts is None else row_starts
         grad = _workspace.empty(*shape, dtype=dtype, device=a.device)
-        if not (a_by_token or b_by_token):
+        if not a_by_token:
+            b = sorted_rows(b, align, top_k) if b_by_token else b
             return gluon_wgrad(a, b, row_starts, grad, gluon_tiles)
-        # The gathered operand (d down's dout as A, d gate_up's x as B) is copied into sorted rows and
-        # reduced a column chunk at a time through one buffer: the copy held beside the weight
-        # gradients is 1 / chunks of an (L, columns) buffer.
-        by_token, along = (a, 1) if a_by_token else (b, 2)
-        width = shape[along] // gluon_chunks(shape[along], gluon_tiles.block_n if a_by_token
-                                             else gluon_tiles.block_c, GLUON_A_CHUNKS if a_by_token
-                                             else GLUON_B_CHUNKS)
+        # A by token (d down's dout): copied and reduced a column chunk at a time through one
+        # buffer, so the copy held beside both weight gradients is 1 / chunks of dout's rows.
+        width = shape[1] // gluon_a_chunks(shape[1], gluon_tiles)
         buf = None
-        for c0 in range(0, shape[along], width):
-            buf = sorted_rows(by_token[:, c0:c0 + width], align, top_k, out=buf)
-            if a_by_token:
-                gluon_wgrad(buf, b, row_starts, grad, gluon_tiles, n_base=c0)
-            else:
-                gluon_wgrad(a, buf, row_starts, grad, gluon_tiles, c_base=c0)
+        for n0 in range(0, shape[1], width):
+            buf = sorted_rows(a[:, n0:n0 + width], align, top_k, out=buf)
+            gluon_wgrad(buf, b, row_starts, grad, gluon_tiles, n_base=n0)
         return grad
     tiles = tiles or wgrad_config(max(a.element_size(), b.element_size()), a.device,
                                   rows_per_expert=align.num_pairs / shape[0])
@@ -371,26 +365,17 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
     return min(tiles.block_m, block)
 
 
-# The Gluon weight gradient copies a by-token operand into sorted rows a column chunk at a time, one
-# buffer reused, so the copy adds little to the training step's peak: d down's dout (A) in
-# GLUON_A_CHUNKS, d gate_up's x (B, copied while dpre_w and every other gradient are alive) in
-# GLUON_B_CHUNKS.
+# The Gluon weight gradient copies a by-token A operand (d down's dout, (T, H)) into sorted rows in this
+# many column chunks, one buffer reused: at 4,096 Qwen3 tokens the whole copy (150 MB) lifted the
+# step's peak above grouped_mm's; two chunks cost one more gather and kernel launch (+10% on d down).
 GLUON_A_CHUNKS = 2
-GLUON_B_CHUNKS = 8
-
-
-def gluon_chunks(size: int, tile: int, want: int) -> int:
-    """Column chunks of a by-token operand `size` columns wide: the most, up to `want`, halving,
-    whose chunks are each a whole number of `tile` columns (1 at the least)."""
-    chunks = max(want, 1)
-    while chunks > 1 and size % (chunks * tile):
-        chunks //= 2
-    return chunks
 
 
 def gluon_a_chunks(n: int, tiles: GluonWgradTiles) -> int:
-    """The column chunks of a by-token A operand with N columns (`gluon_chunks` of GLUON_A_CHUNKS)."""
-    return gluon_chunks(n, tiles.block_n, GLUON_A_CHUNKS)
+    """The column chunks of a by-token A operand with N columns: GLUON_A_CHUNKS where each chunk is
+    a whole number of tiles.block_n, else 1."""
+    chunks = max(GLUON_A_CHUNKS, 1)
+    return chunks if n % (chunks * tiles.block_n) == 0 else 1
 
 
 GLUON_WGRAD_ENV = "MOEKIT_GLUON_WGRAD"     # "0": `wgrad` never takes the Gluon kernel (read at each call)
@@ -463,34 +448,31 @@ def _gluon_descriptor(t: torch.Tensor, block: tuple[int, int]):
 
 
 def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor,
-                tiles: GluonWgradTiles, *, n_base: int = 0, c_base: int = 0) -> torch.Tensor:
+                tiles: GluonWgradTiles, *, n_base: int = 0) -> torch.Tensor:
     """out (E, N, C) = per expert e, a[rows_e]^T @ b[rows_e] in out's dtype (fp32 accumulation),
     rows_e = [row_starts[e], row_starts[e + 1]) (`gluon_wgrad_kernel`, persistent: one program an
     SM). a (L, Na) and b (L, C) in sorted-row order, bf16 or fp16, TMA-readable; zeros on every
     padding row in one, finite values in the other; row_starts int32 (E + 1,), multiples of
     tiles.block_m; out contiguous. a's columns are out's N rows [n_base, n_base + Na) (a column
-    chunk of the whole A; Na = N and n_base 0 for all of it), b's its columns [c_base, c_base + Cb)
-    likewise; tiles.block_n divides Na and n_base, tiles.block_c Cb and c_base. `wgrad` checks all
-    this first (`_gluon_wgrad_tiles`); experts with no rows get exact zeros."""
+    chunk of the whole A; Na = N and n_base 0 for all of it); tiles.block_n divides Na and n_base,
+    tiles.block_c divides C. `wgrad` checks all this first (`_gluon_wgrad_tiles`); experts with no
+    rows get exact zeros."""
     num_experts, n, c = out.shape
-    n_a, c_b = a.shape[1], b.shape[1]
-    if (n_a % tiles.block_n or n_base % tiles.block_n or c_b % tiles.block_c or c_base % tiles.block_c
-            or not 0 <= n_base <= n - n_a or not 0 <= c_base <= c - c_b):
+    n_a = a.shape[1]
+    if (b.shape[1] != c or n_a % tiles.block_n or n_base % tiles.block_n or c % tiles.block_c
+            or not 0 <= n_base <= n - n_a):
         raise ValueError(f"gluon_wgrad: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}, "
-                         f"n_base {n_base}, c_base {c_base} with {tiles.label()} tiles: need a (L, Na), "
-                         f"b (L, Cb), 0 <= n_base <= N - Na, 0 <= c_base <= C - Cb, tiles dividing Na, "
-                         "n_base, Cb and c_base")
+                         f"n_base {n_base} with {tiles.label()} tiles: need a (L, Na), b (L, C), "
+                         f"0 <= n_base <= N - Na, tiles dividing Na, n_base and C")
     if not (a.dtype == b.dtype == out.dtype and a.dtype in GLUON_WGRAD_DTYPES and out.is_contiguous()):
         raise ValueError(f"gluon_wgrad: a, b, out must share a 16-bit dtype ({a.dtype}, {b.dtype}, "
                          f"{out.dtype}), out contiguous")
     acc_n = tiles.block_n if tiles.pingpong else tiles.block_n // 2    # a warpgroup's rows (A box width)
     a_desc = _gluon_descriptor(a, (tiles.block_m, acc_n))
     b_desc = _gluon_descriptor(b, (tiles.block_m, tiles.block_c))
-    # The store rows e * N + n (n < Na) of a view starting n_base rows and c_base columns in: out's rows
-    # e * N + n_base + n, columns c_base + (0 .. Cb).
-    store = out.view(num_experts * n, c)[n_base:, c_base:c_base + c_b]
-    c_desc = _gluon_descriptor(store, (acc_n, tiles.block_c))
-    c_tiles = c_b // tiles.block_c
+    # The store rows e * N + n (n < Na) of a view starting n_base rows in: out's rows e * N + n_base + n.
+    c_desc = _gluon_descriptor(out.view(num_experts * n, c)[n_base:], (acc_n, tiles.block_c))
+    c_tiles = c // tiles.block_c
     tiles_per_expert = (n_a // tiles.block_n) * c_tiles
     num_items = num_experts * tiles_per_expert
     _gluon.gluon_wgrad_kernel[(min(num_sms(a.device), num_items),)](
