@@ -46,7 +46,7 @@ def test_transformers_is_bounded_and_safetensors_is_gone(project):
 
 def test_the_readme_s_two_set_up_commands_install_the_lab(project):
     readme = (ROOT / "README.md").read_text()
-    setup = readme.split("## Set-up: two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    setup = readme.split("## Install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in setup.strip().splitlines() if line.strip()]
     assert len(commands) == 2
     extras = project["optional-dependencies"]
