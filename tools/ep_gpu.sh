@@ -4,7 +4,7 @@
 #   tools/ep_gpu.sh [NPROC] [ep-bench arguments...]
 #
 # NPROC defaults to every visible GPU. With 2 or more GPUs the results go to
-# benchmarks/results/ep-<N>xgpu-<UTC time>/ (CSV, plot, report); COMPARE_TORCH=1 runs the bench a
+# moekit-results/ep-<N>xgpu-<UTC time>/ (CSV, plot, report); COMPARE_TORCH=1 runs the bench a
 # second time with MOEKIT_EP_TORCH=1 (plan / pack / reduce in torch ops) into <that>-torch. With one GPU it runs what one GPU
 # allows: the world of 1 (NCCL all-to-alls to itself) and the simulated group of 8 virtual ranks.
 # NVLink multicast (NVLS) stays off in NCCL and in PyTorch's symmetric memory, here and in every
@@ -19,7 +19,7 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NPROC=${1:-$(nvidia-smi -L | wc -l)}
 [[ $# -gt 0 ]] && shift
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
-OUT=benchmarks/results/ep-${NPROC}xgpu-${STAMP}
+OUT=moekit-results/ep-${NPROC}xgpu-${STAMP}
 
 echo "== GPU tests of moekit.parallel (NVLS off)"
 python -m pytest -m gpu tests/test_parallel_fused.py tests/test_placement.py tests/test_parallel.py \

@@ -1,6 +1,6 @@
 """Two launch hints of the inference kernels on Hopper and later, on by default there; each an
 environment switch read at every launch ("0" turns it off), so one process can time both settings
-side by side (`scripts/hints_compare.py`):
+side by side (`moekit sweep --set hints`):
 
     MOEKIT_PDL                  programmatic dependent launch. The router, align, GEMM1, GEMM2, sum
                                 and direct-decode kernels, and in the backward the row gathers, tile

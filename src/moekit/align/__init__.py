@@ -33,11 +33,11 @@ FUSED_MAX_PAIRS = 1024
 # scatter. Read at each call; 0 (or anything up to FUSED_MAX_PAIRS): the three launches. Not higher:
 # past 4,096 pairs every program's own histogram of all S ids costs more than the two launches it saves.
 ONE_LAUNCH_MAX_PAIRS = 4096
-# The limit the tests, scripts/align_compare.py ("one") and scripts/aot_compile_check.py set to run
-# the one-launch path whatever the default is.
+# The limit the tests and tools/aot_compile_check.py set to run the one-launch path whatever the
+# default is.
 ONE_LAUNCH_CANDIDATE = 4096
-# Experimental, for measurements (scripts/align_compare.py): the align kernels' num_warps instead of
-# the default by chunk size (None). Read at each call.
+# For variant comparisons: the align kernels' num_warps instead of the default by chunk size (None).
+# Read at each call.
 ALIGN_WARPS: int | None = None
 # The fused kernel writes the blocks' expert ids expert by expert (True, the default: one program
 # searching the experts for every block is its slowest step) or by the multi-program kernels'

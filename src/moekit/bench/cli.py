@@ -177,9 +177,8 @@ def _default_tokens(on_gpu: bool, quick: bool, backward: bool) -> tuple[int, ...
 
 def _options(args: argparse.Namespace, device: torch.device) -> Options:
     base = QUICK if args.quick else (Options() if device.type == "cuda" else CPU_DEFAULT)
-    # The CPU times warm caches (--quick too): a 64 MB flush before each sub-millisecond call doubled
-    # its time and spread two runs' medians up to 1.37x apart; without it within 1.12x
-    # (benchmarks/results/cpu/2026-11-30/cpu_stability.txt).
+    # The CPU times warm caches (--quick too): a 64 MB flush before each sub-millisecond call doubles
+    # its time and spreads two runs' medians apart.
     return replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
                    rep=args.rep if args.rep is not None else base.rep,
                    flush_l2=device.type == "cuda" and args.flush)

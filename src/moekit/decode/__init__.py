@@ -94,8 +94,8 @@ DEFAULT_DECODE = DecodeConfig()
 # tiles: more loads in flight when only one or two tokens' outputs are being produced.
 SMALL_DECODE = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
 SMALL_DECODE_PAIRS = 16
-# Candidates for the GPU comparison (scripts/tile_compare.py --set decode) and the sm_90 compile check
-# (scripts/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
+# Candidates for the GPU comparison (`moekit sweep --set decode`) and the sm_90 compile check
+# (tools/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
 # reduction step, the loops unrolled twice, GEMV2 over 8 slots at once.
 DECODE_TILES = (
     DecodeConfig.both(block_n=8, block_k=256, warps=4, stages=3),

@@ -125,8 +125,8 @@ def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k:
 
 
 OFF_GPU_SMS = 4          # persistent kernels off CUDA (the interpreter): this many programs at most
-# Experimental, for measurements (scripts/tile_compare.py --flatten): persistent kernels without paired
-# tiles fuse their tile and K loops (`tl.range(..., flatten=True)`). Read at each launch.
+# For variant comparisons: persistent kernels without paired tiles fuse their tile and K loops
+# (`tl.range(..., flatten=True)`). Read at each launch.
 PERSISTENT_FLATTEN = False
 
 

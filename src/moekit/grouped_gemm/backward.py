@@ -350,8 +350,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     return grad
 
 
-# Experimental, for measurements (scripts/wgrad_compare.py --range-max-regs): a register cap (ptxas
-# .maxnreg) on the range kernel, e.g. 128 so that two 8-warp programs fit one SM. Read at each launch.
+# For variant comparisons: a register cap (ptxas .maxnreg) on the range kernel, e.g. 128 so that two
+# 8-warp programs fit one SM. Read at each launch.
 RANGE_MAX_REGS: int | None = None
 
 

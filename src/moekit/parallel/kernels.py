@@ -27,7 +27,7 @@ the rows are copies (same bits). Written for both modes: loop bounds are kernel 
 tile's column c is read with a masked sum (`_column`), never by indexing registers; a name keeps
 its type (only constexpr `if`s assign it in two branches); a program-dependent condition enters a
 mask as a bound (`T * (pid == 0)`), since the interpreter cannot AND a vector with a scalar mask.
-`scripts/ep_compile_check.py` compiles every launch for sm_90 without a GPU.
+`tools/ep_compile_check.py` compiles every launch for sm_90 without a GPU.
 """
 
 import moekit.kernels  # noqa: F401  (first: the interpreter switch, before triton is imported)

@@ -141,14 +141,11 @@ class WgradConfig:
     lead = (stages - 1) // 2 steps ahead. At 3 or 4 stages the lead is 1 and every step waits for
     all its copies before its MMA (nothing overlaps: compiled for sm_90, `async_wait num = 0`);
     from 5 stages the next step's tiles are in flight during this step's MMA.
-    The default (H200, 16-bit): 128 x 128 output tiles, 64 rows a step, 8 warps, 3 stages, 96 KiB of
-    the pipeline's shared memory: the fastest of `moekit.bench.wgrad.CANDIDATES` at 4,096 and 16,384
-    tokens in `scripts/wgrad_compare.py` on an H200 for the unscaled launches a training step runs
-    (dpre and h come scaled by the routing weight; 2026-11-30, both launches, Qwen3-30B-A3B, bf16:
-    1.297 / 3.582 ms against 1.436 / 3.975 ms for the previous default, 128 x 256, 32 rows, 5 stages,
-    which had won the sweep of the scaled mode; `benchmarks/results/h200/2026-11-30/session5/`).
-    Without the scale both operand tiles go from global to shared memory untouched, so longer steps
-    (64 rows) with fewer stages pay off. `fit` shrinks it for wider dtypes.
+    The default (16-bit): 128 x 128 output tiles, 64 rows a step, 8 warps, 3 stages, 96 KiB of the
+    pipeline's shared memory: the fastest of `moekit.bench.wgrad.CANDIDATES` (`moekit sweep --set
+    wgrad`) at 4,096 and 16,384 tokens for the unscaled launches a training step runs (dpre and h come
+    scaled by the routing weight). Without the scale both operand tiles go from global to shared
+    memory untouched, so longer steps (64 rows) with fewer stages pay off. `fit` shrinks it for wider dtypes.
     Environment:
     MOEKIT_WGRAD_TILES="block_n=128,block_c=64,..." (fields left out keep their defaults) replaces
     the default, as given (not fitted).
@@ -227,18 +224,13 @@ WGRAD_ENV = "MOEKIT_WGRAD_TILES"
 
 
 # Wider output tiles where each expert has many rows: 128 x 256, 32 rows a step, 8 warps, 5 stages
-# (fewer operand bytes per FLOP: (128 + 256) / (128 * 256) against 2 / 128). On an H200 with both
-# launches unscaled and padding_zero (`scripts/wgrad_compare.py`, 2026-12-01, Qwen3-30B-A3B bf16):
-# 3.280 ms against 3.486 for the default at 16,384 tokens (1,024 rows an expert), 1.970 against
-# 2.053 at 8,192 (512 rows), 1.268 against 1.238 at 4,096 (256 rows); 64 rows a step: 3.446,
-# 2.060 and 1.341 ms.
+# (fewer operand bytes per FLOP: (128 + 256) / (128 * 256) against 2 / 128): faster than the
+# default from 512 rows an expert, slower below.
 WIDE_WGRAD = WgradConfig(block_n=128, block_c=256, block_m=32, warps=8, stages=5)
 WIDE_WGRAD_ROWS = 512    # rows per expert (on average) from which WIDE_WGRAD is used
 # Few rows an expert: the range kernel, a program walking 8 experts' rows with 128 x 128 tiles, 64 rows
 # a step, 4 warps, 4 stages. With one program an expert tile its loop is a step or two, all pipeline
-# fill. H200, both launches unscaled with padding_zero (`scripts/wgrad_compare.py`, 2026-12-01,
-# Qwen3-30B-A3B bf16): 0.600 ms against 0.740 for the default at 1,024 tokens (64 rows an expert);
-# level at 4,096 (1.251 against 1.235) and slower at 16,384 (3.861 against 3.472).
+# fill: faster than the default at 64 rows an expert, level at 256, slower from 1,024.
 RANGE_WGRAD = WgradConfig(block_n=128, block_c=128, block_m=64, warps=4, stages=4, experts=8)
 RANGE_WGRAD_ROWS = 128   # rows per expert (on average) below which RANGE_WGRAD is used
 
@@ -274,11 +266,9 @@ class GluonWgradTiles:
         return f"{'pp' if self.pingpong else 'coop'}_{self.block_n}x{self.block_c}_s{self.stages}"
 
 
-# H200, Qwen3-30B-A3B bf16, both launches (d gate_up + d down) with the gathered operand copied into
-# sorted rows first (`scripts/gluon_wgrad_probe.py`, 2026-12-01): at 1,024 tokens (64 rows an expert)
-# ping-pong 128 x 128, 5 stages 0.409 ms + 0.038 for the copies against 0.563 for the Triton kernels;
-# at 4,096 (256 rows) 0.577 + 0.097 against 1.183; at 16,384 (1,024 rows) cooperative 128 x 256, 3
-# stages 1.745 + 0.381 against 3.271.
+# Ping-pong 128 x 128 tiles where experts have few rows (one warpgroup's epilogue under the other's
+# main loop), cooperative 128 x 256 from GLUON_COOP_WGRAD_ROWS rows (fewer operand bytes per FLOP):
+# with the gathered operand's copy included, both beat the Triton kernels 1.3-1.8x.
 GLUON_PP_WGRAD = GluonWgradTiles(block_n=128, block_c=128, stages=5, pingpong=True)
 GLUON_COOP_WGRAD = GluonWgradTiles(block_n=128, block_c=256, stages=3, pingpong=False)
 GLUON_COOP_WGRAD_ROWS = 512    # rows per expert (on average) from which GLUON_COOP_WGRAD is used
