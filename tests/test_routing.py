@@ -77,13 +77,14 @@ def test_matches_fp32_reference_and_route_linear():
 
 
 @pytest.mark.parametrize("backend,num_experts", [("triton", 8), ("torch", 8), ("auto", 5000)])
-def test_num_valid_tokens_masks_padding_rows(backend, num_experts):
+def test_num_valid_tokens_masks_padding_rows(backend, num_experts, device):
     """Rows at or past n get id -1 and weight 0 on both backends; "auto" with more experts than the
     kernel takes (5,000 > 4,096) routes through the torch backend instead of raising."""
     logits = torch.randn(6, num_experts)
     logits[5] = NAN                                       # garbage in a padding row changes nothing
-    n = torch.tensor(4, dtype=torch.int32)
-    w, ids = topk_softmax(logits, 2, backend=backend, num_valid_tokens=n)
+    n = torch.tensor(4, dtype=torch.int32, device=device)
+    w, ids = topk_softmax(logits.to(device), 2, backend=backend, num_valid_tokens=n)
+    w, ids = w.cpu(), ids.cpu()
     w_ref, ids_ref = topk_softmax_fp32(logits[:4], 2)
     assert torch.equal(ids[:4], ids_ref) and (ids[4:] == -1).all()
     assert torch.equal(w[4:], torch.zeros(2, 2))
