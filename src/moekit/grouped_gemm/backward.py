@@ -37,11 +37,10 @@ the copy costs less than the gather it saves). $MOEKIT_GLUON_WGRAD=0 turns it of
 `_gluon_wgrad_tiles` lists every condition. So does the SwiGLU backward reading the saved
 pre-activations (`moekit.grouped_gemm.gluon_swiglu_bwd`, `gluon_swiglu_backward`: dout copied into
 sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers);
-$MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. The
-training backward makes that copy of dout once and d down reads it too (`down_proj_grad(...,
-dout_by_token=False)`: both operands sorted, one launch): three launches fewer than a copy of its
-own, made a column chunk at a time, which d down takes where it
-runs alone (the price: the copy lives until d down, which raises the step's peak memory).
+$MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. That copy of dout
+is the SwiGLU backward's own, freed on return; d down makes another a column chunk at a time
+(`GLUON_A_CHUNKS`), so no whole copy is alive beside the weight gradients (a lower peak, for one
+more gather and launch).
 
 Metadata: the forward's `Alignment` (sorted_ids (L,), expert_ids (L / block_m,), num_padded, and
 `Alignment.row_starts()` (E + 1,) for the weight gradients). Every grid is sized from
@@ -196,16 +195,14 @@ class SwigluGrads(NamedTuple):
 def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dout: torch.Tensor,
                     topk_weights: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
                     pre: torch.Tensor | None = None, want_dpre: bool = True, want_h: bool = True,
-                    want_topk_weights: bool = True, tiles: BackwardTiles | None = None,
-                    dout_sorted: torch.Tensor | None = None) -> SwigluGrads:
+                    want_topk_weights: bool = True, tiles: BackwardTiles | None = None) -> SwigluGrads:
     """The fused SwiGLU backward: g = dout[t] @ down_e, with a, b read from `pre` (L, 2I), the
     forward's [gate | up] pre-activations (`moekit.grouped_gemm.gemm1_swiglu_with_pre`), or, pre
     None, recomputed from x and gate_up_proj in the same loop over H. dpre_w and h_w are scaled by
     the routing weight (topk_weights (T, K), the forward's); d topk_weights is <g, h>. `tiles`
     (default `BackwardTiles.fit`) must match: recompute exactly when pre is None. On Hopper, reading
     pre with no tiles named, the Gluon kernel runs instead (`_gluon_swiglu_tiles` says when) on dout
-    copied into sorted-row order: `dout_sorted` when the caller made that copy (`sorted_rows(dout,
-    align, top_k)`: the training backward shares it with d down), else a copy made here."""
+    copied into sorted-row order here (`sorted_rows`), the copy freed on return."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     rows = align.sorted_ids.numel()
@@ -221,10 +218,8 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
     if gluon_tiles is not None:
-        if dout_sorted is None:
-            dout_sorted = sorted_rows(dout, align, top_k)
-        gluon_swiglu_backward(dout_sorted, down_proj, pre, topk_weights, align, gluon_tiles, dpre=dpre, h=h,
-                              part=part)
+        gluon_swiglu_backward(sorted_rows(dout, align, top_k), down_proj, pre, topk_weights, align,
+                              gluon_tiles, dpre=dpre, h=h, part=part)
     else:
         _triton_swiglu_backward(x, gate_up_proj, down_proj, dout, pre, topk_weights, align, top_k, cfg, tiles,
                                 dpre, h, part, n_tiles)
@@ -522,12 +517,6 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
     return tiles
 
 
-def gluon_swiglu_applies(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor | None,
-                         align: Alignment) -> bool:
-    """Whether `swiglu_backward` (no tiles named) runs the Gluon kernel for these inputs."""
-    return _gluon_swiglu_tiles(dout, down_proj, pre, align) is not None
-
-
 def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor,
                           topk_weights: torch.Tensor, align: Alignment, tiles: GluonSwigluTiles, *,
                           dpre: torch.Tensor | None, h: torch.Tensor | None,
@@ -597,14 +586,12 @@ def sorted_rows_torch(t: torch.Tensor, align: Alignment, top_k: int) -> torch.Te
 
 def down_proj_grad(dout: torch.Tensor, h: torch.Tensor, topk_weights: torch.Tensor | None, align: Alignment,
                    top_k: int, dtype: torch.dtype, tiles: WgradConfig | None = None, *,
-                   padding_zero: bool = False, row_starts: torch.Tensor | None = None,
-                   dout_by_token: bool = True) -> torch.Tensor:
+                   padding_zero: bool = False, row_starts: torch.Tensor | None = None) -> torch.Tensor:
     """(E, H, I): sum over each expert's rows of dout[t]^T h[r], h being h_w (already scaled:
     topk_weights None) or the unscaled h with topk_weights, (w_p dout[t])^T h[r]; experts with no
-    rows get 0. dout_by_token False: dout is already in sorted-row order (`sorted_rows`: zeros on the
-    padding rows), so neither operand is gathered."""
+    rows get 0."""
     shape = (align.tokens_per_expert.numel(), dout.shape[1], h.shape[1])
-    return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=dout_by_token,
+    return wgrad(dout, h, topk_weights, align, top_k, shape, dtype, a_by_token=True,
                  b_by_token=False, tiles=tiles, padding_zero=padding_zero, row_starts=row_starts)
 
 
