@@ -163,6 +163,15 @@ def check_experts_args(
             f"first), got {tuple(gate_up_proj.shape)}"
         )
     check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
+    check_routing_args(topk_weights, topk_ids, num_tokens, num_experts, dev,
+                       top_k_at_most_experts=top_k_at_most_experts)
+    return num_experts
+
+
+def check_routing_args(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_tokens: int, num_experts: int,
+                       dev: torch.device, *, top_k_at_most_experts: bool = True) -> None:
+    """topk_ids (T, K) int32/int64 and topk_weights (T, K) float on dev, K in [1, E] (>= 1 when
+    top_k_at_most_experts is False). Reads no tensor data."""
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=dev)
     top_k = topk_ids.shape[1]
     if topk_ids.shape[0] != num_tokens:
@@ -173,7 +182,6 @@ def check_experts_args(
                          f"{bound}, got {top_k}")
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
-    return num_experts
 
 
 def check_expert_biases(gate_up_bias: object, down_bias: object, gate_up_proj: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from moekit import _workspace, env
 from moekit._host import cdiv
 from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.launch_hints import pdl_kwargs, weight_evict
-from moekit.tuning import check_tile
+from moekit.tuning import FP8_SCALE_BLOCK, check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
 # ... and at most this many pairs per expert hit, expected under uniform routing (`expected_rereads`).
@@ -138,10 +138,23 @@ def use_decode_direct(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return expected_rereads(num_tokens, top_k, num_experts) <= DECODE_MAX_REREAD
 
 
+def _scale_args(w_scale: torch.Tensor | None, block_n: int) -> dict:
+    """The decode kernels' arguments for block-scaled FP8 weights (scales (E, N / 128, K / 128)):
+    a tile of block_n rows must lie in one 128-row scale block."""
+    if w_scale is None:
+        return {}
+    if FP8_SCALE_BLOCK % block_n:
+        raise ValueError(f"block_n {block_n} must divide {FP8_SCALE_BLOCK} for block-scaled FP8 weights")
+    return dict(ws_ptr=w_scale, stride_wse=w_scale.stride(0), stride_wsn=w_scale.stride(1),
+                stride_wsk=w_scale.stride(2), W_SCALED=True)
+
+
 def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
-                        cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                        cfg: DecodeConfig = DEFAULT_DECODE,
+                        w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """h (S, I) in x's dtype, row p = pair p (token p // K): silu(gate) * up; zeros for ids outside
-    [0, E). topk_ids (T, K) contiguous, int32 or int64."""
+    [0, E). topk_ids (T, K) contiguous, int32 or int64. w_scale: gate_up_proj is block-scaled FP8
+    data and these its (E, 2I / 128, H / 128) scales (w8a16: dequantized in registers)."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     h = _workspace.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -154,15 +167,17 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
             W_EVICT=weight_evict(x.device, topk_ids.numel()),
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device))
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device),
+            **_scale_args(w_scale, tiles.block_n))
     return h
 
 
 def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, out: torch.Tensor,
-                     cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                     cfg: DecodeConfig = DEFAULT_DECODE, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out (T, H) = fp32 sum over slots k ascending (ids in [0, E)) of w[t,k] * h[t*K+k] @ down_e^T,
-    stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous."""
+    stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous. w_scale: down_proj is
+    block-scaled FP8 data and these its (E, H / 128, I / 128) scales."""
     num_experts, hidden, inter = down_proj.shape
     num_tokens, top_k = topk_ids.shape
     if out.numel():
@@ -174,17 +189,20 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
             W_EVICT=weight_evict(h.device, topk_ids.numel()), num_warps=tiles.warps, num_stages=tiles.stages,
-            **pdl_kwargs(h.device))
+            **pdl_kwargs(h.device), **_scale_args(w_scale, tiles.block_n))
     return out
 
 
 def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                   cfg: DecodeConfig | None = None) -> torch.Tensor:
-    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles)."""
+                   cfg: DecodeConfig | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> torch.Tensor:
+    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles).
+    scales: the weights are block-scaled FP8 data and these their (gate_up, down) block scales."""
     cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
-    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg)
-    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg)
+    gs, ds = (None, None) if scales is None else scales
+    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, gs)
+    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, ds)
 
 
 def _valid(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

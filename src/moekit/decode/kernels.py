@@ -30,19 +30,28 @@ import triton.language as tl
 
 from moekit.kernels.pdl import pdl_enter
 
+SCALE_BLOCK: tl.constexpr = 128
+
 
 @triton.jit
 def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, s_ptr=None,
+              stride_sk=0, W_SCALED: tl.constexpr = False):
     """acc [BN, BK] fp32 += W[:, k0:k0+BK] * v[k0:k0+BK] (broadcast over rows); past K reads 0.
-    W_EVICT: the weight loads' eviction policy (`moekit.launch_hints.weight_evict`)."""
+    W_EVICT: the weight loads' eviction policy (`moekit.launch_hints.weight_evict`). W_SCALED: W is
+    block-scaled FP8 and s_ptr its scales' row for these rows (one 128-row block): v is multiplied by
+    the scale of each column's 128-column block first."""
     rk = k0 + tl.arange(0, BLOCK_K)
     if EVEN_K:
         v = tl.load(v_ptrs + rk * stride_vk)
+        if W_SCALED:
+            v = v.to(tl.float32) * tl.load(s_ptr + (rk // SCALE_BLOCK) * stride_sk)
         w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None], other=0.0, eviction_policy=W_EVICT)
     else:
         k_in = rk < K
         v = tl.load(v_ptrs + rk * stride_vk, mask=k_in, other=0.0)
+        if W_SCALED:
+            v = v.to(tl.float32) * tl.load(s_ptr + (rk // SCALE_BLOCK) * stride_sk, mask=k_in, other=0.0)
         w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0,
                     eviction_policy=W_EVICT)
     return acc + w.to(tl.float32) * v.to(tl.float32)[None, :]
@@ -54,6 +63,7 @@ def decode_gemm1_swiglu_kernel(
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr = 1, W_EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False,
+    ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, W_SCALED: tl.constexpr = False,
 ):
     # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
     # USE_PDL: launched with programmatic dependent launch (`moekit.kernels.pdl`).
@@ -69,13 +79,19 @@ def decode_gemm1_swiglu_kernel(
         x_row = x_ptr + tok * stride_xt
         g_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn   # [BN, 1]
         u_ptrs = g_ptrs + N * stride_wn
+        if W_SCALED:    # BLOCK_N divides 128: the tile's rows share one row of block scales
+            gs_row = ws_ptr + e.to(tl.int64) * stride_wse + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
+            us_row = gs_row + (N // SCALE_BLOCK) * stride_wsn
+        else:
+            gs_row = ws_ptr
+            us_row = ws_ptr
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
-                              W_EVICT)
+                              W_EVICT, gs_row, stride_wsk, W_SCALED)
             acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
-                              W_EVICT)
+                              W_EVICT, us_row, stride_wsk, W_SCALED)
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
         h = gate * tl.sigmoid(gate) * up                                    # silu(gate) * up, fp32
@@ -87,10 +103,13 @@ def decode_gemm1_swiglu_kernel(
 def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, UNROLL: tl.constexpr, W_EVICT: tl.constexpr):
+                EVEN_K: tl.constexpr, UNROLL: tl.constexpr, W_EVICT: tl.constexpr, scales,
+                W_SCALED: tl.constexpr):
     """out [BN] += the weighted rows of slots s0 .. s0 + SLOTS - 1, computed together (one
     [SLOTS, BN, BK] step loads every slot's weight tile: more bytes in flight), added in ascending
-    slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0."""
+    slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0. W_SCALED: the
+    weights are block-scaled FP8, scales = (their scales at these rows' block of expert 0, the
+    expert and column-block strides); each slot's row of h is multiplied by its expert's scales."""
     rs = tl.arange(0, SLOTS)
     slot = s0 + rs
     pair = tok * TOP_K + slot
@@ -113,7 +132,13 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
             v = tl.load(h_rows + rk[None, :] * stride_hk, mask=valid[:, None] & k_in[None, :], other=0.0)
             w = tl.load(d_rows + rk[None, None, :] * stride_wk, mask=row_in & k_in[None, None, :], other=0.0,
                         eviction_policy=W_EVICT)
-        acc += w.to(tl.float32) * v.to(tl.float32)[:, None, :]
+        v = v.to(tl.float32)
+        if W_SCALED:
+            ws_row, stride_wse, stride_wsk = scales
+            s_ptrs = ws_row + e[:, None] * stride_wse
+            v = v * tl.load(s_ptrs + (rk // SCALE_BLOCK)[None, :] * stride_wsk, mask=valid[:, None],
+                            other=0.0)
+        acc += w.to(tl.float32) * v[:, None, :]
     part = tl.sum(acc, axis=2) * wt[:, None]                                               # [S, BN]
     for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
         out += tl.sum(tl.where(rs[:, None] == j, part, 0.0), axis=0)
@@ -126,7 +151,8 @@ def decode_gemm2_sum_kernel(
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ot, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1, W_EVICT: tl.constexpr = "",
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0,
+    W_SCALED: tl.constexpr = False,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
     # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
@@ -137,10 +163,15 @@ def decode_gemm2_sum_kernel(
     n_in = rn < N
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if SLOTS > 1:
+        if W_SCALED:    # BLOCK_N divides 128: one row of block scales per expert
+            ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
+        else:
+            ws_row = ws_ptr
         for s0 in range(0, TOP_K, SLOTS):
             out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                               stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
-                              BLOCK_K, EVEN_K, UNROLL, W_EVICT)
+                              BLOCK_K, EVEN_K, UNROLL, W_EVICT, (ws_row, stride_wse, stride_wsk),
+                              W_SCALED)
     else:
         for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
             pair = tok * TOP_K + slot
@@ -149,10 +180,15 @@ def decode_gemm2_sum_kernel(
                 wt = tl.load(topk_weights_ptr + pair).to(tl.float32)
                 h_row = h_ptr + pair * stride_hm
                 d_ptrs = w_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+                if W_SCALED:    # BLOCK_N divides 128: one row of block scales
+                    s_row = (ws_ptr + e.to(tl.int64) * stride_wse
+                             + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn)
+                else:
+                    s_row = ws_ptr
                 acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
                     acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K,
-                                    W_EVICT)
+                                    W_EVICT, s_row, stride_wsk, W_SCALED)
                 out += tl.sum(acc, axis=1) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)

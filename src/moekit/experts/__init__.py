@@ -48,20 +48,24 @@ from moekit._validation import (
 )
 from moekit.activation import SWIGLU, GatedActivation, as_activation
 from moekit.align import pack_alignment, packed_bound, packed_size, padded_length, pre_rows_bound
+from moekit.experts.fp8 import experts_loop_fp8, experts_triton_fp8, moe_experts_fp8
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
 from moekit.experts.registry import (
+    CONFIG_FIELDS,
     MATH_OPTIONS,
     Backend,
     ExpertsOptions,
     backend_names,
+    config_of_ints,
     get_backend,
     register_backend,
 )
 from moekit.experts.triton import auto_config, experts_triton, experts_triton_grads, experts_triton_train
-from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
+from moekit.quant import Fp8Weight
+from moekit.tuning import ExpertsConfig
 
 __all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
            "has_backward", "moe_experts", "register_backend", "resolve_backend"]
@@ -75,7 +79,9 @@ register_backend(Backend(
     "loop",
     lambda x, gu, d, w, ids, opts, out: _into(out, experts_loop(x, gu, d, w, ids, **opts.math_kwargs())),
     "a Python loop over the experts hit, as Transformers' eager code (one sync per expert)",
-    options=MATH_OPTIONS))
+    options=MATH_OPTIONS,
+    run_fp8=lambda x, gu, d, w, ids, opts, out, ue8m0: experts_loop_fp8(x, gu, d, w, ids, out=out,
+                                                                        ue8m0=ue8m0)))
 register_backend(Backend(
     "padded",
     lambda x, gu, d, w, ids, opts, out: _into(out, experts_padded(
@@ -95,7 +101,9 @@ register_backend(Backend(
     "moekit's fused grouped GEMMs: gather on load, SwiGLU and routing weight fused, scatter on store",
     capturable=True, backward_devices=frozenset({"cpu", "cuda"}),
     options=frozenset({"config"}) | MATH_OPTIONS, backward_options=frozenset({"config"}),
-    default_config=auto_config))
+    default_config=auto_config,
+    run_fp8=lambda x, gu, d, w, ids, opts, out, ue8m0: experts_triton_fp8(
+        x, gu, d, w, ids, config=opts.config, out=out, ue8m0=ue8m0)))
 register_backend(Backend(
     "masked",
     lambda x, gu, d, w, ids, opts, out: experts_masked(
@@ -171,6 +179,7 @@ def moe_experts(
     down_bias: torch.Tensor | None = None,
     activation: str | GatedActivation | None = None,
     interleaved: bool = False,
+    ue8m0_scales: bool = False,
 ) -> torch.Tensor:
     """Run the experts: out[t] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k].
 
@@ -179,8 +188,11 @@ def moe_experts(
 
     Args:
         hidden_states: (T, H) float32, float16 or bfloat16.
-        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), same dtype and device.
-        down_proj: (E, H, I).
+        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), same dtype and device; or a
+            `moekit.quant.Fp8Weight` (block-scaled float8 e4m3, `moekit.quant.quantize_experts`):
+            FP8 experts, inference only, on backends triton and loop (`Backend.run_fp8`), with no
+            capacity_factor, stats, biases or other activation.
+        down_proj: (E, H, I), dense or `Fp8Weight` as gate_up_proj.
         topk_weights: (T, K) routing weights (any float dtype; applied in fp32 by triton).
         topk_ids: (T, K) int32 or int64 expert ids.
         backend: "auto" or one of `BACKENDS`. A call that needs gradients runs only on a backend
@@ -202,10 +214,20 @@ def moe_experts(
         interleaved: gate_up_proj's rows alternate gate, up (gpt-oss) instead of [gate; up].
             Backends: all but masked. The triton backward has none of these: with them, a call
             that needs gradients runs on grouped_mm / loop under "auto" and raises for "triton".
+        ue8m0_scales: FP8 weights: the activations' per-128-channel scales are powers of two.
 
     Returns:
         (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
     """
+    if isinstance(gate_up_proj, Fp8Weight) or isinstance(down_proj, Fp8Weight):
+        given = {"capacity_factor": capacity_factor, "stats": stats, "gate_up_bias": gate_up_bias,
+                 "down_bias": down_bias, "activation": activation, "interleaved": interleaved or None}
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: not available with FP8 weights")
+        return moe_experts_fp8(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
+                               backend=backend, config=config, ignore_invalid_ids=ignore_invalid_ids,
+                               validate=validate, out=out, ue8m0=ue8m0_scales)
     num_experts = check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                      top_k_at_most_experts=not ignore_invalid_ids)
     if (config is None and capacity_factor is None and stats is None and gate_up_bias is None
@@ -257,24 +279,10 @@ def moe_experts(
 
 
 _NO_OPTIONS = ExpertsOptions()
-CONFIG_FIELDS = tuple(ExpertsConfig.__dataclass_fields__)
 # Backends the custom op differentiates. A custom op's body runs below autograd, so another backend
 # cannot be recomputed under autograd there: under torch.compile those are traced instead.
 OP_BACKWARD_BACKENDS = frozenset({"triton"})
-
-
-def _config_of(config: list[int] | None) -> ExpertsConfig | None:
-    """An op's int list back to an ExpertsConfig: fields in order, trailing ones at their defaults."""
-    if config is None:
-        return None
-    if len(config) > len(CONFIG_FIELDS):
-        raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
-                         f"got {len(config)}")
-    values = dict(zip(CONFIG_FIELDS, config))
-    for name in SWITCH_FIELDS:             # a switch travels as 0 or 1
-        if name in values and values[name] in (0, 1):
-            values[name] = bool(values[name])
-    return ExpertsConfig(**values)
+_config_of = config_of_ints
 
 
 def _op_options(gate_up_proj: torch.Tensor, config: list[int] | None, gate_up_bias: torch.Tensor | None,
@@ -284,7 +292,7 @@ def _op_options(gate_up_proj: torch.Tensor, config: list[int] | None, gate_up_bi
     check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
     math = ExpertsOptions.math(gate_up_bias, down_bias, GatedActivation(activation, alpha, limit),
                                interleaved)
-    return ExpertsOptions(_config_of(config), **math)
+    return ExpertsOptions(config_of_ints(config), **math)
 
 
 @torch.library.custom_op(
@@ -346,7 +354,7 @@ def _experts_train_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, d
     bounded = config is None     # sizes from bounds: the fake cannot know the tuned block_m
     pre_rows = pre_rows_bound(num_pairs, num_experts) if bounded and store_pre else None
     out, pre, align = experts_triton_train(hidden_states.contiguous(), gate_up_proj, down_proj, topk_weights,
-                                           topk_ids, config=_config_of(config), store_pre=store_pre,
+                                           topk_ids, config=config_of_ints(config), store_pre=store_pre,
                                            pre_rows=pre_rows)
     if pre is None:
         pre = hidden_states.new_empty(0, gate_up_proj.shape[1])
@@ -375,7 +383,7 @@ def _saved_sizes(hidden_states, gate_up_proj, topk_ids, config, store_pre):
     sizes (an op with unbacked output sizes broke CUDA-graph trees under mode="reduce-overhead")."""
     num_tokens, top_k = topk_ids.shape
     num_pairs, num_experts = num_tokens * top_k, gate_up_proj.shape[0]
-    cfg = _config_of(config)
+    cfg = config_of_ints(config)
     if cfg is None:
         rows = pre_rows_bound(num_pairs, num_experts) if store_pre else 0
         return rows, packed_bound(num_pairs, num_experts)
@@ -412,7 +420,7 @@ def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, ga
         grads = [torch.zeros_like(t) if need else None for t, need in zip(inputs, needs)]
     else:
         grads = list(experts_triton_grads(grad_out, *inputs, topk_ids, tuple(needs),
-                                          config=_config_of(config), alignment=alignment, pre=pre))
+                                          config=config_of_ints(config), alignment=alignment, pre=pre))
     return [g.contiguous() if g is not None else t.new_empty(0) for g, t in zip(grads, inputs)]
 
 

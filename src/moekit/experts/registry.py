@@ -18,7 +18,7 @@ import torch
 
 from moekit._validation import FLOAT_DTYPES
 from moekit.activation import SWIGLU, GatedActivation
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
 
 # The options that change what an expert computes (`moekit.activation`), not how it is run.
 MATH_OPTIONS = frozenset({"gate_up_bias", "down_bias", "activation", "interleaved"})
@@ -71,6 +71,23 @@ class ExpertsOptions:
 _OPTION_NAMES = tuple(f.name for f in fields(ExpertsOptions))
 
 
+CONFIG_FIELDS = tuple(ExpertsConfig.__dataclass_fields__)   # a config as the custom ops' int list
+
+
+def config_of_ints(config: list[int] | None) -> ExpertsConfig | None:
+    """An op's int list back to an ExpertsConfig: fields in order, trailing ones at their defaults."""
+    if config is None:
+        return None
+    if len(config) > len(CONFIG_FIELDS):
+        raise ValueError(f"config: at most {len(CONFIG_FIELDS)} values ({', '.join(CONFIG_FIELDS)}), "
+                         f"got {len(config)}")
+    values = dict(zip(CONFIG_FIELDS, config))
+    for name in SWITCH_FIELDS:             # a switch travels as 0 or 1
+        if name in values and values[name] in (0, 1):
+            values[name] = bool(values[name])
+    return ExpertsConfig(**values)
+
+
 RunFn = Callable[..., torch.Tensor]
 
 
@@ -94,6 +111,9 @@ class Backend:
             takes when given none, as default_config(rows, gate_up_proj, top_k, dtype, device); a
             caller that splits one call into chunks passes the whole call's to each (same tiles,
             same summation order); None: the tiles do not follow the rows.
+        run_fp8: run_fp8(x, gate_up, down, topk_weights, topk_ids, options, out, ue8m0) -> (T, H)
+            for block-scaled FP8 weights (`moekit.quant.Fp8Weight`, inference only); None: the
+            backend takes no FP8 weights.
     """
 
     name: str
@@ -106,6 +126,7 @@ class Backend:
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     backward_options: frozenset[str] | None = None
     default_config: Callable[..., ExpertsConfig] | None = None
+    run_fp8: RunFn | None = None
 
     def has_backward(self, device: torch.device, options: ExpertsOptions | None = None) -> bool:
         return device.type in self.backward_devices and not self.no_backward_for(options)
@@ -154,12 +175,13 @@ def capability_table() -> str:
     def names(opts: frozenset[str] | None) -> str:
         return ", ".join(f"`{n}`" for n in _OPTION_NAMES if n in opts) if opts else "–"
 
-    lines = ["| backend | what it is | CUDA graph | backward on | options | options its backward takes |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| backend | what it is | CUDA graph | backward on | FP8 weights | options "
+             "| options its backward takes |",
+             "|---|---|---|---|---|---|---|"]
     for b in _REGISTRY.values():
         grad = ", ".join(sorted(b.backward_devices)) or "–"
         back = "–" if not b.backward_devices else "all" if b.backward_options is None else names(
             b.backward_options & b.options)
         lines.append(f"| `{b.name}` | {b.description} | {'yes' if b.capturable else 'no'} | {grad} | "
-                     f"{names(b.options)} | {back} |")
+                     f"{'yes' if b.run_fp8 else 'no'} | {names(b.options)} | {back} |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,179 @@
+"""The expert path on block-scaled FP8 weights (`moekit.quant.Fp8Weight`), inference only.
+
+    triton, T * K above the decode bound     x quantized per token per 128 channels (one launch)
+                                             -> align -> GEMM1 fp8 (SwiGLU, h quantized in its
+                                             epilogue) -> GEMM2 fp8 (routing weight) -> slot sum
+    triton, few pairs (`moekit.decode`)      the two decode kernels on the e4m3 weights, scaled in
+                                             registers (w8a16: at decode sizes the weight bytes are
+                                             the cost, and bf16 activations lose nothing)
+    loop                                     the fp32 twin (`experts_fp8_torch`), any device
+
+`moe_experts` routes a call whose weights are `Fp8Weight`s here through the backend registry (a
+backend's `run_fp8`); under torch.compile it is the `moekit::experts_fp8` custom op. No host sync,
+CUDA-graph safe; fresh buffers for every intermediate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moekit import _workspace
+from moekit._validation import (
+    FLOAT_DTYPES,
+    MAX_TRITON_EXPERTS,
+    check_expert_ids_in_range,
+    check_out,
+    check_routing_args,
+    check_tensor,
+    check_triton_device,
+    needs_grad,
+)
+from moekit.align import align_block_size
+from moekit.decode import experts_decode, use_decode_direct
+from moekit.experts.registry import CONFIG_FIELDS, ExpertsOptions, backend_names, config_of_ints, get_backend
+from moekit.grouped_gemm import moe_sum
+from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
+from moekit.quant import FP8_DTYPE, Fp8Weight, check_fp8_scales, check_fp8_weight, quantize_rows
+from moekit.shapes import MoEShape
+from moekit.tuning import ExpertsConfig, check_fp8_config, get_config
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_of(num_experts: int, hidden: int, inter: int, top_k: int) -> MoEShape:
+    return MoEShape(num_experts, hidden, inter, top_k)
+
+
+def fp8_config(num_tokens: int, gate_up: Fp8Weight, top_k: int, device: torch.device) -> ExpertsConfig:
+    """The tiles a call on num_tokens rows runs with when given none: the device's tuned FP8 entry
+    (tables keyed dtype=float8_e4m3fn), else the default tiles made fit for FP8."""
+    num_experts, two_i, hidden = gate_up.shape
+    shape = _shape_of(num_experts, hidden, two_i // 2, min(top_k, num_experts))
+    return check_fp8_config(get_config(shape, num_tokens, FP8_DTYPE, device))
+
+
+def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, *, top_k_at_most_experts: bool = True,
+                           allow_standin: bool = False) -> int:
+    """The bf16 contract's checks with both weights `Fp8Weight`s on x's device, gate_up (E, 2I, H) and
+    down (E, H, I), H and I divisible by 128; returns E. Reads no tensor data."""
+    check_tensor("hidden_states", x, ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens, hidden = x.shape
+    gate_up = check_fp8_weight("gate_up_proj", gate_up, device=x.device, allow_standin=allow_standin)
+    num_experts, two_i, h_in = gate_up.shape
+    if h_in != hidden or two_i % 2:
+        raise ValueError(f"gate_up_proj must have shape (E, 2*I, H={hidden}) (Transformers layout, gate rows "
+                         f"first), got {tuple(gate_up.shape)}")
+    check_fp8_weight("down_proj", down, shape=(num_experts, hidden, two_i // 2), device=x.device,
+                     allow_standin=allow_standin)
+    check_routing_args(topk_weights, topk_ids, num_tokens, num_experts, x.device,
+                       top_k_at_most_experts=top_k_at_most_experts)
+    return num_experts
+
+
+def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, *, config: ExpertsConfig | None = None,
+                       out: torch.Tensor | None = None, ue8m0: bool = False) -> torch.Tensor:
+    """(T, H) in x's dtype: the FP8 expert path on the Triton kernels (module docstring). config:
+    the grouped path's tiles (`moekit.tuning.check_fp8_config`); given, the decode path is not taken.
+    ue8m0: the activations' and h's scales are powers of two."""
+    check_triton_device("hidden_states", x)
+    if needs_grad(x, topk_weights):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
+    if out is None:
+        out = _workspace.empty_like(x)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = gate_up.shape[0]
+    if num_tokens == 0:
+        return out
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    if config is None and use_decode_direct(num_tokens, top_k, num_experts):
+        return experts_decode(x, gate_up.data, down.data, weights, ids, out,
+                              scales=(gate_up.scale, down.scale))
+    cfg = fp8_config(num_tokens, gate_up, top_k, x.device) if config is None else check_fp8_config(config)
+    xq, xs = quantize_rows(x, ue8m0=ue8m0, dtype=gate_up.data.dtype)
+    align = align_block_size(ids, num_experts, cfg.block_m,
+                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
+    hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0)
+    y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype)
+    return moe_sum(y, ids, num_experts, out)
+
+
+def experts_loop_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
+                     ue8m0: bool = False) -> torch.Tensor:
+    """The fp32 twin, rounded to x's dtype: the FP8 path on any device (a loop over the experts hit)."""
+    if needs_grad(x, topk_weights):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
+    result = experts_fp8_torch(x, gate_up, down, topk_weights, topk_ids, ue8m0=ue8m0).to(x.dtype)
+    return result if out is None else out.copy_(result)
+
+
+def moe_experts_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, *, backend: str = "auto", config: ExpertsConfig | None = None,
+                    ignore_invalid_ids: bool = False, validate: bool | None = None,
+                    out: torch.Tensor | None = None, ue8m0: bool = False) -> torch.Tensor:
+    """`moekit.moe_experts` for `Fp8Weight` weights: checks, then the backend's `run_fp8` ("auto":
+    triton on CUDA, loop elsewhere); under torch.compile the `moekit::experts_fp8` op."""
+    num_experts = check_fp8_experts_args(x, gate_up, down, topk_weights, topk_ids,
+                                         top_k_at_most_experts=not ignore_invalid_ids)
+    name = ("triton" if x.device.type == "cuda" else "loop") if backend == "auto" else backend
+    impl = get_backend(name)
+    if impl.run_fp8 is None:
+        takers = [n for n in backend_names() if get_backend(n).run_fp8 is not None]
+        raise ValueError(f"backend={name!r} takes no FP8 weights; backends that do: {takers}")
+    if config is not None and "config" not in impl.options:
+        raise ValueError(f"config applies to backend='triton', not backend={name!r}")
+    if needs_grad(x, topk_weights):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
+    compiling = torch.compiler.is_compiling()
+    if validate is None:
+        validate = x.device.type == "cpu" and not compiling
+    if validate:        # reads the ids and scales: a host sync on CUDA, so on the CPU by default
+        check_fp8_scales("gate_up_proj", gate_up)
+        check_fp8_scales("down_proj", down)
+        if not ignore_invalid_ids:
+            check_expert_ids_in_range(topk_ids, num_experts)
+    if out is not None:
+        check_out(out, x, {"hidden_states": x, "topk_weights": topk_weights, "topk_ids": topk_ids,
+                           "gate_up_proj": gate_up.data, "down_proj": down.data})
+    if x.shape[0] == 0:
+        return out if out is not None else torch.empty_like(x)
+    if compiling:
+        cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]
+        result = torch.ops.moekit.experts_fp8(x, gate_up.data, gate_up.scale, down.data, down.scale,
+                                              topk_weights, topk_ids, name, cfg, ue8m0)
+        return result if out is None else out.copy_(result)
+    return impl.run_fp8(x, gate_up, down, topk_weights, topk_ids, ExpertsOptions(config=config), out, ue8m0)
+
+
+@torch.library.custom_op(
+    "moekit::experts_fp8", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale, "
+           "Tensor topk_weights, Tensor topk_ids, str backend, int[]? config, bool ue8m0=False) -> Tensor",
+)
+def _experts_fp8_op(hidden_states: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+                    down: torch.Tensor, down_scale: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, backend: str, config: list[int] | None,
+                    ue8m0: bool = False) -> torch.Tensor:
+    """The FP8 dispatch as one opaque node (inference only). Ids outside [0, E) contribute 0."""
+    gu, dn = Fp8Weight(gate_up, gate_up_scale), Fp8Weight(down, down_scale)
+    check_fp8_experts_args(hidden_states, gu, dn, topk_weights, topk_ids, top_k_at_most_experts=False)
+    x = hidden_states.contiguous()
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
+    options = ExpertsOptions(config=config_of_ints(config))
+    return get_backend(backend).run_fp8(x, gu, dn, topk_weights, topk_ids, options, None, ue8m0).contiguous()
+
+
+@_experts_fp8_op.register_fake
+def _experts_fp8_fake(hidden_states, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids,
+                      backend, config, ue8m0=False):
+    check_fp8_experts_args(hidden_states, Fp8Weight(gate_up, gate_up_scale), Fp8Weight(down, down_scale),
+                           topk_weights, topk_ids, top_k_at_most_experts=False)
+    return hidden_states.new_empty(hidden_states.shape)

@@ -1,0 +1,114 @@
+"""Block-scaled FP8 grouped GEMMs (w8a8): launchers beside their pure-PyTorch twins.
+
+    gemm1_swiglu_fp8   xq (T, H), xs (T, H / 128), gate_up `Fp8Weight` -> hq (L, I), hs (L, I / 128)
+    gemm2_weighted_fp8 hq, hs, down `Fp8Weight`, routing weights -> y (S, H) in the output dtype
+    experts_fp8_torch  the whole expert path in fp32 with the same quantization (the oracle)
+
+Kernels: `moekit.grouped_gemm.fp8_kernels`. The launch, tile loop and alignment are the bf16 path's
+(`moekit.grouped_gemm._launch`), with the tiles `moekit.tuning.check_fp8_config` admits. The
+quantized operands are e4m3, or float16 stand-ins holding e4m3 values (`moekit.quant`); the
+activations' dtype follows the weights'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit import _workspace
+from moekit._host import cdiv
+from moekit.align import Alignment
+from moekit.grouped_gemm import _launch, _placed_rows
+from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
+from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, dequantize_rows, quantize_rows_torch
+from moekit.tuning import ExpertsConfig, check_fp8_config
+
+
+def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment, top_k: int,
+                     cfg: ExpertsConfig, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq (L, I) in xq's dtype, hs (L, I / 128) float32): silu(gate) * up of each sorted row,
+    quantized per 128 columns; padding rows zeros."""
+    check_fp8_config(cfg)
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    rows = align.sorted_ids.numel()
+    hq = _workspace.empty(rows, inter, dtype=xq.dtype, device=xq.device)
+    hs = _workspace.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=xq.device)
+    n_tiles = inter // cfg.block_n1
+    w, ws = gate_up.data, gate_up.scale
+    args = (xq, w, hq, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
+            align.num_pairs, inter, hidden, n_tiles,
+            xq.stride(0), xq.stride(1), *w.stride(), hq.stride(0), hq.stride(1),
+            xs, xs.stride(0), xs.stride(1), ws, *ws.stride(), hs, hs.stride(0))
+    _launch(moe_gemm1_fp8_kernel, align.max_blocks, n_tiles, cfg, xq.device, args, dict(
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
+        PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, PERSISTENT=cfg.persistent,
+        num_warps=cfg.warps1, num_stages=cfg.stages1))
+    return hq, hs
+
+
+def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,
+                       align: Alignment, cfg: ExpertsConfig, out_dtype: torch.dtype) -> torch.Tensor:
+    """y (S, H) in out_dtype: (hq_row @ down_e^T, dequantized) * routing weight at each pair's row."""
+    check_fp8_config(cfg)
+    num_experts, hidden, inter = down.shape
+    y = _workspace.empty(align.num_pairs, hidden, dtype=out_dtype, device=hq.device)
+    n_tiles = cdiv(hidden, cfg.block_n2)
+    w, ws = down.data, down.scale
+    args = (hq, w, y, topk_weights, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
+            align.num_pairs, hidden, inter, n_tiles,
+            hq.stride(0), hq.stride(1), *w.stride(), y.stride(0), y.stride(1),
+            hs, hs.stride(0), hs.stride(1), ws, *ws.stride())
+    _launch(moe_gemm2_fp8_kernel, align.max_blocks, n_tiles, cfg, hq.device, args, dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
+        PAIRED=cfg.pair_blocks == 2, PERSISTENT=cfg.persistent, num_warps=cfg.warps2, num_stages=cfg.stages2))
+    return y
+
+
+def gemm1_swiglu_fp8_torch(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment,
+                           top_k: int, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `gemm1_swiglu_fp8`: fp32 on the dequantized operands, h quantized as the kernel's
+    epilogue does; (hq in xq's dtype, hs); padding rows zeros (scale: the floor)."""
+    x = dequantize_rows(xq, xs)
+    w = gate_up.dequantize()
+    inter = gate_up.shape[1] // 2
+    h = torch.zeros(align.sorted_ids.numel(), inter, dtype=torch.float32, device=xq.device)
+    rows, pair, expert = _placed_rows(align)
+    for e in expert.unique().tolist():
+        sel = expert == e
+        gate, up = (x[pair[sel] // top_k] @ w[e].T).chunk(2, dim=-1)
+        h[rows[sel]] = torch.nn.functional.silu(gate) * up
+    return quantize_rows_torch(h, ue8m0=ue8m0, dtype=xq.dtype)
+
+
+def gemm2_weighted_fp8_torch(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,
+                             align: Alignment) -> torch.Tensor:
+    """Twin of `gemm2_weighted_fp8` in fp32: y (S, H), rows of unplaced pairs 0."""
+    h = dequantize_rows(hq, hs)
+    w = down.dequantize()
+    y = torch.zeros(align.num_pairs, down.shape[1], dtype=torch.float32, device=hq.device)
+    rows, pair, expert = _placed_rows(align)
+    weights = topk_weights.reshape(-1).float()
+    for e in expert.unique().tolist():
+        sel = expert == e
+        y[pair[sel]] = (h[rows[sel]] @ w[e].T) * weights[pair[sel], None]
+    return y
+
+
+def experts_fp8_torch(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, *, ue8m0: bool = False) -> torch.Tensor:
+    """The FP8 expert path in fp32 (T, H): x quantized per row per 128 columns, the weights
+    dequantized, silu(gate) * up quantized per row per 128 columns, the down projection, the routing
+    weight and the sum over the slots with an id in [0, E). The oracle of the FP8 kernels."""
+    num_experts = gate_up.shape[0]
+    xd = dequantize_rows(*quantize_rows_torch(x, ue8m0=ue8m0))
+    wg, wd = gate_up.dequantize(), down.dequantize()
+    out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in ids.unique().tolist():
+        if not 0 <= e < num_experts:
+            continue
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        gate, up = (xd[tok] @ wg[e].T).chunk(2, dim=-1)
+        h = dequantize_rows(*quantize_rows_torch(torch.nn.functional.silu(gate) * up, ue8m0=ue8m0))
+        out.index_add_(0, tok, (h @ wd[e].T) * topk_weights[tok, slot].float()[:, None])
+    return out

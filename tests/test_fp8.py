@@ -1,0 +1,360 @@
+"""Block-scaled FP8 experts: the quantizers, the FP8 grouped GEMMs and decode kernels against their
+fp32 twins, the whole path against the fp32 oracle (`experts_fp8_torch`) within 2x the error of
+plain PyTorch in the same dtype with the same quantization, the bad-input contract, torch.compile.
+
+On the CPU the kernels run under Triton's interpreter on float16 stand-ins holding e4m3 values
+(`moekit.quant.STANDIN_DTYPE`: the interpreter has no e4m3 dot); tests marked gpu run real e4m3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import rel_err
+from moekit import _workspace, moe_experts
+from moekit.align import align_block_size
+from moekit.decode import (
+    DecodeConfig,
+    GemvTiles,
+    decode_gemm1_swiglu_torch,
+    decode_gemm2_sum_torch,
+    experts_decode,
+    use_decode_direct,
+)
+from moekit.experts.fp8 import experts_triton_fp8
+from moekit.grouped_gemm.fp8 import (
+    experts_fp8_torch,
+    gemm1_swiglu_fp8,
+    gemm1_swiglu_fp8_torch,
+    gemm2_weighted_fp8,
+    gemm2_weighted_fp8_torch,
+)
+from moekit.quant import (
+    FP8_DTYPE,
+    STANDIN_DTYPE,
+    Fp8Weight,
+    check_fp8_scales,
+    dequantize_rows,
+    quantize_experts,
+    quantize_rows,
+    quantize_rows_torch,
+)
+from moekit.tuning import ExpertsConfig, check_fp8_config, fp8_tiles
+
+HAS_CUDA = torch.cuda.is_available()
+E4M3_MAX = 448.0
+
+
+def standin(w: Fp8Weight) -> Fp8Weight:
+    """The same e4m3 values held in float16 (exact), for the interpreter's kernels."""
+    return Fp8Weight(w.data.to(STANDIN_DTYPE), w.scale)
+
+
+def make_weights(num_experts, hidden, inter, device="cpu", *, ue8m0=False):
+    gu = torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5
+    dn = torch.randn(num_experts, hidden, inter, device=device) / inter**0.5
+    return quantize_experts(gu, ue8m0=ue8m0), quantize_experts(dn, ue8m0=ue8m0)
+
+
+def routing(num_tokens, num_experts, top_k, *, dtype=torch.int32, device="cpu", empty_expert=True):
+    """(weights, ids): K distinct experts per token; the last expert gets none when K < E."""
+    pool = num_experts - 1 if empty_expert and top_k < num_experts else num_experts
+    ids = torch.rand(num_tokens, pool).argsort(dim=1)[:, :top_k].to(dtype).contiguous()
+    return torch.rand(num_tokens, top_k).to(device), ids.to(device)
+
+
+# ---- plain PyTorch in x's dtype, with its own quantizer (no moekit code): the 2x rule's baseline
+
+
+def _quant_rows_plain(v: torch.Tensor) -> torch.Tensor:
+    """v (T, K) quantized per row per 128 columns to e4m3 and back, in fp32."""
+    t, k = v.shape
+    g = v.float().reshape(t, k // 128, 128)
+    s = (g.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-10 / E4M3_MAX)
+    return ((g / s).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).float() * s).reshape(t, k)
+
+
+def _dequant_plain(w: Fp8Weight) -> torch.Tensor:
+    e, n, k = w.data.shape
+    s = w.scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return w.data.float() * s.reshape(e, n, k)
+
+
+def experts_fp8_same_dtype(x, gu, dn, w, ids):
+    dtype = x.dtype
+    xq = _quant_rows_plain(x).to(dtype)
+    wg, wd = _dequant_plain(gu).to(dtype), _dequant_plain(dn).to(dtype)
+    inter = wd.shape[2]
+    out = torch.zeros_like(x)
+    for slot in range(ids.shape[1]):
+        contrib = torch.zeros_like(out)
+        for e in range(wg.shape[0]):
+            rows = torch.nonzero(ids[:, slot].long() == e)[:, 0]
+            if rows.numel():
+                a = xq[rows] @ wg[e].T
+                h = _quant_rows_plain(F.silu(a[:, :inter]) * a[:, inter:]).to(dtype)
+                contrib[rows] = ((h @ wd[e].T).float() * w[rows, slot].float()[:, None]).to(dtype)
+        out = out + contrib
+    return out
+
+
+def fp8_bound(x, gu, dn, w, ids, ref) -> float:
+    base = rel_err(experts_fp8_same_dtype(x, gu, dn, w, ids), ref)
+    assert math.isfinite(base)
+    return 2 * base
+
+
+# ---- quantizers
+
+
+def test_e4m3_rounding_of_the_standin_equals_the_cast_on_every_value_and_tie():
+    """Rows whose amax is 448 have scale 1: the kernel's arithmetic e4m3 rounding must equal torch's
+    cast on every e4m3 value, every midpoint between two (ties to even) and values around them."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), torch.rand(700) * 896 - 448])
+    vals = vals.clamp(-E4M3_MAX, E4M3_MAX)
+    pad = (-vals.numel()) % 127
+    vals = torch.cat([vals, torch.zeros(pad)]).view(-1, 127)
+    x = torch.cat([torch.full((vals.shape[0], 1), E4M3_MAX), vals], 1)        # (R, 128), amax 448
+    q, s = quantize_rows(x, dtype=STANDIN_DTYPE)
+    assert torch.equal(s, torch.ones_like(s))
+    assert torch.equal(q.float(), x.to(FP8_DTYPE).float())
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+@pytest.mark.parametrize("rows,cols", [(1, 128), (7, 384), (13, 256), (0, 128)], ids=str)
+def test_quantize_rows_kernel_equals_its_twin_bit_for_bit(rows, cols, ue8m0):
+    x = torch.randn(rows, cols) * torch.logspace(-4, 4, max(rows, 1))[:rows, None]
+    if rows > 2:
+        x[1] = 0.0                                             # an all-zero row: scale floor, values 0
+        x[2, :5] = torch.tensor([1e30, -1e30, 3.0, 0.0, -7.0]).clamp(-6e4, 6e4)
+    with _workspace.poisoning():
+        q, s = quantize_rows(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
+    qt, st = quantize_rows_torch(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
+    assert torch.equal(s, st) and torch.equal(q, qt)
+    if rows:
+        assert q.abs().max() <= E4M3_MAX and bool((s > 0).all())
+        if ue8m0:
+            assert torch.equal(torch.frexp(s).mantissa, torch.full_like(s, 0.5))      # powers of two
+        err = rel_err(dequantize_rows(q, s), x.half().float())
+        assert err < 0.04                                       # e4m3: 3 mantissa bits
+
+
+def test_quantize_experts_block_scales():
+    w = torch.randn(3, 256, 384) * torch.logspace(-3, 3, 3)[:, None, None]
+    w[1, :128, 128:256] = 0.0
+    q = quantize_experts(w.bfloat16())
+    assert q.data.dtype == FP8_DTYPE and q.scale.shape == (3, 2, 3) and q.scale.dtype == torch.float32
+    blocks = w.bfloat16().float().view(3, 2, 128, 3, 128).abs().amax((2, 4))
+    assert torch.equal(q.scale[blocks > 0], (blocks / E4M3_MAX)[blocks > 0])
+    assert torch.equal(q.dequantize()[1, :128, 128:256], torch.zeros(128, 128))
+    assert rel_err(q.dequantize(), w.bfloat16().float()) < 0.04
+    u = quantize_experts(w, ue8m0=True)
+    assert torch.equal(torch.frexp(u.scale).mantissa, torch.full_like(u.scale, 0.5))
+    assert bool((u.scale >= blocks / E4M3_MAX).all())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: quantize_experts(torch.randn(2, 100, 128)), "N divisible by 128"),
+    (lambda: quantize_experts(torch.randn(2, 128, 130)), "K divisible by 128"),
+    (lambda: quantize_experts(torch.full((1, 128, 128), float("nan"))), "NaN"),
+    (lambda: Fp8Weight(torch.zeros(1, 128, 128, dtype=FP8_DTYPE), torch.ones(1, 1, 2)),
+     "scale must be float32"),
+    (lambda: Fp8Weight(torch.zeros(1, 128, 128, dtype=torch.bfloat16), torch.ones(1, 1, 1)), "float8_e4m3fn"),
+    (lambda: Fp8Weight(torch.zeros(1, 128, 128, dtype=FP8_DTYPE), torch.ones(1, 1, 1, dtype=torch.float64)),
+     "float32"),
+    (lambda: check_fp8_scales("gate_up_proj", Fp8Weight(torch.zeros(1, 128, 128, dtype=FP8_DTYPE),
+                                                       torch.full((1, 1, 1), float("inf")))), "finite"),
+    (lambda: check_fp8_config(ExpertsConfig(16, 64, 128)), "block_n1 must be 128"),
+], ids=["rows", "cols", "nan-weights", "scale-shape", "bf16-as-fp8", "scale-dtype", "inf-scale", "config"])
+def test_bad_fp8_input_names_the_argument(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        bad()
+
+
+# ---- kernels against their twins (stand-ins under the interpreter)
+
+CFGS = {
+    "plain": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, 4)),
+    "paired": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 128, 64, 4, 2, 4, pair_blocks=2)),
+    "persistent-k64": ExpertsConfig(32, 128, 64, 4, 2, 64, 64, 4, 2, 4, persistent=True),
+}
+
+
+@pytest.mark.parametrize("cfg", list(CFGS), ids=list(CFGS))
+def test_fp8_gemms_equal_their_twins(cfg):
+    cfg = CFGS[cfg]
+    num_experts, hidden, inter, top_k, tokens = 5, 256, 256, 2, 23
+    gu, dn = make_weights(num_experts, hidden, inter)
+    w, ids = routing(tokens, num_experts, top_k)
+    xq, xs = quantize_rows_torch(torch.randn(tokens, hidden), dtype=STANDIN_DTYPE)
+    align = align_block_size(ids, num_experts, cfg.block_m)
+    with _workspace.poisoning():
+        hq, hs = gemm1_swiglu_fp8(xq, xs, standin(gu), align, top_k, cfg)
+    hq_t, hs_t = gemm1_swiglu_fp8_torch(xq, xs, gu, align, top_k)
+    live = int(align.num_padded)
+    assert rel_err(dequantize_rows(hq[:live], hs[:live]), dequantize_rows(hq_t[:live], hs_t[:live])) < 1e-3
+    with _workspace.poisoning():
+        y = gemm2_weighted_fp8(hq_t, hs_t, standin(dn), w, align, cfg, torch.float32)
+    placed = (ids.reshape(-1) < num_experts)
+    assert rel_err(y[placed], gemm2_weighted_fp8_torch(hq_t, hs_t, dn, w, align)[placed]) < 1e-5
+
+
+SLOT_GROUPS = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
+
+
+@pytest.mark.parametrize("tiles", [DecodeConfig(), SLOT_GROUPS], ids=["one-slot", "slot-groups"])
+def test_fp8_decode_kernels_scale_the_weights_in_registers(tiles):
+    num_experts, hidden, inter, top_k = 6, 256, 128, 4
+    gu, dn = make_weights(num_experts, hidden, inter)
+    x = torch.randn(3, hidden)
+    w, ids = routing(3, num_experts, top_k, dtype=torch.int64)
+    ids[1, 2] = -1
+    out = torch.full((3, hidden), float("nan"))
+    with _workspace.poisoning():
+        experts_decode(x, standin(gu).data, standin(dn).data, w, ids, out, tiles, scales=(gu.scale, dn.scale))
+    h = decode_gemm1_swiglu_torch(x, gu.dequantize(), ids)
+    ref = decode_gemm2_sum_torch(h, dn.dequantize(), w, ids)
+    assert rel_err(out, ref) < 1e-5
+
+
+# ---- the whole path: edge cases of the bf16 contract, against the fp32 oracle
+
+
+CASES = {
+    "T1-K1": (1, 1, 4, torch.int32),
+    "T0": (0, 2, 4, torch.int32),
+    "prime-T-int64": (31, 2, 5, torch.int64),
+    "K=E": (9, 4, 4, torch.int32),
+    "one-expert": (17, 1, 4, torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_fp8_experts_within_twice_plain_pytorch(case):
+    tokens, top_k, num_experts, id_dtype = CASES[case]
+    hidden, inter = 256, 128
+    gu, dn = make_weights(num_experts, hidden, inter)
+    x = torch.randn(tokens, hidden, dtype=torch.float16)
+    w, ids = routing(tokens, num_experts, top_k, dtype=id_dtype)
+    if case == "one-expert":
+        ids.fill_(2)
+    for cfg in (None, CFGS["paired"]):
+        with torch.no_grad(), _workspace.poisoning():
+            out = experts_triton_fp8(x, standin(gu), standin(dn), w, ids, config=cfg)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        if tokens == 0:
+            continue
+        ref = experts_fp8_torch(x, gu, dn, w, ids)
+        if cfg is None and use_decode_direct(tokens, top_k, num_experts):     # the decode path: w8a16
+            ref = decode_gemm2_sum_torch(decode_gemm1_swiglu_torch(x, gu.dequantize(), ids), dn.dequantize(),
+                                         w, ids)
+            assert rel_err(out, ref) < 2e-3                         # fp16 output rounding
+            continue
+        assert rel_err(out, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
+
+
+def test_fp8_ids_outside_the_experts_contribute_zero():
+    num_experts, hidden, inter, top_k = 4, 128, 128, 2
+    gu, dn = make_weights(num_experts, hidden, inter)
+    x = torch.randn(20, hidden)
+    w, ids = routing(20, num_experts, top_k, empty_expert=False)
+    ids[0, 0], ids[5, 1], ids[7, 0] = -1, num_experts, 2**31 - 1
+    with torch.no_grad():
+        out = experts_triton_fp8(x, standin(gu), standin(dn), w, ids, config=CFGS["plain"])
+        via_moe = moe_experts(x, gu, dn, w, ids, backend="loop", ignore_invalid_ids=True)
+    keep = ids.clone()
+    ref = experts_fp8_torch(x, gu, dn, w, keep)
+    assert rel_err(out, ref) < 1e-5 and rel_err(via_moe, ref) < 1e-6
+    with pytest.raises(ValueError, match=r"must lie in \[0, num_experts=4\)"):
+        moe_experts(x, gu, dn, w, ids, backend="loop")
+
+
+def test_moe_experts_fp8_contract():
+    gu, dn = make_weights(4, 128, 128)
+    x = torch.randn(3, 128)
+    w, ids = routing(3, 4, 2)
+    with pytest.raises(ValueError, match="takes no FP8 weights"):
+        moe_experts(x, gu, dn, w, ids, backend="grouped_mm")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moe_experts(x, gu, dn, w, ids, backend="loop", capacity_factor=1.0)
+    with pytest.raises(TypeError, match="Fp8Weight"):
+        moe_experts(x, gu, dn.dequantize(), w, ids)
+    with pytest.raises(ValueError, match="down_proj must have shape"):
+        moe_experts(x, gu, quantize_experts(torch.randn(4, 128, 256)), w, ids)
+    with pytest.raises(RuntimeError, match="inference only"):
+        moe_experts(x.requires_grad_(), gu, dn, w, ids)
+    nan_scales = Fp8Weight(gu.data, gu.scale.clone().fill_(float("nan")))
+    with pytest.raises(ValueError, match="gate_up_proj.scale must be finite"):
+        moe_experts(x.detach(), nan_scales, dn, w, ids)
+
+
+def test_fp8_under_torch_compile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gu, dn = make_weights(4, 128, 128)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda x, w, ids: moe_experts(x, gu, dn, w, ids, backend="loop"), backend=counter,
+                       fullgraph=True, dynamic=True)
+    for tokens in (3, 9):
+        x = torch.randn(tokens, 128)
+        w, ids = routing(tokens, 4, 2)
+        with torch.no_grad():
+            assert rel_err(fn(x, w, ids), experts_fp8_torch(x, gu, dn, w, ids)) < 1e-6
+    assert counter.frame_count == 1
+
+
+# ---- the GPU: real e4m3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64, 256, 1024, 4099])
+def test_fp8_experts_gpu(tokens):
+    num_experts, hidden, inter, top_k = 32, 1024, 384, 8
+    gu, dn = make_weights(num_experts, hidden, inter, "cuda")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w, ids = routing(tokens, num_experts, top_k, device="cuda")
+    with torch.no_grad(), _workspace.poisoning():
+        out = moe_experts(x, gu, dn, w, ids)
+        forced = moe_experts(x, gu, dn, w, ids, config=CFGS["paired"])
+    ref = experts_fp8_torch(x, gu, dn, w, ids)
+    assert rel_err(forced, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
+    if use_decode_direct(tokens, top_k, num_experts):   # the decode path: w8a16, dequantized weights
+        h = decode_gemm1_swiglu_torch(x, gu.dequantize(), ids)
+        assert rel_err(out, decode_gemm2_sum_torch(h, dn.dequantize(), w, ids)) < 1e-2
+    else:
+        assert rel_err(out, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
+
+
+@pytest.mark.gpu
+def test_fp8_quantize_rows_gpu_bit_for_bit():
+    x = torch.randn(257, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    for ue8m0 in (False, True):
+        q, s = quantize_rows(x, ue8m0=ue8m0)
+        qt, st = quantize_rows_torch(x, ue8m0=ue8m0)
+        assert q.dtype == FP8_DTYPE and torch.equal(s, st)
+        assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_fp8_cuda_graph_replay_equals_eager(tokens):
+    gu, dn = make_weights(16, 512, 256, "cuda")
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    w, ids = routing(tokens, 16, 4, device="cuda")
+    with torch.no_grad():
+        eager = moe_experts(x, gu, dn, w, ids)
+        moe_experts(x, gu, dn, w, ids)                    # compiled and warm before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = moe_experts(x, gu, dn, w, ids)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(captured, moe_experts(x, gu, dn, w, ids))
+    assert not torch.equal(captured, eager)
