@@ -48,6 +48,8 @@ from transformers.integrations.moe import (  # noqa: E402
 )
 
 from moekit.integrations import transformers as mt  # noqa: E402
+from moekit.integrations.transformers import experts as mt_experts  # noqa: E402
+from moekit.integrations.transformers import patch as mt_patch  # noqa: E402
 
 HIDDEN, VOCAB, EXPERTS, TOP_K = 64, 128, 16, 2
 REFERENCE, PLAIN = "fp32-reference", "plain-same-dtype"
@@ -253,7 +255,7 @@ def test_unservable_layouts_fall_back_with_one_warning():
     ref = reference_logits(model, ids)             # GELU-gated experts in fp32
     with torch.no_grad():
         model.set_experts_implementation("moekit")
-        mt._warned.clear()
+        mt_experts._warned.clear()
         with pytest.warns(UserWarning, match="activation GELUActivation") as record:
             out, ran = moekit_ran(lambda: model(ids).logits)
         assert len([r for r in record if "moekit" in str(r.message)]) == 1  # two layers, one warning
@@ -431,7 +433,7 @@ TRITON = "moekit-triton"
 def moekit_warnings_fail():
     """Any moekit warning (a fallback, a backend swap) raises inside; the warn-once sets are
     emptied first so that an earlier test's warning cannot hide this one's."""
-    mt._warned.clear()
+    mt_experts._warned.clear()
     with mock.patch.object(moekit.experts, "_warned_grad_fallback", set()), warnings.catch_warnings():
         warnings.filterwarnings("error", message="moekit")
         yield
@@ -661,7 +663,7 @@ def test_backend_without_backward_falls_back_with_one_warning():
     model.set_experts_implementation("moekit-masked")
     ids = input_ids()
     eager(ids, labels=ids).loss.backward()
-    mt._warned.clear()
+    mt_experts._warned.clear()
     with pytest.warns(UserWarning, match="backend='masked' has no backward") as record:
         loss, ran = moekit_ran(lambda: model(ids, labels=ids).loss)
     loss.backward()
@@ -852,7 +854,7 @@ def test_gpt_oss_training_gradients_match_eager():
     model.zero_grad(set_to_none=True)
     mt.register(GPT_OSS, backend="triton")
     model.set_experts_implementation(GPT_OSS)
-    mt._warned.clear()
+    mt_experts._warned.clear()
     with pytest.warns(UserWarning, match="backend='triton' has no backward on cpu for these experts"):
         loss, ran = moekit_ran(lambda: model(ids, labels=ids).loss)
     loss.backward()
@@ -1019,9 +1021,9 @@ def fast_path_on_cpu(monkeypatch):
         calls.append(flat.shape[0])
         return self._forward_flat(flat)
 
-    monkeypatch.setattr(mt, "_layer_replays", lambda layer, x: x.numel() // x.shape[-1] <= 16)
+    monkeypatch.setattr(mt_patch, "_layer_replays", lambda layer, x: x.numel() // x.shape[-1] <= 16)
     monkeypatch.setattr(MoELayer, "_replay", replay)
-    monkeypatch.setattr(mt, "graph_cache", lambda layer: EagerCache(calls, calls.keys))
+    monkeypatch.setattr(mt_patch, "graph_cache", lambda layer: EagerCache(calls, calls.keys))
     return calls
 
 
@@ -1110,7 +1112,7 @@ def test_folded_norm_gives_what_the_unfolded_blocks_give(kind, fast_path_on_cpu)
     assert fast_path_on_cpu == [6, 6, 6, 6] and len(fast_path_on_cpu.keys) == 2
     assert torch.equal(folded, unfolded)
     key = fast_path_on_cpu.keys[1]
-    assert mt.tensor_key(layer.post_attention_layernorm.weight) in key
+    assert mt_patch.tensor_key(layer.post_attention_layernorm.weight) in key
     assert layer.post_attention_layernorm.variance_epsilon in key
 
 
@@ -1157,7 +1159,7 @@ def test_folded_norm_needs_the_norm_to_keep_the_dtype(monkeypatch):
     mt.patch_moe_blocks(model)
     layer = model.model.layers[0]
     norm, block = layer.post_attention_layernorm, layer.mlp
-    monkeypatch.setattr(mt, "_block_fast_layer", lambda block, x: "layer")
+    monkeypatch.setattr(mt_patch, "_block_fast_layer", lambda block, x: "layer")
     x = torch.randn(1, 2, HIDDEN)
     for dtype, handed in ((torch.float64, False), (torch.float32, True)):
         norm.to(dtype)
@@ -1235,7 +1237,7 @@ def test_patched_blocks_decode_through_graphs_gpu():
     assert mt.patch_moe_blocks(model) == 2
     got = torch.stack(model.generate(ids, **kw).logits).float()
     assert rel_err(got, plain) <= 2e-2
-    layers = [mt._block_layers[layer.mlp] for layer in model.model.layers]
+    layers = [mt_patch._block_layers[layer.mlp] for layer in model.model.layers]
     assert all(graph_cache(layer).captures == 2 for layer in layers)   # the 7-token prompt, then 1
     # the post-attention norm folded into those graphs (the default) runs the norm's own kernels:
     # the same logits as the norm launched by itself before each block's graph
@@ -1263,8 +1265,8 @@ def test_block_fast_path_checks_what_moe_layer_forward_would(monkeypatch):
     layer = MoELayer(MoEShape(4, 32, 16, 2), dtype=torch.bfloat16).requires_grad_(False)
     monkeypatch.setattr(MoELayer, "_graphable", lambda self, flat: True)
     ok = torch.zeros(3, 32, dtype=torch.bfloat16)
-    assert mt._layer_replays(layer, ok)
-    assert not mt._layer_replays(layer, ok.float())                          # another dtype
-    assert not mt._layer_replays(layer, torch.zeros(3, 24, dtype=torch.bfloat16))   # another H
+    assert mt_patch._layer_replays(layer, ok)
+    assert not mt_patch._layer_replays(layer, ok.float())                          # another dtype
+    assert not mt_patch._layer_replays(layer, torch.zeros(3, 24, dtype=torch.bfloat16))   # another H
     layer.eager_graphs = False
-    assert not mt._layer_replays(layer, ok)
+    assert not mt_patch._layer_replays(layer, ok)
