@@ -77,7 +77,8 @@ def main() -> None:
         ids = ids.int()
         with torch.inference_mode():
             t16 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu, dn, w, ids), flush)
-            t8 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg), flush)
+            t8 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg),
+                          flush)
         flops = 2 * tokens * top_k * 3 * hidden * inter
         tf = flops / t8 / 1e9
         pct = 100 * tf / fp8_peak
