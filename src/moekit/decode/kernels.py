@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moekit.kernels.pdl import pdl_enter
 
-SCALE_BLOCK: tl.constexpr = 128
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def decode_gemm2_sum_kernel(
         if W_SCALED:    # BLOCK_N divides 128: one row of block scales per expert
             ws_row = ws_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
         else:
-            ws_row = ws_ptr
+            ws_row = 0      # a tuple of jit arguments cannot hold None
         for s0 in range(0, TOP_K, SLOTS):
             out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                               stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,

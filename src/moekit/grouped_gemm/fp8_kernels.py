@@ -28,7 +28,7 @@ from moekit.grouped_gemm.kernels import _for_each_tile
 from moekit.kernels.pdl import pdl_enter
 from moekit.quant.kernels import quantize_groups
 
-SCALE_BLOCK: tl.constexpr = 128
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit

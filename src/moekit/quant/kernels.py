@@ -18,8 +18,8 @@ import moekit.kernels  # noqa: F401  (first: the interpreter switch, before trit
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
-SCALE_FLOOR: tl.constexpr = 1e-10 / 448.0
+FP8_MAX = tl.constexpr(448.0)
+SCALE_FLOOR = tl.constexpr(1e-10 / 448.0)
 
 
 @triton.jit
