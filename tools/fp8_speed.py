@@ -3,20 +3,23 @@ expert path at the Qwen3-30B-A3B shape (or --shape E,H,I,K), each call after an 
 the replays; plus the measured FP8 and bf16 dense ceilings. A quick look for kernel work; the
 recorded numbers come from `moekit bench --weights fp8`.
 
-    python tools/fp8_speed.py [--tokens 1,4,16,...] [--shape 128,2048,768,8] [--config block_m=..]
+    python tools/fp8_speed.py [--tokens 1,4,16,...] [--shape 128,2048,768,8] [--configs 'auto;block_m=64,...']
+                              [--decode-k 1,2,4]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 
 import torch
 import triton.testing
 
 import moekit
+from moekit import decode
 from moekit.quant import quantize_experts
-from moekit.tuning import ExpertsConfig
+from moekit.tuning import ExpertsConfig, fp8_tiles
 
 
 def graph_ms(fn, flush: torch.Tensor, reps: int = 50) -> float:
@@ -50,11 +53,24 @@ def ceilings() -> tuple[float, float]:
     return bf16, fp8
 
 
+def parse_config(spec: str) -> ExpertsConfig | None:
+    """"auto" (None) or fields "block_m=64,block_n2=128,warps1=4" over the FP8 defaults' fields."""
+    if spec == "auto":
+        return None
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    for name in ("pair_blocks", "group_m", "block_n2", "warps1", "warps2", "stages1", "stages2", "block_m"):
+        fields.setdefault(name, getattr(ExpertsConfig(), name))
+    persistent = bool(fields.pop("persistent", 0))
+    return fp8_tiles(ExpertsConfig(**fields, persistent=persistent))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384")
     p.add_argument("--shape", default="128,2048,768,8")
-    p.add_argument("--config", default="", help="fp8 tiles, e.g. block_m=64,block_n2=128,warps1=8")
+    p.add_argument("--configs", default="auto", help="';'-separated FP8 tiles, each 'auto' or "
+                   "'block_m=64,block_n2=128,warps1=4,...'")
+    p.add_argument("--decode-k", default="", help="','-separated multipliers of the decode tiles' block_k")
     args = p.parse_args()
     num_experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
     torch.manual_seed(0)
@@ -62,27 +78,35 @@ def main() -> None:
     dn = torch.randn(num_experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
     gu8, dn8 = quantize_experts(gu), quantize_experts(dn)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    cfg = None
-    if args.config:
-        from moekit.tuning import fp8_tiles
-        fields = dict(kv.split("=") for kv in args.config.split(","))
-        cfg = fp8_tiles(ExpertsConfig(**{k: int(v) for k, v in fields.items()}))
+    specs = args.configs.split(";")
     bf16_peak, fp8_peak = ceilings()
     print(f"ceilings: bf16 {bf16_peak:.0f} TFLOP/s, fp8 {fp8_peak:.0f} TFLOP/s")
-    print(f"{'T':>6} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>8} {'fp8 TFLOP/s':>11} {'fp8 % ceiling':>13}")
+    print(f"{'T':>6} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>8} {'fp8 TFLOP/s':>11} {'% ceil':>6}  tiles")
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, num_experts, device="cuda")
         w, ids = torch.topk(logits.softmax(-1), top_k)
         ids = ids.int()
+        runs = [(spec, parse_config(spec), None) for spec in specs]
+        if args.decode_k and decode.use_decode_direct(tokens, top_k, num_experts):
+            base = decode.decode_config(tokens * top_k)
+            runs = [(f"decode k x{m}", None, replace(
+                base, gemv1=replace(base.gemv1, block_k=int(m) * base.gemv1.block_k),
+                gemv2=replace(base.gemv2, block_k=int(m) * base.gemv2.block_k)))
+                for m in args.decode_k.split(",")]
         with torch.inference_mode():
             t16 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu, dn, w, ids), flush)
-            t8 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg),
-                          flush)
-        flops = 2 * tokens * top_k * 3 * hidden * inter
-        tf = flops / t8 / 1e9
-        pct = 100 * tf / fp8_peak
-        print(f"{tokens:>6} {t16:>9.4f} {t8:>9.4f} {t16 / t8:>8.2f} {tf:>11.0f} {pct:>12.0f}%")
+            for label, cfg, tiles in runs:
+                def call(x=x, w=w, ids=ids, cfg=cfg, tiles=tiles):
+                    if tiles is None:
+                        return moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg)
+                    out = torch.empty_like(x)
+                    scales = (gu8.scale, dn8.scale)
+                    return decode.experts_decode(x, gu8.data, dn8.data, w, ids, out, tiles, scales)
+                t8 = graph_ms(call, flush)
+                tf = 2 * tokens * top_k * 3 * hidden * inter / t8 / 1e9
+                pct = 100 * tf / fp8_peak
+                print(f"{tokens:>6} {t16:>9.4f} {t8:>9.4f} {t16 / t8:>8.2f} {tf:>11.0f} {pct:>5.0f}% {label}")
 
 
 if __name__ == "__main__":

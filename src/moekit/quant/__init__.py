@@ -123,6 +123,12 @@ def check_fp8_scales(name: str, w: Fp8Weight) -> None:
         raise ValueError(f"{name}.scale must be finite and positive, got {float(w.scale[idx])} at {idx}")
 
 
+def _div_rn(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b rounded once to fp32 (PyTorch's CUDA division by a scalar multiplies by its reciprocal:
+    one rounding more, and then not the kernels' IEEE division)."""
+    return (a.double() / b).float()
+
+
 def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """The power of two at or above each positive scale, exactly (from the float's own exponent:
     a rounded log2 can land on the power below)."""
@@ -150,7 +156,7 @@ def quantize_experts(w: torch.Tensor, *, ue8m0: bool = False) -> Fp8Weight:
     amax = blocks.abs().amax(dim=(2, 4))
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("w holds NaN or infinite values: they have no FP8 block scale")
-    scale = torch.clamp(amax / FP8_MAX, min=SCALE_FLOOR)
+    scale = torch.clamp(_div_rn(amax, FP8_MAX), min=SCALE_FLOOR)
     if ue8m0:
         scale = _ue8m0(scale)
     q = torch.clamp(blocks / scale[:, :, None, :, None], -FP8_MAX, FP8_MAX).view(e, n, k)
@@ -163,7 +169,7 @@ def quantize_rows_torch(x: torch.Tensor, *, ue8m0: bool = False, dtype: torch.dt
     columns, scale = max(amax / 448, SCALE_FLOOR) (rounded up to a power of two with ue8m0)."""
     t, k = x.shape
     groups = x.float().view(t, k // FP8_BLOCK, FP8_BLOCK)
-    scale = torch.clamp(groups.abs().amax(dim=2) / FP8_MAX, min=SCALE_FLOOR)
+    scale = torch.clamp(_div_rn(groups.abs().amax(dim=2), FP8_MAX), min=SCALE_FLOOR)
     if ue8m0:
         scale = _ue8m0(scale)
     q = torch.clamp(groups / scale[:, :, None], -FP8_MAX, FP8_MAX).view(t, k)
