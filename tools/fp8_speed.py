@@ -107,6 +107,19 @@ def main() -> None:
                 tf = 2 * tokens * top_k * 3 * hidden * inter / t8 / 1e9
                 pct = 100 * tf / fp8_peak
                 print(f"{tokens:>6} {t16:>9.4f} {t8:>9.4f} {t16 / t8:>8.2f} {tf:>11.0f} {pct:>5.0f}% {label}")
+    report_registers()
+
+
+def report_registers() -> None:
+    """Registers and spills of every FP8 GEMM kernel compiled in this process (spills: local memory)."""
+    from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
+
+    for kernel in (moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel):
+        for cache in getattr(kernel, "device_caches", {}).values():
+            for key, compiled in cache[0].items():
+                meta = compiled.metadata
+                print(f"{kernel.__name__}: regs {compiled.n_regs} spills {compiled.n_spills} "
+                      f"warps {meta.num_warps} stages {meta.num_stages} smem {meta.shared} {str(key)[-120:]}")
 
 
 if __name__ == "__main__":
