@@ -184,13 +184,17 @@ CFGS = {
     "plain": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, 4)),
     "paired": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 128, 64, 4, 2, 4, pair_blocks=2)),
     "persistent-k64": ExpertsConfig(32, 128, 64, 4, 2, 64, 64, 4, 2, 4, persistent=True),
+    # 256-column down tiles over H = 384: the second runs past H into the next expert's rows
+    "tma": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 256, 64, 4, 2, 4, tma_weights=True)),
+    "tma-paired-persistent": fp8_tiles(ExpertsConfig(16, 64, 64, 4, 2, 128, 64, 4, 2, 4, pair_blocks=2,
+                                                     tma_weights=True, persistent=True)),
 }
 
 
 @pytest.mark.parametrize("cfg", list(CFGS), ids=list(CFGS))
 def test_fp8_gemms_equal_their_twins(cfg):
     cfg = CFGS[cfg]
-    num_experts, hidden, inter, top_k, tokens = 5, 256, 256, 2, 23
+    num_experts, hidden, inter, top_k, tokens = 5, 384, 256, 2, 23
     gu, dn = make_weights(num_experts, hidden, inter)
     w, ids = routing(tokens, num_experts, top_k)
     xq, xs = quantize_rows_torch(torch.randn(tokens, hidden), dtype=STANDIN_DTYPE)

@@ -61,7 +61,7 @@ try:                                    # Triton >= 3.4; older Tritons keep the 
 except ImportError:
     TensorDescriptor = None
 
-TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 TMA_ALIGN = 16           # bytes: the base address and every stride but the last
 TMA_MAX_BOX = 256        # elements: TMA's largest box along one dimension
 TMA_MAX_COORD = 2**31    # TMA coordinates are int32: rows of the (E * N, K) view must stay below
@@ -84,7 +84,7 @@ def _device_has_tma(device: torch.device) -> bool:
 def tma_supported(w: torch.Tensor, block_n: int = 64, block_k: int = 64) -> bool:
     """Whether the forward GEMMs can read the weights w (E, N, K) through a TMA descriptor over the
     view (E * N, K) with block [block_n, block_k]: a Triton with tensor descriptors, a device of
-    CUDA capability >= 9 (or the interpreter), fp16 / bf16 / fp32, contiguous, 16-byte aligned base
+    CUDA capability >= 9 (or the interpreter), fp16 / bf16 / fp32 / e4m3, contiguous, 16-byte aligned base
     and rows (K * itemsize), row coordinates within int32, and a block within TMA's box."""
     if TensorDescriptor is None or not hasattr(tl, "make_tensor_descriptor"):
         return False

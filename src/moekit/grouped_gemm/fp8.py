@@ -17,7 +17,7 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv
 from moekit.align import Alignment
-from moekit.grouped_gemm import _launch, _placed_rows
+from moekit.grouped_gemm import _launch, _placed_rows, _weights_operand
 from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
 from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, dequantize_rows, quantize_rows_torch
 from moekit.tuning import ExpertsConfig, check_fp8_config
@@ -34,14 +34,16 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
     hq = _workspace.empty(rows, inter, dtype=xq.dtype, device=xq.device)
     hs = _workspace.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=xq.device)
     n_tiles = inter // cfg.block_n1
-    w, ws = gate_up.data, gate_up.scale
+    w, tma = _weights_operand(gate_up.data, cfg, cfg.block_n1, cfg.block_k1)
+    ws = gate_up.scale
     args = (xq, w, hq, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
             align.num_pairs, inter, hidden, n_tiles,
-            xq.stride(0), xq.stride(1), *w.stride(), hq.stride(0), hq.stride(1),
+            xq.stride(0), xq.stride(1), *gate_up.data.stride(), hq.stride(0), hq.stride(1),
             xs, xs.stride(0), xs.stride(1), ws, *ws.stride(), hs, hs.stride(0))
     _launch(moe_gemm1_fp8_kernel, align.max_blocks, n_tiles, cfg, xq.device, args, dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
-        PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, PERSISTENT=cfg.persistent,
+        PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, TMA_W=tma,
+        PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1))
     return hq, hs
 
@@ -53,14 +55,16 @@ def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk
     num_experts, hidden, inter = down.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=out_dtype, device=hq.device)
     n_tiles = cdiv(hidden, cfg.block_n2)
-    w, ws = down.data, down.scale
+    w, tma = _weights_operand(down.data, cfg, cfg.block_n2, cfg.block_k2)
+    ws = down.scale
     args = (hq, w, y, topk_weights, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
             align.num_pairs, hidden, inter, n_tiles,
-            hq.stride(0), hq.stride(1), *w.stride(), y.stride(0), y.stride(1),
+            hq.stride(0), hq.stride(1), *down.data.stride(), y.stride(0), y.stride(1),
             hs, hs.stride(0), hs.stride(1), ws, *ws.stride())
     _launch(moe_gemm2_fp8_kernel, align.max_blocks, n_tiles, cfg, hq.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
-        PAIRED=cfg.pair_blocks == 2, PERSISTENT=cfg.persistent, num_warps=cfg.warps2, num_stages=cfg.stages2))
+        PAIRED=cfg.pair_blocks == 2, TMA_W=tma, PERSISTENT=cfg.persistent, num_warps=cfg.warps2,
+        num_stages=cfg.stages2))
     return y
 
 

@@ -166,13 +166,14 @@ def quantize_experts(w: torch.Tensor, *, ue8m0: bool = False) -> Fp8Weight:
 def quantize_rows_torch(x: torch.Tensor, *, ue8m0: bool = False, dtype: torch.dtype = FP8_DTYPE,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of `quantize_rows`: (q (T, K) in dtype, scale (T, K / 128) float32), per row per 128
-    columns, scale = max(amax / 448, SCALE_FLOOR) (rounded up to a power of two with ue8m0)."""
+    columns, scale = max(amax / 448, SCALE_FLOOR) (rounded up to a power of two with ue8m0), values
+    times the scale's reciprocal (one division a row, as the kernels)."""
     t, k = x.shape
     groups = x.float().view(t, k // FP8_BLOCK, FP8_BLOCK)
     scale = torch.clamp(_div_rn(groups.abs().amax(dim=2), FP8_MAX), min=SCALE_FLOOR)
     if ue8m0:
         scale = _ue8m0(scale)
-    q = torch.clamp(groups / scale[:, :, None], -FP8_MAX, FP8_MAX).view(t, k)
+    q = torch.clamp(groups * torch.reciprocal(scale)[:, :, None], -FP8_MAX, FP8_MAX).view(t, k)
     return round_to_fp8(q, dtype), scale
 
 

@@ -7,8 +7,9 @@ Legend: T rows, K columns, G = K / 128 groups of a row, B = 128 (`moekit.quant.F
                           scale = max(amax / 448, floor) (UE8M0: the power of two at or above) ->
                           q = clamp(x / scale, +-448) rounded to e4m3; q (T, K), scale (T, G)
 
-Divisions are IEEE round-to-nearest (`tl.math.div_rn`: Triton's plain fp32 division is approximate
-on the GPU), so the kernel's scales and values equal the PyTorch twin's bit for bit. STANDIN: q is
+The scale and its reciprocal are IEEE round-to-nearest divisions (`tl.math.div_rn`: Triton's plain
+fp32 division is approximate on the GPU) and values are multiplied by the reciprocal, as the PyTorch
+twin does: the kernel's scales and values equal the twin's bit for bit. STANDIN: q is
 held in float16 and rounded to the e4m3 grid arithmetically (`e4m3_round`), where e4m3 cannot run.
 """
 
@@ -51,7 +52,8 @@ def quantize_groups(x, UE8M0: tl.constexpr, STANDIN: tl.constexpr):
     scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), SCALE_FLOOR)
     if UE8M0:
         scale = ue8m0_ceil(scale)
-    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)     # one division a row
+    q = x * inv[:, None]
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if STANDIN:
         q = e4m3_round(q)
