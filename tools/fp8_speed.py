@@ -18,6 +18,7 @@ import triton.testing
 
 import moekit
 from moekit import decode
+from moekit.grouped_gemm import fp8 as fp8_gemms
 from moekit.quant import quantize_experts
 from moekit.tuning import ExpertsConfig, fp8_tiles
 
@@ -53,15 +54,15 @@ def ceilings() -> tuple[float, float]:
     return bf16, fp8
 
 
-def parse_config(spec: str) -> ExpertsConfig | None:
-    """"auto" (None) or fields "block_m=64,block_n2=128,warps1=4" over the FP8 defaults' fields."""
-    if spec == "auto":
-        return None
-    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-    for name in ("pair_blocks", "group_m", "block_n2", "warps1", "warps2", "stages1", "stages2", "block_m"):
-        fields.setdefault(name, getattr(ExpertsConfig(), name))
-    persistent = bool(fields.pop("persistent", 0))
-    return fp8_tiles(ExpertsConfig(**fields, persistent=persistent))
+def parse_config(spec: str) -> tuple[ExpertsConfig | None, bool]:
+    """(config, lag): "auto" (None) or fields "block_m=64,block_n2=128,warps1=4,tma_weights=1" over
+    ExpertsConfig's defaults, made FP8 tiles; "lag=1" runs the software-pipelined promotion."""
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv != "auto")}
+    lag = bool(fields.pop("lag", 0))
+    if "auto" in spec.split(","):
+        return None, lag
+    switches = {k: bool(fields.pop(k, 0)) for k in ("persistent", "tma_weights")}
+    return fp8_tiles(ExpertsConfig(**fields, **switches)), lag
 
 
 def main() -> None:
@@ -87,16 +88,18 @@ def main() -> None:
         logits = torch.randn(tokens, num_experts, device="cuda")
         w, ids = torch.topk(logits.softmax(-1), top_k)
         ids = ids.int()
-        runs = [(spec, parse_config(spec), None) for spec in specs]
+        runs = [(spec, *parse_config(spec), None) for spec in specs]
         if args.decode_k and decode.use_decode_direct(tokens, top_k, num_experts):
             base = decode.decode_config(tokens * top_k)
-            runs = [(f"decode k x{m}", None, replace(
+            runs = [(f"decode k x{m}", None, False, replace(
                 base, gemv1=replace(base.gemv1, block_k=int(m) * base.gemv1.block_k),
                 gemv2=replace(base.gemv2, block_k=int(m) * base.gemv2.block_k)))
                 for m in args.decode_k.split(",")]
         with torch.inference_mode():
             t16 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu, dn, w, ids), flush)
-            for label, cfg, tiles in runs:
+            for label, cfg, lag, tiles in runs:
+                fp8_gemms.LAG = lag
+
                 def call(x=x, w=w, ids=ids, cfg=cfg, tiles=tiles):
                     if tiles is None:
                         return moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg)
