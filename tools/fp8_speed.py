@@ -4,21 +4,20 @@ the replays; plus the measured FP8 and bf16 dense ceilings. A quick look for ker
 recorded numbers come from `moekit bench --weights fp8`.
 
     python tools/fp8_speed.py [--tokens 1,4,16,...] [--shape 128,2048,768,8] [--configs 'auto;block_m=64,...']
-                              [--decode-k 1,2,4]
+                              [--decode-tiles 'n16k256w4s3u1/n8k128w4s3u1x8;...']
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
-from dataclasses import replace
 
 import torch
 import triton.testing
 
 import moekit
 from moekit import decode
-from moekit.grouped_gemm import fp8 as fp8_gemms
 from moekit.quant import quantize_experts
 from moekit.tuning import ExpertsConfig, fp8_tiles
 
@@ -54,15 +53,23 @@ def ceilings() -> tuple[float, float]:
     return bf16, fp8
 
 
-def parse_config(spec: str) -> tuple[ExpertsConfig | None, bool]:
-    """(config, lag): "auto" (None) or fields "block_m=64,block_n2=128,warps1=4,tma_weights=1" over
-    ExpertsConfig's defaults, made FP8 tiles; "lag=1" runs the software-pipelined promotion."""
-    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv != "auto")}
-    lag = bool(fields.pop("lag", 0))
-    if "auto" in spec.split(","):
-        return None, lag
+def parse_config(spec: str) -> ExpertsConfig | None:
+    """"auto" (None) or fields "block_m=64,block_n2=128,warps1=4,tma_weights=1" over ExpertsConfig's
+    defaults, made FP8 tiles."""
+    if spec == "auto":
+        return None
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
     switches = {k: bool(fields.pop(k, 0)) for k in ("persistent", "tma_weights")}
-    return fp8_tiles(ExpertsConfig(**fields, **switches)), lag
+    return fp8_tiles(ExpertsConfig(**fields, **switches))
+
+
+def parse_decode(spec: str) -> decode.DecodeConfig:
+    """Decode tiles as their label writes them: "n16k256w4s3u1/n8k128w4s3u1x8"."""
+    def tiles(text: str) -> decode.GemvTiles:
+        return decode.GemvTiles(*(int(v) for v in re.findall(r"\d+", text)))
+    first, _, second = spec.partition("/")
+    second, _, slots = second.partition("x")
+    return decode.DecodeConfig(tiles(first), tiles(second), int(slots or 1))
 
 
 def main() -> None:
@@ -71,7 +78,8 @@ def main() -> None:
     p.add_argument("--shape", default="128,2048,768,8")
     p.add_argument("--configs", default="auto", help="';'-separated FP8 tiles, each 'auto' or "
                    "'block_m=64,block_n2=128,warps1=4,...'")
-    p.add_argument("--decode-k", default="", help="','-separated multipliers of the decode tiles' block_k")
+    p.add_argument("--decode-tiles", default="", help="';'-separated decode tiles as DecodeConfig.label() "
+                   "writes them, timed instead of --configs where the decode path runs")
     args = p.parse_args()
     num_experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
     torch.manual_seed(0)
@@ -88,18 +96,12 @@ def main() -> None:
         logits = torch.randn(tokens, num_experts, device="cuda")
         w, ids = torch.topk(logits.softmax(-1), top_k)
         ids = ids.int()
-        runs = [(spec, *parse_config(spec), None) for spec in specs]
-        if args.decode_k and decode.use_decode_direct(tokens, top_k, num_experts):
-            base = decode.decode_config(tokens * top_k)
-            runs = [(f"decode k x{m}", None, False, replace(
-                base, gemv1=replace(base.gemv1, block_k=int(m) * base.gemv1.block_k),
-                gemv2=replace(base.gemv2, block_k=int(m) * base.gemv2.block_k)))
-                for m in args.decode_k.split(",")]
+        runs = [(spec, parse_config(spec), None) for spec in specs]
+        if args.decode_tiles and decode.use_decode_direct(tokens, top_k, num_experts):
+            runs = [(f"decode {s}", None, parse_decode(s)) for s in args.decode_tiles.split(";")]
         with torch.inference_mode():
             t16 = graph_ms(lambda x=x, w=w, ids=ids: moekit.moe_experts(x, gu, dn, w, ids), flush)
-            for label, cfg, lag, tiles in runs:
-                fp8_gemms.LAG = lag
-
+            for label, cfg, tiles in runs:
                 def call(x=x, w=w, ids=ids, cfg=cfg, tiles=tiles):
                     if tiles is None:
                         return moekit.moe_experts(x, gu8, dn8, w, ids, config=cfg)

@@ -22,10 +22,6 @@ from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_
 from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, dequantize_rows, quantize_rows_torch
 from moekit.tuning import ExpertsConfig, check_fp8_config
 
-# For variant comparisons: each K step's dots are issued before the previous step's products are
-# scaled into the accumulators (a software-pipelined promotion). Read at each launch.
-LAG = False
-
 
 def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment, top_k: int,
                      cfg: ExpertsConfig, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +42,7 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
             xs, xs.stride(0), xs.stride(1), ws, *ws.stride(), hs, hs.stride(0))
     _launch(moe_gemm1_fp8_kernel, align.max_blocks, n_tiles, cfg, xq.device, args, dict(
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
-        PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, TMA_W=tma, LAG=LAG,
+        PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, TMA_W=tma,
         PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1))
     return hq, hs
@@ -67,7 +63,7 @@ def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk
             hs, hs.stride(0), hs.stride(1), ws, *ws.stride())
     _launch(moe_gemm2_fp8_kernel, align.max_blocks, n_tiles, cfg, hq.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
-        PAIRED=cfg.pair_blocks == 2, TMA_W=tma, LAG=LAG, PERSISTENT=cfg.persistent, num_warps=cfg.warps2,
+        PAIRED=cfg.pair_blocks == 2, TMA_W=tma, PERSISTENT=cfg.persistent, num_warps=cfg.warps2,
         num_stages=cfg.stages2))
     return y
 

@@ -13,7 +13,10 @@ B = 128 (the scale block), BM/BN/BK tile sizes (BK divides B).
            PAIR row
 
 Each BK step's dot starts from zero and is scaled into the fp32 accumulator (DeepGEMM's and vLLM's
-promotion per scale block: the tensor cores' fp8 accumulation never runs past one block). STANDIN:
+promotion per scale block: the tensor cores' fp8 accumulation never runs past one block). Issuing
+the next step's dot before scaling in the last one measured slower on the H200 (Triton waits on
+the dot at once either way, and the extra products spill). With TMA_W the weight tiles come through
+a TMA descriptor over the data's 2D view, as in the bf16 kernels. STANDIN:
 operands are float16 stand-ins (Triton's interpreter) and h is rounded to the e4m3 grid
 arithmetically (`moekit.quant.kernels`).
 """
@@ -44,7 +47,6 @@ def _gemm1_fp8_tile(x_ptr, w_ptr, h_ptr, hs_ptr, sorted_ids_ptr, row0, e, pid_n,
     UE8M0: tl.constexpr = flags[0]
     STANDIN: tl.constexpr = flags[1]
     TMA_W: tl.constexpr = flags[2]
-    LAG: tl.constexpr = flags[3]
     rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
     pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
     valid = pair < S
@@ -65,11 +67,6 @@ def _gemm1_fp8_tile(x_ptr, w_ptr, h_ptr, hs_ptr, sorted_ids_ptr, row0, e, pid_n,
     us_ptr = gs_ptr + (N // SCALE_BLOCK) * stride_wsn
     acc_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    pend_g = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    pend_u = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    pend_s = tl.zeros((M,), dtype=tl.float32)
-    pend_gs = 0.0
-    pend_us = 0.0
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // SCALE_BLOCK
         a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -84,19 +81,9 @@ def _gemm1_fp8_tile(x_ptr, w_ptr, h_ptr, hs_ptr, sorted_ids_ptr, row0, e, pid_n,
             u_ptrs += BLOCK_K * stride_wk
         g_s = tl.load(gs_ptr + kb * stride_wsk)
         u_s = tl.load(us_ptr + kb * stride_wsk)
-        if LAG:     # this step's dots are issued before the last step's are scaled in
-            next_g = tl.dot(a, g)
-            next_u = tl.dot(a, u)
-            acc_g += pend_g * (pend_s[:, None] * pend_gs)
-            acc_u += pend_u * (pend_s[:, None] * pend_us)
-            pend_g, pend_u, pend_s, pend_gs, pend_us = next_g, next_u, a_s, g_s, u_s
-        else:
-            acc_g += tl.dot(a, g) * (a_s[:, None] * g_s)
-            acc_u += tl.dot(a, u) * (a_s[:, None] * u_s)
+        acc_g += tl.dot(a, g) * (a_s[:, None] * g_s)
+        acc_u += tl.dot(a, u) * (a_s[:, None] * u_s)
         a_ptrs += BLOCK_K * stride_xk
-    if LAG:
-        acc_g += pend_g * (pend_s[:, None] * pend_gs)
-        acc_u += pend_u * (pend_s[:, None] * pend_us)
     h = acc_g * tl.sigmoid(acc_g) * acc_u                              # silu(gate) * up, fp32
     q, scale = quantize_groups(h, UE8M0, STANDIN)                      # padding rows: h = 0, q = 0
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :] * stride_hn
@@ -113,7 +100,7 @@ def moe_gemm1_fp8_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PAIRED: tl.constexpr, UE8M0: tl.constexpr, STANDIN: tl.constexpr,
     TMA_W: tl.constexpr = False, PERSISTENT: tl.constexpr = False, FLATTEN: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False, LAG: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     # N = I (columns of each half), K = H; w: gate_up data (E, 2N, K), or with TMA_W its descriptor;
     # hs (L, N / 128) fp32.
@@ -122,7 +109,7 @@ def moe_gemm1_fp8_kernel(
     scales = (xs_ptr, stride_xst, stride_xsk, ws_ptr, stride_wse, stride_wsn, stride_wsk, stride_hsm)
     _for_each_tile(_gemm1_fp8_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr, expert_ids_ptr,
                    x_ptr, w_ptr, h_ptr, hs_ptr, sorted_ids_ptr, S, N, K, strides, scales, TOP_K, BLOCK_M,
-                   BLOCK_N, BLOCK_K, GROUP_M, True, "", PAIRED, (UE8M0, STANDIN, TMA_W, LAG), FLATTEN)
+                   BLOCK_N, BLOCK_K, GROUP_M, True, "", PAIRED, (UE8M0, STANDIN, TMA_W), FLATTEN)
 
 
 @triton.jit
@@ -136,7 +123,6 @@ def _gemm2_fp8_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn = strides
     hs_ptr, stride_hsm, stride_hsk, ws_ptr, stride_wse, stride_wsn, stride_wsk, _unused = scales
     TMA_W: tl.constexpr = flags[2]
-    LAG: tl.constexpr = flags[3]
     rows = row0 + tl.arange(0, M)
     pair = tl.load(sorted_ids_ptr + rows)
     valid = pair < S
@@ -154,9 +140,6 @@ def _gemm2_fp8_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0,
         b_ptrs = w_ptr + e * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None] * stride_wk
     bs_ptrs = ws_ptr + e * stride_wse + (rn // SCALE_BLOCK) * stride_wsn                     # [BN]
     acc = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    pend = tl.zeros((M, BLOCK_N), dtype=tl.float32)
-    pend_as = tl.zeros((M,), dtype=tl.float32)
-    pend_bs = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // SCALE_BLOCK
         a = tl.load(a_ptrs)
@@ -167,15 +150,8 @@ def _gemm2_fp8_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0,
             b = tl.load(b_ptrs, mask=n_in[None, :], other=0.0)
             b_ptrs += BLOCK_K * stride_wk
         b_s = tl.load(bs_ptrs + kb * stride_wsk, mask=n_in, other=0.0)
-        if LAG:
-            nxt = tl.dot(a, b)
-            acc += pend * (pend_as[:, None] * pend_bs[None, :])
-            pend, pend_as, pend_bs = nxt, a_s, b_s
-        else:
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         a_ptrs += BLOCK_K * stride_hk
-    if LAG:
-        acc += pend * (pend_as[:, None] * pend_bs[None, :])
     wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
@@ -190,7 +166,7 @@ def moe_gemm2_fp8_kernel(
     hs_ptr, stride_hsm, stride_hsk, ws_ptr, stride_wse, stride_wsn, stride_wsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PAIRED: tl.constexpr, TMA_W: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False, USE_PDL: tl.constexpr = False, LAG: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # N = H, K = I; w: down data (E, N, K); hq (L, K) and hs (L, K / 128) from GEMM1.
     pdl_enter(USE_PDL)
@@ -198,4 +174,4 @@ def moe_gemm2_fp8_kernel(
     scales = (hs_ptr, stride_hsm, stride_hsk, ws_ptr, stride_wse, stride_wsn, stride_wsk, 0)
     _for_each_tile(_gemm2_fp8_tile, PERSISTENT, num_padded_ptr, num_n_tiles, block_codes_ptr, expert_ids_ptr,
                    h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, S, N, K, strides, scales, 1,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, "", PAIRED, (False, False, TMA_W, LAG), FLATTEN)
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, "", PAIRED, (False, False, TMA_W), FLATTEN)

@@ -418,8 +418,9 @@ def _default_config(shape: MoEShape, num_tokens: int, itemsize: int, budget: int
         cfg = ExpertsConfig(128, 128, 64, 8, 4, 256, 64, 8, 4, 8, tma_weights=True)
     if itemsize == 1:
         # Past ~48 rows an expert the FP8 GEMMs ran fastest on the H200 with unpaired 64-row blocks,
-        # 8 warps, 4 stages and 256-column down tiles (the larger tiles spill registers).
-        cfg = fp8_tiles(cfg if rows <= 48 else ExpertsConfig(64, 128, 128, 8, 4, 256, 128, 8, 4, 8))
+        # 8 warps, 4 stages, 256-column down tiles and TMA weights (larger tiles spill registers).
+        cfg = fp8_tiles(cfg if rows <= 48 else ExpertsConfig(64, 128, 128, 8, 4, 256, 128, 8, 4, 8,
+                                                              tma_weights=True))
     return fit_shared_memory(cfg, itemsize, budget)
 
 
