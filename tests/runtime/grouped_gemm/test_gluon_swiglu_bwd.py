@@ -5,14 +5,14 @@ CPU: the tiles by I (`gluon_swiglu_tiles`); the dispatch predicate `_gluon_swigl
 its conditions (capability and Gluon monkeypatched); the Gluon branch's host side (dout copied into
 sorted rows by the interpreted gather, then the launch recorded, not run: descriptors over the right
 tensors and boxes, the STORE_* constexprs, one program an SM at most); explicit Triton tiles and the
-CPU never taking it; moekit importing without Gluon (tests/test_gluon_wgrad.py covers the module too).
+CPU never taking it; moekit importing without Gluon (test_gluon_wgrad.py covers the module too).
 GPU (marked gpu; skipped unless compute capability 9 and Gluon): bf16 dpre_w, h_w and d topk_weights
 against the fp32 twin within 2x plain bf16 PyTorch's error, at Qwen3-30B-A3B and other shapes (both
 tile variants), poisoned workspaces and NaN on the pre-activations' padding rows, padding rows exactly
 0, bitwise reproducible, each subset of the outputs, a spy proving the Gluon kernel ran; the
-moe_experts autograd step through it (tests/test_gluon_wgrad.py and test_grouped_gemm_backward.py
+moe_experts autograd step through it (test_gluon_wgrad.py and test_grouped_gemm_backward.py
 run the whole backward on the GPU too). The sm_90 compile check: `aot_compile_check.py --gluon-wgrad`
-(tests/test_wgrad_tiles.py).
+(tests/lab/test_wgrad_tiles.py).
 """
 
 from __future__ import annotations

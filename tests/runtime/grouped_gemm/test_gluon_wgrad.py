@@ -8,7 +8,7 @@ never taking the Gluon path off the GPU; moekit importing without Gluon.
 GPU (marked gpu; skipped unless compute capability 9 and Gluon): bf16 d gate_up / d down against the
 fp32 twins within 2x plain bf16 PyTorch's error, poisoned workspaces, empty experts exactly 0, bitwise
 reproducible, a spy proving the Gluon kernel ran; the moe_experts autograd path through it.
-The sm_90 compile check: tests/test_wgrad_compare.py (`aot_compile_check.py --gluon-wgrad`).
+The sm_90 compile check: tests/lab/test_wgrad_tiles.py (`aot_compile_check.py --gluon-wgrad`).
 """
 
 from __future__ import annotations
