@@ -313,3 +313,11 @@ def check_training_step(run, shape, num_tokens, *, seed=0, device="cuda", dtype=
     check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), num_experts)
     return got
 
+
+def smem_bytes(cfg, itemsize: int, gemm: int) -> int:
+    """Shared memory of one GEMM's pipelined tiles of an `ExpertsConfig`, written out by hand: per
+    stage an A tile (block_m x block_k) and the B tiles (block_k x block_n; GEMM1 streams gate and up:
+    two)."""
+    if gemm == 1:
+        return cfg.stages1 * (cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
+    return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize
