@@ -1,4 +1,5 @@
-"""Test helpers shared by the suite (imported as `helpers`; pytest puts tests/ on sys.path).
+"""Test helpers shared by the suite (imported as `helpers`: pyproject.toml's `pythonpath` puts tests/ on
+sys.path, for the tests in every folder under it).
 
 The oracles here are written independently of the code under test (RELIABILITY.md case 27): plain
 PyTorch, no moekit import except `moekit.reference.moe_experts_ref`, the project's fp32 reference
@@ -20,14 +21,16 @@ import torch.nn.functional as F
 
 from moekit.reference import moe_experts_ref
 
+ROOT = Path(__file__).resolve().parents[1]      # the checkout: src/, tools/, README.md, ...
+DATA = ROOT / "tests" / "data"                  # the files the tests read (configs, recorded results)
+
 
 def aot_compile_check(*args: str) -> str:
     """stdout of tools/aot_compile_check.py run with these arguments on this checkout's sources,
     which must exit 0; the test is skipped where this Triton has no CUDA backend or ptxas (exit 2)."""
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "tools" / "aot_compile_check.py"), *args],
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "aot_compile_check.py"), *args],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     if done.returncode == 2:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr
@@ -309,3 +312,12 @@ def check_training_step(run, shape, num_tokens, *, seed=0, device="cuda", dtype=
         assert torch.equal(g, g2)
     check_exact_zeros([g.cpu() for g in got], ids.cpu().long(), num_experts)
     return got
+
+
+def smem_bytes(cfg, itemsize: int, gemm: int) -> int:
+    """Shared memory of one GEMM's pipelined tiles of an `ExpertsConfig`, written out by hand: per
+    stage an A tile (block_m x block_k) and the B tiles (block_k x block_n; GEMM1 streams gate and up:
+    two)."""
+    if gemm == 1:
+        return cfg.stages1 * (cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1) * itemsize
+    return cfg.stages2 * (cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * itemsize

@@ -11,8 +11,9 @@ compiles every recorded launch with `triton.compile(ASTSource(...), target=GPUTa
 
     python tools/ep_compile_check.py [--quick]        # exit status 1 if any fails
 
---quick compiles the first case's launches only (one per kernel; tests/test_parallel_fused.py runs
-it). Each line gives the registers and spill bytes per thread from `ptxas -v`.
+--quick compiles the first case's launches only (one per kernel;
+tests/runtime/parallel/test_parallel_fused.py runs it). Each line gives the registers and spill bytes
+per thread from `ptxas -v`.
 
 It sets TRITON_INTERPRET=0 itself before importing Triton (the interpreter's @triton.jit objects
 cannot be compiled).

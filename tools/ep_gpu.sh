@@ -22,8 +22,8 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=moekit-results/ep-${NPROC}xgpu-${STAMP}
 
 echo "== GPU tests of moekit.parallel (NVLS off)"
-python -m pytest -m gpu tests/test_parallel_fused.py tests/test_placement.py tests/test_parallel.py \
-    tests/test_parallel_low_latency.py -q -s
+python -m pytest -m gpu tests/runtime/parallel/test_parallel_fused.py tests/runtime/test_placement.py \
+    tests/runtime/parallel/test_parallel.py tests/runtime/parallel/test_parallel_low_latency.py -q -s
 
 echo "== moekit ep-bench on ${NPROC} GPU(s) -> ${OUT}"
 torchrun --standalone --nproc-per-node "${NPROC}" -m moekit ep-bench --spare-slots 2 --out "${OUT}" "$@"

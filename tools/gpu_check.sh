@@ -27,18 +27,19 @@ for step in $steps; do
             # tests keep it on (cudaMalloc is not allowed while a stream captures).
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 MOEKIT_FUZZ_CASES=${SANITIZER_FUZZ_CASES:-25} MOEKIT_FUZZ_SECONDS=150 \
                 timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
-                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider ${MEMCHECK_TESTS:-tests/test_gpu_core.py tests/test_gpu_reliability.py \
-                tests/test_gpu_sanitizer.py tests/test_gpu_masked.py tests/test_grouped_gemm_backward.py} \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider ${MEMCHECK_TESTS:-tests/runtime/test_gpu_core.py \
+                tests/runtime/test_gpu_reliability.py tests/runtime/test_gpu_sanitizer.py \
+                tests/runtime/masked/test_gpu_masked.py tests/runtime/grouped_gemm/test_grouped_gemm_backward.py} \
                 -k "${MEMCHECK_K:-not capture and not graph and not long_context and not bitwise and not 1000 and not 4096}" \
                 2>&1 | tee "$OUT/memcheck_kernels.log" | tail -4
             timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 \
-                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_core.py -k "capture or graph" \
+                python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/runtime/test_gpu_core.py -k "capture or graph" \
                 2>&1 | tee "$OUT/memcheck_graphs.log" | tail -4 ;;
         racecheck)
-            # Every kernel family once, with no cuBLAS call (tests/test_gpu_sanitizer.py): under
+            # Every kernel family once, with no cuBLAS call (tests/runtime/test_gpu_sanitizer.py): under
             # racecheck cuBLAS's Hopper kernels report hazards of their own and then stop the tool.
             timeout ${RACECHECK_TIMEOUT:-300} compute-sanitizer --tool racecheck --racecheck-report hazard \
-                --print-limit 20 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_gpu_sanitizer.py \
+                --print-limit 20 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/runtime/test_gpu_sanitizer.py \
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
         tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;

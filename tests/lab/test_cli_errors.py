@@ -108,7 +108,7 @@ BAD_ARGUMENTS = [
                          ids=[f"{c} {f} {v}" for c, f, v in BAD_ARGUMENTS])
 def test_bad_argument_is_one_error_line_at_parse_time(command, flag, value, capsys, no_work, tmp_path,
                                                       not_a_folder):
-    """(`moekit tune`'s arguments: tests/test_tuning.py.)"""
+    """(`moekit tune`'s arguments: tests/lab/test_tune.py.)"""
     argv = [command, flag, *([] if value is None else [value.format(file=not_a_folder)])]
     if command == "report" and flag == "--out":
         write_csv(sample_rows(), tmp_path / "results.csv")

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "moekit"
+from helpers import ROOT
+
+SRC = ROOT / "src" / "moekit"
 LAB = {"bench", "cli", "__main__"}          # the lab and its command line
 
 

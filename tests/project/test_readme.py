@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from helpers import ROOT
+
+README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- readme-test: skip[^>]*-->\s*\n)?```python\n(.*?)```", re.S)
 
 

@@ -1,7 +1,8 @@
 """The masked layout (issue 12): each masked kernel against its torch twin, the twins against the fp32
 reference, and the `masked` backend's own cases (capacity drops counted by hand, empty experts, K = 1
 and K = E, ids outside [0, E), NaN in unused rows). CPU: float32 through the Triton interpreter,
-poisoned workspaces. The backend's generic cases run in tests/test_experts.py etc. (over BACKENDS).
+poisoned workspaces. The backend's generic cases run in tests/runtime/experts/test_experts.py etc.
+(over BACKENDS).
 
 The hand counts here never call moekit: a pair's rank in its expert is counted in a Python loop over
 the pairs in order (`kept_by_hand`), independent of `moekit.align.sort_pairs`.

@@ -5,7 +5,6 @@ and flag rows whose p80 / p20 > 1.5 as noisy."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,6 @@ from moekit.bench.results import read_csv, write_csv
 from moekit.bench.study import NOISY_RATIO, is_noisy, spread
 from moekit.cli import main
 from result_rows import imbalance_rows, make_row
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -7,14 +7,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import ROOT
 from moekit.bench.results import write_csv
 from result_rows import sample_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 BENCH = {"rich", "matplotlib"}
 
 

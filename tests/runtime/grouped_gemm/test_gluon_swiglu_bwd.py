@@ -5,14 +5,14 @@ CPU: the tiles by I (`gluon_swiglu_tiles`); the dispatch predicate `_gluon_swigl
 its conditions (capability and Gluon monkeypatched); the Gluon branch's host side (dout copied into
 sorted rows by the interpreted gather, then the launch recorded, not run: descriptors over the right
 tensors and boxes, the STORE_* constexprs, one program an SM at most); explicit Triton tiles and the
-CPU never taking it; moekit importing without Gluon (tests/test_gluon_wgrad.py covers the module too).
+CPU never taking it; moekit importing without Gluon (test_gluon_wgrad.py covers the module too).
 GPU (marked gpu; skipped unless compute capability 9 and Gluon): bf16 dpre_w, h_w and d topk_weights
 against the fp32 twin within 2x plain bf16 PyTorch's error, at Qwen3-30B-A3B and other shapes (both
 tile variants), poisoned workspaces and NaN on the pre-activations' padding rows, padding rows exactly
 0, bitwise reproducible, each subset of the outputs, a spy proving the Gluon kernel ran; the
-moe_experts autograd step through it (tests/test_gluon_wgrad.py and test_grouped_gemm_backward.py
-run the whole backward on the GPU too). The sm_90 compile check: `aot_compile_check.py --gluon-wgrad`
-(tests/test_wgrad_tiles.py).
+moe_experts autograd step through it (test_gluon_wgrad.py and test_grouped_gemm_backward.py
+run the whole backward on the GPU too). The sm_90 compile check:
+`aot_compile_check.py --gluon-swiglu`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import pytest
 import torch
 
 import moekit.grouped_gemm.backward as gb
-from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
+from helpers import (
+    aot_compile_check,
+    check_training_step,
+    distinct_topk_ids,
+    hopper_with_gluon,
+    rel_err,
+    softmax_routing,
+)
 from moekit import PRESETS, align_block_size
 from moekit._workspace import poisoning
 from moekit.grouped_gemm import gluon_swiglu_bwd as swiglu_kernels
@@ -215,6 +222,18 @@ def test_gluon_swiglu_backward_refuses_mismatched_buffers():
     with pytest.raises(ValueError, match="gluon_swiglu_backward: dout_sorted"):
         gb.gluon_swiglu_backward(torch.empty(rows, H, dtype=torch.bfloat16), down, pre, w, align,
                                  GLUON_SWIGLU_128, dpre=None, h=None, part=torch.empty(rows, 3))
+
+
+# ---- the sm_90 compile check (tools/aot_compile_check.py) ----------------------------------------
+
+def test_gluon_swiglu_kernel_compiles_for_sm90():
+    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16) and a launch storing dpre_w alone,
+    through ptxas for sm_90, within the shared-memory limit (skipped where this Triton has no Gluon,
+    CUDA backend or ptxas). The 128-column tiles spill loop counters (reported, allowed)."""
+    out = aot_compile_check("--gluon-swiglu", "--regs")
+    assert "5/5 gluon swiglu kernels compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("gluon-swiglu ")]
+    assert len(lines) == 5 and all(" OK " in line and "r " in line for line in lines), lines
 
 
 # ---- GPU -----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 import triton
 
 import moekit
+from helpers import ROOT
 from moekit import _workspace
 from moekit.bench.scenarios import make_scenario
 from moekit.bench.simulate import shard_experts, simulate_ep
@@ -315,7 +316,7 @@ def test_kernels_compile_for_sm90():
     """The interpreter does not see compiled-mode errors; `tools/ep_compile_check.py --quick`
     compiles the normal and the low-latency launches (replicas included) and the masked layout
     kernel to sm_90 cubins, no GPU needed (Triton's bundled ptxas)."""
-    script = Path(__file__).resolve().parents[1] / "tools" / "ep_compile_check.py"
+    script = ROOT / "tools" / "ep_compile_check.py"
     src = str(Path(moekit.__file__).parents[1])
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}

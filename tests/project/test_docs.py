@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results"
 LINKED_DOCS = ["README.md", "CHANGELOG.md", "benchmarks/README.md", "benchmarks/results/INDEX.md",
                *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]

@@ -8,7 +8,7 @@ never taking the Gluon path off the GPU; moekit importing without Gluon.
 GPU (marked gpu; skipped unless compute capability 9 and Gluon): bf16 d gate_up / d down against the
 fp32 twins within 2x plain bf16 PyTorch's error, poisoned workspaces, empty experts exactly 0, bitwise
 reproducible, a spy proving the Gluon kernel ran; the moe_experts autograd path through it.
-The sm_90 compile check: tests/test_wgrad_compare.py (`aot_compile_check.py --gluon-wgrad`).
+The sm_90 compile check: `aot_compile_check.py --gluon-wgrad`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import pytest
 import torch
 
 import moekit.grouped_gemm.backward as gb
-from helpers import check_training_step, distinct_topk_ids, hopper_with_gluon, rel_err, softmax_routing
+from helpers import (
+    aot_compile_check,
+    check_training_step,
+    distinct_topk_ids,
+    hopper_with_gluon,
+    rel_err,
+    softmax_routing,
+)
 from moekit import PRESETS, align_block_size, moe_experts
 from moekit._workspace import poisoning
 from moekit.grouped_gemm import gluon_wgrad as gluon_kernels
@@ -304,6 +311,18 @@ def test_moekit_imports_without_gluon():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().endswith("ok")
+
+
+# ---- the sm_90 compile check (tools/aot_compile_check.py) ----------------------------------------
+
+def test_gluon_wgrad_kernel_compiles_for_sm90_without_spills():
+    """The Hopper Gluon weight gradient's two tiles (bf16 and fp16) and its row gather, through ptxas
+    for sm_90 (skipped where this Triton has no Gluon, CUDA backend or ptxas)."""
+    out = aot_compile_check("--gluon-wgrad", "--regs")
+    assert "5/5 gluon wgrad kernels compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("gluon-wgrad ")]
+    assert len(lines) == 5 and all(" OK " in line and "r " in line and " local " not in line
+                                   for line in lines), lines
 
 
 # ---- GPU -----------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import error_line, run_cli
+from helpers import DATA, error_line, run_cli
 from moekit.bench.layers import Layer, file_stem, parse_shape, read_config
 from moekit.bench.results import read_csv
 from moekit.cli import main
 from moekit.shapes import PRESETS, MoEShape
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = DATA / "configs"
 MIXTRAL, QWEN3 = CONFIGS / "mixtral_tiny.json", CONFIGS / "qwen3_moe_tiny.json"
 
 

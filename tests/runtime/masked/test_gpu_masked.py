@@ -1,7 +1,8 @@
 """GPU tests of the masked layout (issue 12, H200): bf16 at the Qwen3-30B-A3B shape against the fp32
 reference with the 2x rule, no host sync, and CUDA-graph replay with changing per-expert counts.
 
-Run with `pytest -m gpu tests/test_gpu_masked.py` (each test well under 30 s). Skipped without CUDA.
+Run with `pytest -m gpu tests/runtime/masked/test_gpu_masked.py` (each test well under 30 s). Skipped
+without CUDA.
 """
 
 from __future__ import annotations

@@ -23,23 +23,3 @@ def test_wgrad_kernel_compiles_for_sm90_without_spills():
     assert "3/3 wgrad variants compile" in out
     lines = [line for line in out.splitlines() if line.startswith("wgrad ")]
     assert len(lines) == 3 and all("r/" in line and " local " not in line for line in lines), lines
-
-
-def test_gluon_wgrad_kernel_compiles_for_sm90_without_spills():
-    """The Hopper Gluon weight gradient's two tiles (bf16 and fp16) and its row gather, through ptxas
-    for sm_90 (skipped where this Triton has no Gluon, CUDA backend or ptxas)."""
-    out = aot_compile_check("--gluon-wgrad", "--regs")
-    assert "5/5 gluon wgrad kernels compile" in out
-    lines = [line for line in out.splitlines() if line.startswith("gluon-wgrad ")]
-    assert len(lines) == 5 and all(" OK " in line and "r " in line and " local " not in line
-                                   for line in lines), lines
-
-
-def test_gluon_swiglu_kernel_compiles_for_sm90():
-    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16) and a launch storing dpre_w alone,
-    through ptxas for sm_90, within the shared-memory limit (skipped where this Triton has no Gluon,
-    CUDA backend or ptxas). The 128-column tiles spill loop counters (reported, allowed)."""
-    out = aot_compile_check("--gluon-swiglu", "--regs")
-    assert "5/5 gluon swiglu kernels compile" in out
-    lines = [line for line in out.splitlines() if line.startswith("gluon-swiglu ")]
-    assert len(lines) == 5 and all(" OK " in line and "r " in line for line in lines), lines

@@ -617,7 +617,8 @@ def test_float16_gradients_within_twice_plain_pytorch(num_tokens):
         assert err <= 2 * base_err, (name, err, base_err)
 
 
-# GPU: bf16 at the Qwen3-30B-A3B shape (run on the H200: pytest -m gpu tests/test_grouped_gemm_backward.py).
+# GPU: bf16 at the Qwen3-30B-A3B shape (run on the H200:
+# pytest -m gpu tests/runtime/grouped_gemm/test_grouped_gemm_backward.py).
 
 def qwen_case(num_tokens, dtype=torch.bfloat16, seed=0):
     shape = PRESETS["qwen3-30b-a3b"]

@@ -7,11 +7,11 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import ROOT
 from moekit.bench import cli
 from moekit.bench.results import read_csv
 
@@ -84,7 +84,7 @@ def test_the_command_runs_triton_interpreted_on_the_cpu(tmp_path):
     """`moekit bench` in a fresh process (not under this suite's conftest, which imports moekit.kernels
     first): Triton must be switched to its interpreter before anything imports it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = str(ROOT / "src")
     done = subprocess.run([sys.executable, "-m", "moekit", "bench", "--preset", "tiny", "--quick", "--tokens",
                            "1", "--backends", "triton", "--device", "cpu", "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300, env=env)

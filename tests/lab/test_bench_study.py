@@ -8,18 +8,18 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import DATA, ROOT
 from moekit.bench import study
 from moekit.bench.imbalance_report import ImbalanceRow
 from moekit.bench.results import write_csv
 from moekit.cli import main
 from result_rows import imbalance_rows
 
-DATA = Path(__file__).parent / "data" / "results"
-RECORDED = Path(__file__).parents[1] / "benchmarks" / "results" / "h200"
+RESULTS = DATA / "results"
+RECORDED = ROOT / "benchmarks" / "results" / "h200"
 # recorded run folders the docs cite, each redrawn by `moekit report`
 RECORDED_RUNS = {"bench": RECORDED / "2026-11-29_04afad1" / "bench-peers",
                  "imbalance": RECORDED / "2026-12-02_072e8e0" / "imbalance"}
@@ -42,7 +42,7 @@ COMMITTED = {
 def test_report_redraws_a_committed_folder_of_every_study(name, tmp_path, capsys):
     csv_name, outputs, line = COMMITTED[name]
     folder = tmp_path / name
-    shutil.copytree(DATA / name, folder)
+    shutil.copytree(RESULTS / name, folder)
     assert study.find_results(folder)[0].name == name
     assert main(["report", str(folder)]) == 0
     assert f"{name} rows from {folder / csv_name}" in " ".join(capsys.readouterr().out.split())
@@ -52,7 +52,7 @@ def test_report_redraws_a_committed_folder_of_every_study(name, tmp_path, capsys
         assert (folder / png).read_bytes()[:8] == PNG
     report = (folder / outputs[0]).read_text()
     assert line in report
-    assert (folder / csv_name).read_bytes() == (DATA / name / csv_name).read_bytes()   # never rewritten
+    assert (folder / csv_name).read_bytes() == (RESULTS / name / csv_name).read_bytes()   # never rewritten
     again = tmp_path / "again"
     assert main(["report", str(folder / csv_name), "--out", str(again)]) == 0        # a CSV file works too
     assert (again / outputs[0]).read_text() == report                                   # rows alone decide
