@@ -12,7 +12,8 @@ that need no gradients, plain SwiGLU without biases or interleaved rows, no expl
 normal path's tiles), T * K <= `DECODE_MAX_PAIRS` and at most `DECODE_MAX_REREAD` pairs per expert
 hit (expected under uniform routing: every pair reads its expert's weights, so an expert with two
 pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
-(read at each call).
+(read at each call). The call's plan (`moekit.experts.plan`) makes that decision and picks the tiles
+(`decode_config`) and launch hints the two launchers take.
 
 Why 64 pairs: past that, sorting pairs by expert pays for itself (the normal path's tuned tiles
 read each expert's weights once for several pairs); below it, the direct path saves launches and
@@ -139,9 +140,11 @@ def use_decode_direct(num_tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
-                        cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                        cfg: DecodeConfig = DEFAULT_DECODE, *, pdl: bool | None = None,
+                        evict: str | None = None) -> torch.Tensor:
     """h (S, I) in x's dtype, row p = pair p (token p // K): silu(gate) * up; zeros for ids outside
-    [0, E). topk_ids (T, K) contiguous, int32 or int64."""
+    [0, E). topk_ids (T, K) contiguous, int32 or int64. pdl, evict: the launch hints as the caller
+    decided them (a call's plan, `moekit.experts.plan`); None: decided here (`moekit.launch_hints`)."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     h = _workspace.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -153,16 +156,17 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
-            W_EVICT=weight_evict(x.device, topk_ids.numel()),
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device))
+            W_EVICT=weight_evict(x.device, topk_ids.numel()) if evict is None else evict,
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device, pdl))
     return h
 
 
 def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, out: torch.Tensor,
-                     cfg: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                     topk_ids: torch.Tensor, out: torch.Tensor, cfg: DecodeConfig = DEFAULT_DECODE, *,
+                     pdl: bool | None = None, evict: str | None = None) -> torch.Tensor:
     """out (T, H) = fp32 sum over slots k ascending (ids in [0, E)) of w[t,k] * h[t*K+k] @ down_e^T,
-    stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous."""
+    stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous. pdl, evict: as in
+    `decode_gemm1_swiglu`."""
     num_experts, hidden, inter = down_proj.shape
     num_tokens, top_k = topk_ids.shape
     if out.numel():
@@ -173,18 +177,20 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
-            W_EVICT=weight_evict(h.device, topk_ids.numel()), num_warps=tiles.warps, num_stages=tiles.stages,
-            **pdl_kwargs(h.device))
+            W_EVICT=weight_evict(h.device, topk_ids.numel()) if evict is None else evict,
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(h.device, pdl))
     return out
 
 
 def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                   cfg: DecodeConfig | None = None) -> torch.Tensor:
-    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles)."""
+                   cfg: DecodeConfig | None = None, *, pdl: bool | None = None,
+                   evict: str | None = None) -> torch.Tensor:
+    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles;
+    pdl, evict: as in `decode_gemm1_swiglu`)."""
     cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
-    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg)
-    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg)
+    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, pdl=pdl, evict=evict)
+    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, pdl=pdl, evict=evict)
 
 
 def _valid(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
