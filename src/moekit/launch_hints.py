@@ -1,6 +1,7 @@
 """Two launch hints of the inference kernels on Hopper and later, on by default there; each an
-environment switch read at every launch ("0" turns it off), so one process can time both settings
-side by side (`moekit sweep --set hints`):
+environment switch ("0" turns it off) read once a call by the triton path's plan
+(`moekit.experts.plan`) and at each launch of a launcher called without one, so one process can time
+both settings side by side (`moekit sweep --set hints`):
 
     MOEKIT_PDL                  programmatic dependent launch. The router, align, GEMM1, GEMM2, sum
                                 and direct-decode kernels, and in the backward the row gathers, tile
@@ -61,10 +62,13 @@ def pdl_enabled(device: torch.device) -> bool:
     return env.flag(PDL_ENV) and _hopper(device)
 
 
-def pdl_kwargs(device: torch.device) -> dict:
+def pdl_kwargs(device: torch.device, on: bool | None = None) -> dict:
     """Launch keywords of a kernel with a USE_PDL constexpr: {} (the plain launch, the kernel compiled
-    as before) or USE_PDL with Triton's `launch_pdl` option."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+    as before) or USE_PDL with Triton's `launch_pdl` option. on: the caller's decision (a call's
+    plan, `moekit.experts.plan`); None: `pdl_enabled(device)`, read now."""
+    if on is None:
+        on = pdl_enabled(device)
+    return {"USE_PDL": True, "launch_pdl": True} if on else {}
 
 
 def weight_evict(device: torch.device, num_pairs: int) -> str:

@@ -256,7 +256,8 @@ def align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: in
                      block_m, num_pairs, codes)
 
 
-def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                            pdl: bool | None = None) -> Alignment:
     check_triton_device("topk_ids", topk_ids)
     if num_experts > MAX_TRITON_EXPERTS:
         raise ValueError(
@@ -283,7 +284,7 @@ def align_block_size_triton(topk_ids: torch.Tensor, num_experts: int, block_m: i
     num_chunks = cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // e_pad))
     num_warps = ALIGN_WARPS or (4 if chunk * max(1, e_pad // 128) <= 1024 else 8)
-    pdl = pdl_kwargs(dev)
+    pdl = pdl_kwargs(dev, pdl)
     scatter = dict(BLOCK_M=block_m, CHUNK=chunk, E_PAD=e_pad, BLOCK_B=block_b, num_warps=num_warps, **pdl)
     if num_chunks == 1:
         align_scatter_kernel[(1,)](
@@ -336,7 +337,7 @@ def _chunk_size(num_pairs: int) -> int:
 
 
 def align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto"
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto", pdl: bool | None = None
 ) -> Alignment:
     """Sort token-expert pairs by expert, padding each expert's group to a multiple of block_m.
 
@@ -346,6 +347,8 @@ def align_block_size(
         num_experts: E.
         block_m: rows per block of the grouped GEMM.
         backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+        pdl: the triton kernels' programmatic dependent launch as the caller decided it (a call's
+            plan, `moekit.experts.plan`); None: `moekit.launch_hints` decides at the launch.
 
     Returns:
         An `Alignment` whose tensor sizes depend on (T, K, E, block_m) only.
@@ -356,5 +359,5 @@ def align_block_size(
     if backend == "torch":
         return align_block_size_torch(topk_ids, num_experts, block_m)
     if backend == "triton":
-        return align_block_size_triton(topk_ids, num_experts, block_m)
+        return align_block_size_triton(topk_ids, num_experts, block_m, pdl=pdl)
     raise ValueError(f"backend must be 'auto' or one of {ALIGN_BACKENDS}, got {backend!r}")

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.decode import use_decode_direct
-from moekit.experts.triton import align_pairs, auto_config
+from moekit.experts.plan import auto_config, takes_decode_path
+from moekit.experts.triton import align_pairs
 from moekit.grouped_gemm.backward import gluon_a_chunks
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, gluon_wgrad_tiles
@@ -139,7 +139,7 @@ def triton_rows(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Ten
     """The rows a `moe_experts(..., backend="triton")` call with no config computes: its tuned config's
     alignment (`aligned_rows`), or one row per pair on the direct decode path (inference, when on).
     `grad`: the call needs gradients (never the decode path)."""
-    if not grad and use_decode_direct(*topk_ids.shape, gate_up_proj.shape[0]):
+    if takes_decode_path(gate_up_proj, topk_ids, grad=grad):
         pairs = int(((topk_ids >= 0) & (topk_ids < gate_up_proj.shape[0])).sum())
         return RowsComputed(pairs, pairs)
     config = auto_config(x.shape[0], gate_up_proj, topk_ids.shape[1], x.dtype, x.device)

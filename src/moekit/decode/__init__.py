@@ -12,7 +12,8 @@ that need no gradients, plain SwiGLU without biases or interleaved rows, no expl
 normal path's tiles), T * K <= `DECODE_MAX_PAIRS` and at most `DECODE_MAX_REREAD` pairs per expert
 hit (expected under uniform routing: every pair reads its expert's weights, so an expert with two
 pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
-(read at each call).
+(read at each call). The call's plan (`moekit.experts.plan`) makes that decision and picks the tiles
+(`decode_config`) and launch hints the two launchers take.
 
 Why 64 pairs: past that, sorting pairs by expert pays for itself (the normal path's tuned tiles
 read each expert's weights once for several pairs); below it, the direct path saves launches and
@@ -151,11 +152,13 @@ def _scale_args(w_scale: torch.Tensor | None, block_n: int) -> dict:
 
 
 def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: torch.Tensor,
-                        cfg: DecodeConfig = DEFAULT_DECODE,
-                        w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        cfg: DecodeConfig = DEFAULT_DECODE, w_scale: torch.Tensor | None = None, *,
+                        pdl: bool | None = None, evict: str | None = None) -> torch.Tensor:
     """h (S, I) in x's dtype, row p = pair p (token p // K): silu(gate) * up; zeros for ids outside
     [0, E). topk_ids (T, K) contiguous, int32 or int64. w_scale: gate_up_proj is block-scaled FP8
-    data and these its (E, 2I / 128, H / 128) scales (w8a16: dequantized in registers)."""
+    data and these its (E, 2I / 128, H / 128) scales (w8a16: dequantized in registers). pdl, evict:
+    the launch hints as the caller decided them (a call's plan, `moekit.experts.plan`); None:
+    decided here (`moekit.launch_hints`)."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     h = _workspace.empty(topk_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -167,18 +170,20 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
-            W_EVICT=weight_evict(x.device, topk_ids.numel()),
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device),
+            W_EVICT=weight_evict(x.device, topk_ids.numel()) if evict is None else evict,
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device, pdl),
             **_scale_args(w_scale, tiles.block_n))
     return h
 
 
 def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, out: torch.Tensor,
-                     cfg: DecodeConfig = DEFAULT_DECODE, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, out: torch.Tensor, cfg: DecodeConfig = DEFAULT_DECODE,
+                     w_scale: torch.Tensor | None = None, *, pdl: bool | None = None,
+                     evict: str | None = None) -> torch.Tensor:
     """out (T, H) = fp32 sum over slots k ascending (ids in [0, E)) of w[t,k] * h[t*K+k] @ down_e^T,
     stored once in out's dtype. topk_weights and topk_ids (T, K) contiguous. w_scale: down_proj is
-    block-scaled FP8 data and these its (E, H / 128, I / 128) scales."""
+    block-scaled FP8 data and these its (E, H / 128, I / 128) scales. pdl, evict: as in
+    `decode_gemm1_swiglu`."""
     num_experts, hidden, inter = down_proj.shape
     num_tokens, top_k = topk_ids.shape
     if out.numel():
@@ -189,21 +194,23 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             h.stride(0), h.stride(1), *down_proj.stride(), out.stride(0), out.stride(1),
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
-            W_EVICT=weight_evict(h.device, topk_ids.numel()), num_warps=tiles.warps, num_stages=tiles.stages,
-            **pdl_kwargs(h.device), **_scale_args(w_scale, tiles.block_n))
+            W_EVICT=weight_evict(h.device, topk_ids.numel()) if evict is None else evict,
+            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(h.device, pdl),
+            **_scale_args(w_scale, tiles.block_n))
     return out
 
 
 def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                    cfg: DecodeConfig | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   ) -> torch.Tensor:
-    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles).
-    scales: the weights are block-scaled FP8 data and these their (gate_up, down) block scales."""
+                   *, pdl: bool | None = None, evict: str | None = None) -> torch.Tensor:
+    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles;
+    pdl, evict: as in `decode_gemm1_swiglu`). scales: the weights are block-scaled FP8 data and these
+    their (gate_up, down) block scales."""
     cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
     gs, ds = (None, None) if scales is None else scales
-    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, gs)
-    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, ds)
+    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, gs, pdl=pdl, evict=evict)
+    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, ds, pdl=pdl, evict=evict)
 
 
 def _valid(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

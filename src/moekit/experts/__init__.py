@@ -53,6 +53,7 @@ from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_m
 from moekit.experts.loop import experts_loop
 from moekit.experts.masked import experts_masked
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
+from moekit.experts.plan import auto_config
 from moekit.experts.registry import (
     CONFIG_FIELDS,
     MATH_OPTIONS,
@@ -63,7 +64,7 @@ from moekit.experts.registry import (
     get_backend,
     register_backend,
 )
-from moekit.experts.triton import auto_config, experts_triton, experts_triton_grads, experts_triton_train
+from moekit.experts.triton import experts_triton, experts_triton_grads, experts_triton_train
 from moekit.quant import Fp8Weight
 from moekit.tuning import ExpertsConfig
 

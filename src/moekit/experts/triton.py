@@ -52,54 +52,60 @@ call with plain SwiGLU (no biases, not interleaved), no `config` given and T * K
 `moekit.decode.DECODE_MAX_PAIRS` runs two kernels instead of the four (no align); every other call
 runs the path above (a `config` names the normal path's tiles, so a caller who gives one, the tuner
 or ablate, gets that path).
+
+Each entry point decides what it runs once, in `moekit.experts.plan.plan_triton_call` (the path, the
+tiles with TMA resolved, the launch hints), and hands the launchers those decisions.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from moekit import _workspace
-from moekit._validation import MAX_TRITON_EXPERTS, check_triton_device, needs_grad
+from moekit._validation import check_triton_device, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.align import BLOCK_M_BOUND, Alignment, align_block_size, padded_length, unpack_alignment
-from moekit.decode import experts_decode, use_decode_direct
-from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum, resolve_tma
+from moekit.decode import experts_decode
+from moekit.experts.plan import DECODE, TritonPlan, align_backend, plan_triton_call
+from moekit.experts.plan import auto_config as auto_config  # re-exported: the backend's callers name it here
+from moekit.grouped_gemm import gemm1_swiglu, gemm1_swiglu_with_pre, gemm2_weighted, moe_sum
 from moekit.grouped_gemm.backward import (
     down_proj_grad,
     gate_up_proj_grad,
     hidden_states_grad,
     swiglu_backward,
 )
-from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig, get_config
+from moekit.tuning import ExpertsConfig
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig) -> Alignment:
-    """The triton backend's align step: the Triton kernels up to their expert limit, else torch."""
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, config: ExpertsConfig, *,
+                backend: str | None = None, pdl: bool | None = None) -> Alignment:
+    """The triton backend's align step at config.block_m: backend (None: `align_backend`, the Triton
+    kernels up to their expert limit, else torch) and pdl as a call's plan has them."""
     return align_block_size(topk_ids, num_experts, config.block_m,
-                            backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
+                            backend=align_backend(num_experts) if backend is None else backend, pdl=pdl)
 
 
 def _forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: ExpertsConfig, out: torch.Tensor, *,
+             topk_ids: torch.Tensor, plan: TritonPlan, out: torch.Tensor, *,
              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
              activation: GatedActivation = SWIGLU, interleaved: bool = False,
-             store_pre: bool = False, pre_rows: int | None = None) -> tuple[Alignment, torch.Tensor | None]:
-    """(alignment, pre): pre the (L, 2I) pre-activations GEMM1 stored when store_pre (plain SwiGLU
-    only), else None."""
-    align = align_pairs(topk_ids, gate_up_proj.shape[0], config)
+             pre_rows: int | None = None) -> tuple[Alignment, torch.Tensor | None]:
+    """The grouped path's launches as plan has them: (alignment, pre), pre the (L, 2I) pre-activations
+    GEMM1 stored when plan.store_pre (plain SwiGLU only), else None."""
+    config, tma, pdl = plan.config, plan.config.tma_weights, plan.pdl
+    align = align_pairs(topk_ids, gate_up_proj.shape[0], config, backend=plan.align, pdl=pdl)
     top_k = topk_ids.shape[1]
     pre = None
-    if store_pre:
-        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config, pre_rows=pre_rows)
+    if plan.store_pre:
+        h, pre = gemm1_swiglu_with_pre(x, gate_up_proj, align, top_k, config, pre_rows=pre_rows, tma=tma,
+                                       pdl=pdl)
     else:
         h = gemm1_swiglu(x, gate_up_proj, align, top_k, config, bias=gate_up_bias, activation=activation,
-                         interleaved=interleaved)
-    y = gemm2_weighted(h, down_proj, topk_weights, align, config, bias=down_bias)
-    moe_sum(y, topk_ids, gate_up_proj.shape[0], out)
+                         interleaved=interleaved, tma=tma, pdl=pdl)
+    y = gemm2_weighted(h, down_proj, topk_weights, align, config, bias=down_bias, tma=tma, pdl=pdl)
+    moe_sum(y, topk_ids, gate_up_proj.shape[0], out, pdl=pdl)
     return align, pre
 
 
@@ -154,16 +160,14 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 class _TritonExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, topk_weights, topk_ids, config):
+    def forward(ctx, x, gate_up_proj, down_proj, topk_weights, topk_ids, plan):
         out = _workspace.empty_like(x)
-        need_x, need_gu, _, need_w = ctx.needs_input_grad[:4]
-        # The SwiGLU backward runs only for these: it reads a, b where GEMM1 stored them.
-        align, pre = _forward(x, gate_up_proj, down_proj, topk_weights, topk_ids, config, out,
-                              store_pre=need_x or need_gu or need_w)
+        # plan.store_pre: the SwiGLU backward runs (x, gate_up or weights need grad) and reads a, b.
+        align, pre = _forward(x, gate_up_proj, down_proj, topk_weights, topk_ids, plan, out)
         ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, topk_ids, align.sorted_ids,
                               align.expert_ids, align.num_padded, align.tokens_per_expert, align.block_codes,
                               pre)
-        ctx.config, ctx.block_m, ctx.num_pairs = config, align.block_m, align.num_pairs
+        ctx.config, ctx.block_m, ctx.num_pairs = plan.config, align.block_m, align.num_pairs
         ctx.mark_non_differentiable(topk_ids)
         return out
 
@@ -182,38 +186,8 @@ class _TritonExperts(torch.autograd.Function):
         return (*grads, None, None)
 
 
-@functools.lru_cache(maxsize=256)
-def _shape_of(num_experts: int, hidden: int, inter: int, top_k: int) -> MoEShape:
-    """MoEShape(...), memoised: its checks run once per weight shape, not once per call."""
-    return MoEShape(num_experts, hidden, inter, top_k)
-
-
-def auto_config(num_tokens: int, gate_up_proj: torch.Tensor, top_k: int, dtype: torch.dtype,
-                device: torch.device) -> ExpertsConfig:
-    """The config a call on num_tokens rows picks when given none (the tuned one, else the default).
-    The chunked expert-parallel path passes the whole call's to every chunk: the tiles, and so each
-    row's summation order, stay those of one call on all the rows."""
-    # An expert-parallel rank may hold fewer experts than a token picks (K > E, the other
-    # slots carry ids outside [0, E)): at most E of a token's pairs land here.
-    num_experts, two_i, hidden = gate_up_proj.shape
-    shape = _shape_of(num_experts, hidden, two_i // 2, min(top_k, num_experts))
-    return get_config(shape, num_tokens, dtype, device)
-
-
-def _prepare(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-             topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: ExpertsConfig | None, *,
-             interleaved: bool = False):
-    """(config, contiguous weights, contiguous ids): the tuned config unless one is given, its
-    tma_weights switched off where these weights (gate/up rows interleaved or not) cannot use TMA
-    (`resolve_tma`)."""
-    check_triton_device("hidden_states", hidden_states)
-    if config is None:
-        config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1], hidden_states.dtype,
-                             hidden_states.device)
-    config = resolve_tma(config, gate_up_proj, down_proj, interleaved=interleaved)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    return config, weights, ids
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def experts_triton(
@@ -230,29 +204,25 @@ def experts_triton(
     activation: GatedActivation = SWIGLU,
     interleaved: bool = False,
 ) -> torch.Tensor:
-    extended = gate_up_bias is not None or down_bias is not None or not activation.is_swiglu or interleaved
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]
     grad = needs_grad(hidden_states, gate_up_proj, down_proj, topk_weights, *biases)
-    if config is None and not grad and not extended and topk_ids.dim() == 2 and gate_up_proj.dim() == 3 \
-            and use_decode_direct(topk_ids.shape[0], topk_ids.shape[1], gate_up_proj.shape[0]):
-        check_triton_device("hidden_states", hidden_states)
-        if out is None:
-            out = _workspace.empty_like(hidden_states)
-        return experts_decode(hidden_states, gate_up_proj, down_proj, topk_weights.contiguous(),
-                              topk_ids.contiguous(), out)
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config,
-                                    interleaved=interleaved)
+    # The SwiGLU backward runs, and reads GEMM1's pre-activations, when one of these needs a gradient.
+    store_pre = grad and any(t.requires_grad for t in (hidden_states, gate_up_proj, topk_weights))
+    check_triton_device("hidden_states", hidden_states)
+    plan = plan_triton_call(hidden_states, gate_up_proj, down_proj, topk_ids, grad=grad, store_pre=store_pre,
+                            config=config, biases=bool(biases), activation=activation,
+                            interleaved=interleaved)
+    weights, ids = _contiguous(topk_weights), _contiguous(topk_ids)
     if grad:
-        if extended:
-            raise RuntimeError("the triton backward computes SwiGLU without biases only; this call has "
-                               "expert biases, another activation or interleaved gate/up rows and needs "
-                               "gradients: use moekit.moe_experts (it picks a differentiable backend)")
         if out is not None:
             raise RuntimeError("out= cannot be used when the call needs gradients")
-        return _TritonExperts.apply(hidden_states, gate_up_proj, down_proj, weights, ids, config)
+        return _TritonExperts.apply(hidden_states, gate_up_proj, down_proj, weights, ids, plan)
     if out is None:
         out = _workspace.empty_like(hidden_states)
-    _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out, gate_up_bias=gate_up_bias,
+    if plan.path == DECODE:
+        return experts_decode(hidden_states, gate_up_proj, down_proj, weights, ids, out, plan.decode,
+                              pdl=plan.pdl, evict=plan.weight_evict)
+    _forward(hidden_states, gate_up_proj, down_proj, weights, ids, plan, out, gate_up_bias=gate_up_bias,
              down_bias=down_bias, activation=activation, interleaved=interleaved)
     return out
 
@@ -266,7 +236,10 @@ def experts_triton_train(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor
     (out, pre or None, alignment), pre the (L, 2I) pre-activations GEMM1 stored when store_pre,
     with pre_rows rows when given (>= L: a size fixed before the config was known). Plain SwiGLU;
     no decode-direct path (a call that needs gradients never takes it)."""
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
+    check_triton_device("hidden_states", hidden_states)
+    plan = plan_triton_call(hidden_states, gate_up_proj, down_proj, topk_ids, grad=True, store_pre=store_pre,
+                            config=config)
+    config, weights, ids = plan.config, _contiguous(topk_weights), _contiguous(topk_ids)
     out = _workspace.empty_like(hidden_states)
     if pre_rows is not None and padded_length(ids.numel(), gate_up_proj.shape[0], config.block_m) > pre_rows:
         raise RuntimeError(f"moekit::experts_train: the config's block_m {config.block_m} pads to more rows "
@@ -274,9 +247,8 @@ def experts_triton_train(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor
                            "config); pass config=")
     if hidden_states.shape[0] == 0:
         pre = hidden_states.new_empty(pre_rows or 0, gate_up_proj.shape[1]) if store_pre else None
-        return out, pre, align_pairs(ids, gate_up_proj.shape[0], config)
-    align, pre = _forward(hidden_states, gate_up_proj, down_proj, weights, ids, config, out,
-                          store_pre=store_pre, pre_rows=pre_rows)
+        return out, pre, align_pairs(ids, gate_up_proj.shape[0], config, backend=plan.align, pdl=plan.pdl)
+    align, pre = _forward(hidden_states, gate_up_proj, down_proj, weights, ids, plan, out, pre_rows=pre_rows)
     return out, pre, align
 
 
@@ -298,10 +270,12 @@ def experts_triton_grads(
     backward reads them (one GEMM). Without them (the autograd of `moekit::experts`, which saves only
     the inputs) the alignment is recomputed (one small launch), and pre None recomputes a and b in the
     SwiGLU backward. config None: the tuned config of the forward, picked again. T must be > 0."""
-    config, weights, ids = _prepare(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, config)
+    check_triton_device("hidden_states", hidden_states)
+    plan = plan_triton_call(hidden_states, gate_up_proj, down_proj, topk_ids, grad=True, config=config)
+    config, weights, ids = plan.config, _contiguous(topk_weights), _contiguous(topk_ids)
     num_experts = gate_up_proj.shape[0]
     if alignment is None:
-        align = align_pairs(ids, num_experts, config)
+        align = align_pairs(ids, num_experts, config, backend=plan.align, pdl=plan.pdl)
     else:
         align = unpack_alignment(alignment, ids.numel(), num_experts, config.block_m)
     return experts_triton_backward(grad_out, hidden_states, gate_up_proj, down_proj, weights, ids, align,

@@ -35,6 +35,10 @@ bound, each looping over tiles up to the live count read on the device. Off the 
 the device is taken to have `OFF_GPU_SMS` SMs. With paired tiles a persistent tile is two row
 blocks (`moekit.grouped_gemm.kernels._for_each_tile`), so the bound is cdiv(max_blocks, 2) times
 the column tiles.
+
+The GEMMs' `tma` and every launcher's `pdl` keywords carry the triton path's decisions for the call
+(`moekit.experts.plan`); left None, the launcher decides them itself (`resolve_tma`'s check,
+`moekit.launch_hints`), as a direct call from the lab, a test or the backward wants.
 """
 
 from __future__ import annotations
@@ -107,18 +111,23 @@ def gate_up_block_n(cfg: ExpertsConfig, interleaved: bool) -> int:
 def resolve_tma(cfg: ExpertsConfig, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
                 interleaved: bool = False) -> ExpertsConfig:
     """cfg with tma_weights as it will run: turned off unless both weights pass `tma_supported`
-    with their GEMM's block (interleaved gate_up: 2 * block_n1 rows, `gate_up_block_n`); the
-    launchers check again, for direct calls."""
+    with their GEMM's block (interleaved gate_up: 2 * block_n1 rows, `gate_up_block_n`). A call's
+    plan (`moekit.experts.plan`) hands the result to the launchers (tma=); called without it, they
+    check again."""
     if cfg.tma_weights and not (tma_supported(gate_up_proj, gate_up_block_n(cfg, interleaved), cfg.block_k1)
                                 and tma_supported(down_proj, cfg.block_n2, cfg.block_k2)):
         return replace(cfg, tma_weights=False)
     return cfg
 
 
-def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k: int):
+def _weights_operand(w: torch.Tensor, cfg: ExpertsConfig, block_n: int, block_k: int,
+                     tma: bool | None = None):
     """(what the kernel's w gets, TMA_W): w itself, or its descriptor over (E * N, K) with block
-    [block_n, block_k] when the config asks for TMA and `tma_supported` holds."""
-    if not (cfg.tma_weights and tma_supported(w, block_n, block_k)):
+    [block_n, block_k] when tma, or with tma None when the config asks for TMA and `tma_supported`
+    holds (a direct call: nothing resolved it before)."""
+    if tma is None:
+        tma = cfg.tma_weights and tma_supported(w, block_n, block_k)
+    if not tma:
         return w, False
     flat = w.view(-1, w.shape[-1])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_n, block_k]), True
@@ -174,13 +183,13 @@ def programs_per_sm(kernel, args: tuple, kwargs: dict, device: torch.device) -> 
 
 
 def _launch(kernel, max_blocks: int, n_tiles: int, cfg: ExpertsConfig, device: torch.device, args: tuple,
-            kwargs: dict) -> None:
+            kwargs: dict, pdl: bool | None = None) -> None:
     """kernel over max_blocks row blocks (an upper bound) times n_tiles column tiles: one program per
     tile, or with cfg.persistent as many as the device holds at once, at most the persistent tiles
     (with paired tiles two row blocks each: cdiv(max_blocks, 2) times n_tiles), with programmatic
-    dependent launch where `moekit.launch_hints` turns it on."""
+    dependent launch when pdl (None: where `moekit.launch_hints` turns it on)."""
     kwargs["FLATTEN"] = cfg.persistent and cfg.pair_blocks == 1 and PERSISTENT_FLATTEN
-    kwargs.update(pdl_kwargs(device))
+    kwargs.update(pdl_kwargs(device, pdl))
     if cfg.persistent:
         units = cdiv(max_blocks, 2) if cfg.pair_blocks == 2 else max_blocks
         grid = min(units * n_tiles, num_sms(device) * programs_per_sm(kernel, args, kwargs, device))
@@ -201,31 +210,35 @@ def _bias_args(bias: torch.Tensor | None, like: torch.Tensor) -> tuple:
 
 def gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
                  cfg: ExpertsConfig, *, swiglu: bool = True, bias: torch.Tensor | None = None,
-                 activation: GatedActivation = SWIGLU, interleaved: bool = False) -> torch.Tensor:
+                 activation: GatedActivation = SWIGLU, interleaved: bool = False, tma: bool | None = None,
+                 pdl: bool | None = None) -> torch.Tensor:
     """h (L, I): act(x_tok @ gate_e^T [+ bias], x_tok @ up_e^T [+ bias]) at each sorted row; padding
     rows 0. swiglu=False: the epilogue left out, h (L, 2I) holds the [gate | up] pre-activations.
-    bias: gate_up_bias (E, 2I) in gate_up_proj's row layout; interleaved: rows alternate gate, up."""
+    bias: gate_up_bias (E, 2I) in gate_up_proj's row layout; interleaved: rows alternate gate, up.
+    tma, pdl: the caller's decisions (a call's plan, `moekit.experts.plan`); None: decided here, as
+    `_weights_operand` and `moekit.launch_hints.pdl_kwargs` do for a direct call."""
     return _gemm1(x, gate_up_proj, align, top_k, cfg, swiglu=swiglu, bias=bias, activation=activation,
-                  interleaved=interleaved, store_pre=False)[0]
+                  interleaved=interleaved, store_pre=False, tma=tma, pdl=pdl)[0]
 
 
 def gemm1_swiglu_with_pre(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int,
-                          cfg: ExpertsConfig, pre_rows: int | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          cfg: ExpertsConfig, pre_rows: int | None = None, *, tma: bool | None = None,
+                          pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 of a forward that a backward follows (plain SwiGLU): (h (L, I), pre (L, 2I)), pre the
     [gate | up] pre-activations x_tok @ gate_up_e^T rounded from fp32 to x's dtype at each sorted
     row (the layout swiglu=False gives h; padding rows 0), stored by the same launch (STORE_PRE).
     Both are fresh allocations (`moekit._workspace.empty`), so pre can be saved for the backward.
     pre_rows (>= L): pre gets that many rows, those past L never written (a size fixed before the
-    config is known: `moekit.align.pre_rows_bound`)."""
+    config is known: `moekit.align.pre_rows_bound`). tma, pdl: as in `gemm1_swiglu`."""
     h, pre = _gemm1(x, gate_up_proj, align, top_k, cfg, swiglu=True, bias=None, activation=SWIGLU,
-                    interleaved=False, store_pre=True, pre_rows=pre_rows)
+                    interleaved=False, store_pre=True, pre_rows=pre_rows, tma=tma, pdl=pdl)
     return h, pre
 
 
 def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k: int, cfg: ExpertsConfig, *,
            swiglu: bool, bias: torch.Tensor | None, activation: GatedActivation, interleaved: bool,
-           store_pre: bool, pre_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           store_pre: bool, pre_rows: int | None = None, tma: bool | None = None,
+           pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h, pre or None): `moe_gemm1_swiglu_kernel`, with STORE_PRE when store_pre (plain SwiGLU);
     pre has max(L, pre_rows) rows."""
     if store_pre and (not swiglu or bias is not None or not activation.is_swiglu or interleaved):
@@ -240,7 +253,7 @@ def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k:
     pre_len = rows if pre_rows is None else pre_rows
     pre = _workspace.empty(pre_len, two_i, dtype=x.dtype, device=x.device) if store_pre else None
     n_tiles = cdiv(inter, cfg.block_n1)
-    w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1)
+    w, tma = _weights_operand(gate_up_proj, cfg, gate_up_block_n(cfg, interleaved), cfg.block_k1, tma)
     args = (x, w, h, align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded,
             align.num_pairs, inter, hidden, n_tiles,
             x.stride(0), x.stride(1), *gate_up_proj.stride(), h.stride(0), h.stride(1),
@@ -253,18 +266,20 @@ def _gemm1(x: torch.Tensor, gate_up_proj: torch.Tensor, align: Alignment, top_k:
         num_warps=cfg.warps1, num_stages=cfg.stages1,
         STORE_PRE=store_pre,
     )
-    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, flags)
+    _launch(moe_gemm1_swiglu_kernel, align.max_blocks, n_tiles, cfg, x.device, args, flags, pdl)
     return h, pre
 
 
 def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor | None,
-                   align: Alignment, cfg: ExpertsConfig, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   align: Alignment, cfg: ExpertsConfig, *, bias: torch.Tensor | None = None,
+                   tma: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
     """y (S, H): (h_row @ down_e^T [+ bias_e]) * routing weight, stored at each pair's own row
-    (topk_weights None: the rows unweighted). bias: down_bias (E, H), added before the weight."""
+    (topk_weights None: the rows unweighted). bias: down_bias (E, H), added before the weight.
+    tma, pdl: as in `gemm1_swiglu`."""
     num_experts, hidden, inter = down_proj.shape
     y = _workspace.empty(align.num_pairs, hidden, dtype=h.dtype, device=h.device)
     n_tiles = cdiv(hidden, cfg.block_n2)
-    w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2)
+    w, tma = _weights_operand(down_proj, cfg, cfg.block_n2, cfg.block_k2, tma)
     args = (h, w, y, h if topk_weights is None else topk_weights,   # h: a pointer never read
             align.sorted_ids, align.expert_ids, align.block_codes, align.num_padded, align.num_pairs,
             hidden, inter, n_tiles,
@@ -276,19 +291,21 @@ def gemm2_weighted(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch
         DOT_PRECISION=_dot_precision(h.dtype), MUL_W=topk_weights is not None, HAS_BIAS=bias is not None,
         TMA_W=tma, PERSISTENT=cfg.persistent,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
-    ))
+    ), pdl)
     return y
 
 
-def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = fp32 sum of y[t*K + j] over the slots with an id in [0, E)."""
+def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out: torch.Tensor, *,
+            pdl: bool | None = None) -> torch.Tensor:
+    """out[t] = fp32 sum of y[t*K + j] over the slots with an id in [0, E). pdl: as in `gemm1_swiglu`."""
     num_tokens, hidden = out.shape
     top_k = topk_ids.shape[1]
     block_h = min(1024, next_power_of_2(hidden))
     block_t = max(1, min(16, 4096 // block_h))
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     moe_sum_kernel[grid](y, topk_ids, out, num_tokens, hidden, num_experts, out.stride(0), out.stride(1),
-                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4, **pdl_kwargs(out.device))
+                         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+                         **pdl_kwargs(out.device, pdl))
     return out
 
 

@@ -164,13 +164,13 @@ def test_tiles_by_pairs():
 
 
 def test_experts_decode_runs_the_tiles_of_its_pair_count(monkeypatch):
-    """cfg=None: both launches take `decode_config(T * K)`'s tiles (the backend passes none)."""
+    """cfg=None: both launches take `decode_config(T * K)`'s tiles (the ones the backend's plan picks)."""
     import moekit.decode as decode
 
     seen = []
     real1, real2 = decode.decode_gemm1_swiglu, decode.decode_gemm2_sum
-    monkeypatch.setattr(decode, "decode_gemm1_swiglu", lambda *a: seen.append(a[-1]) or real1(*a))
-    monkeypatch.setattr(decode, "decode_gemm2_sum", lambda *a: seen.append(a[-1]) or real2(*a))
+    monkeypatch.setattr(decode, "decode_gemm1_swiglu", lambda *a, **k: seen.append(a[-1]) or real1(*a, **k))
+    monkeypatch.setattr(decode, "decode_gemm2_sum", lambda *a, **k: seen.append(a[-1]) or real2(*a, **k))
     for num_tokens, tiles in ((2, SMALL_DECODE), (5, DEFAULT_DECODE)):     # 8 and 20 pairs
         x, gate_up, down, w, ids = make(num_tokens, 6, 32, 16, 4)
         seen.clear()
