@@ -209,8 +209,8 @@ def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     their (gate_up, down) block scales."""
     cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
     gs, ds = (None, None) if scales is None else scales
-    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, gs, pdl=pdl, evict=evict)
-    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, ds, pdl=pdl, evict=evict)
+    h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, w_scale=gs, pdl=pdl, evict=evict)
+    return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, w_scale=ds, pdl=pdl, evict=evict)
 
 
 def _valid(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

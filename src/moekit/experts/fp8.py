@@ -15,14 +15,11 @@ CUDA-graph safe; fresh buffers for every intermediate.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moekit import _workspace
 from moekit._validation import (
     FLOAT_DTYPES,
-    MAX_TRITON_EXPERTS,
     check_expert_ids_in_range,
     check_out,
     check_routing_args,
@@ -31,26 +28,13 @@ from moekit._validation import (
     needs_grad,
 )
 from moekit.align import align_block_size
-from moekit.decode import experts_decode, use_decode_direct
+from moekit.decode import experts_decode
+from moekit.experts.plan import DECODE, plan_triton_call
 from moekit.experts.registry import CONFIG_FIELDS, ExpertsOptions, backend_names, config_of_ints, get_backend
 from moekit.grouped_gemm import moe_sum
 from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
-from moekit.quant import FP8_DTYPE, Fp8Weight, check_fp8_scales, check_fp8_weight, quantize_rows
-from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig, check_fp8_config, get_config
-
-
-@functools.lru_cache(maxsize=256)
-def _shape_of(num_experts: int, hidden: int, inter: int, top_k: int) -> MoEShape:
-    return MoEShape(num_experts, hidden, inter, top_k)
-
-
-def fp8_config(num_tokens: int, gate_up: Fp8Weight, top_k: int, device: torch.device) -> ExpertsConfig:
-    """The tiles a call on num_tokens rows runs with when given none: the device's tuned FP8 entry
-    (tables keyed dtype=float8_e4m3fn), else the default tiles made fit for FP8."""
-    num_experts, two_i, hidden = gate_up.shape
-    shape = _shape_of(num_experts, hidden, two_i // 2, min(top_k, num_experts))
-    return check_fp8_config(get_config(shape, num_tokens, FP8_DTYPE, device))
+from moekit.quant import Fp8Weight, check_fp8_scales, check_fp8_weight, quantize_rows
+from moekit.tuning import ExpertsConfig
 
 
 def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_weights: torch.Tensor,
@@ -75,9 +59,10 @@ def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_
 def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, *, config: ExpertsConfig | None = None,
                        out: torch.Tensor | None = None, ue8m0: bool = False) -> torch.Tensor:
-    """(T, H) in x's dtype: the FP8 expert path on the Triton kernels (module docstring). config:
-    the grouped path's tiles (`moekit.tuning.check_fp8_config`); given, the decode path is not taken.
-    ue8m0: the activations' and h's scales are powers of two."""
+    """(T, H) in x's dtype: the FP8 expert path on the Triton kernels (module docstring), run as the
+    call's plan says (`moekit.experts.plan`: path, tiles, align, launch hints). config: the grouped
+    path's tiles (`moekit.tuning.check_fp8_config`); given, the decode path is not taken. ue8m0: the
+    activations' and h's scales are powers of two."""
     check_triton_device("hidden_states", x)
     if needs_grad(x, topk_weights):
         raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
@@ -90,16 +75,16 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    if config is None and use_decode_direct(num_tokens, top_k, num_experts):
-        return experts_decode(x, gate_up.data, down.data, weights, ids, out,
-                              scales=(gate_up.scale, down.scale))
-    cfg = fp8_config(num_tokens, gate_up, top_k, x.device) if config is None else check_fp8_config(config)
+    plan = plan_triton_call(x, gate_up, down, ids, config=config)
+    if plan.path == DECODE:
+        return experts_decode(x, gate_up.data, down.data, weights, ids, out, plan.decode,
+                              (gate_up.scale, down.scale), pdl=plan.pdl, evict=plan.weight_evict)
+    cfg = plan.config
     xq, xs = quantize_rows(x, ue8m0=ue8m0, dtype=gate_up.data.dtype)
-    align = align_block_size(ids, num_experts, cfg.block_m,
-                             backend="triton" if num_experts <= MAX_TRITON_EXPERTS else "torch")
-    hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0)
-    y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype)
-    return moe_sum(y, ids, num_experts, out)
+    align = align_block_size(ids, num_experts, cfg.block_m, backend=plan.align, pdl=plan.pdl)
+    hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0, pdl=plan.pdl)
+    y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype, pdl=plan.pdl)
+    return moe_sum(y, ids, num_experts, out, pdl=plan.pdl)
 
 
 def experts_loop_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,

@@ -56,8 +56,9 @@ from moekit.activation import SWIGLU, GatedActivation
 from moekit.decode import DecodeConfig, decode_config, use_decode_direct
 from moekit.grouped_gemm import resolve_tma
 from moekit.launch_hints import pdl_enabled, weight_evict
+from moekit.quant import FP8_DTYPE, Fp8Weight
 from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig, get_config
+from moekit.tuning import ExpertsConfig, check_fp8_config, get_config
 
 DECODE = "decode"
 GROUPED = "grouped"
@@ -128,7 +129,9 @@ def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, do
 
     Args:
         hidden_states: (T, H); its dtype and device are the call's.
-        gate_up_proj, down_proj: the weights, read for their shapes and for TMA (`resolve_tma`).
+        gate_up_proj, down_proj: the weights, read for their shapes and for TMA (`resolve_tma`);
+            dense, or block-scaled FP8 (`moekit.quant.Fp8Weight`: FP8 tiles, tables keyed
+            dtype=float8_e4m3fn, `moekit.tuning.check_fp8_config`).
         topk_ids: (T, K), read for its shape only.
         grad: autograd records the call.
         store_pre: with grad, GEMM1 stores the pre-activations its backward reads.
@@ -139,13 +142,18 @@ def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, do
     triton backward computes it."""
     device = hidden_states.device
     plain = not biases and activation.is_swiglu and not interleaved
+    fp8 = isinstance(gate_up_proj, Fp8Weight)
+    if fp8:         # block-scaled FP8 weights: their data's shape and layout; FP8 tiles
+        gate_up_proj, down_proj = gate_up_proj.data, down_proj.data
     if takes_decode_path(gate_up_proj, topk_ids, grad=grad, config=config, plain=plain):
         pairs = topk_ids.numel()
         return TritonPlan(DECODE, decode=decode_config(pairs), pdl=pdl_enabled(device),
                           weight_evict=weight_evict(device, pairs))
     if config is None:
-        config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1], hidden_states.dtype,
-                             device)
+        config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1],
+                             FP8_DTYPE if fp8 else hidden_states.dtype, device)
+    if fp8:
+        check_fp8_config(config)
     config = resolve_tma(config, gate_up_proj, down_proj, interleaved=interleaved)
     if grad and not plain:
         raise RuntimeError("the triton backward computes SwiGLU without biases only; this call has "

@@ -24,9 +24,11 @@ from moekit.tuning import ExpertsConfig, check_fp8_config
 
 
 def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment, top_k: int,
-                     cfg: ExpertsConfig, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     cfg: ExpertsConfig, *, ue8m0: bool = False,
+                     pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq (L, I) in xq's dtype, hs (L, I / 128) float32): silu(gate) * up of each sorted row,
-    quantized per 128 columns; padding rows zeros."""
+    quantized per 128 columns; padding rows zeros. cfg.tma_weights: as resolved by the caller (the
+    plan); pdl: as in `moekit.grouped_gemm.gemm1_swiglu`."""
     check_fp8_config(cfg)
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -44,12 +46,13 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
         PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, TMA_W=tma,
         PERSISTENT=cfg.persistent,
-        num_warps=cfg.warps1, num_stages=cfg.stages1))
+        num_warps=cfg.warps1, num_stages=cfg.stages1), pdl)
     return hq, hs
 
 
 def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,
-                       align: Alignment, cfg: ExpertsConfig, out_dtype: torch.dtype) -> torch.Tensor:
+                       align: Alignment, cfg: ExpertsConfig, out_dtype: torch.dtype, *,
+                       pdl: bool | None = None) -> torch.Tensor:
     """y (S, H) in out_dtype: (hq_row @ down_e^T, dequantized) * routing weight at each pair's row."""
     check_fp8_config(cfg)
     num_experts, hidden, inter = down.shape
@@ -64,7 +67,7 @@ def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk
     _launch(moe_gemm2_fp8_kernel, align.max_blocks, n_tiles, cfg, hq.device, args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         PAIRED=cfg.pair_blocks == 2, TMA_W=tma, PERSISTENT=cfg.persistent, num_warps=cfg.warps2,
-        num_stages=cfg.stages2))
+        num_stages=cfg.stages2), pdl)
     return y
 
 

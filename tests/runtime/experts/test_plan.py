@@ -204,7 +204,7 @@ def test_experts_triton_runs_the_decode_plan_it_makes(monkeypatch):
     [plan] = plans
     assert plan.path == DECODE and plan.decode is tiles and plan.weight_evict == "evict_first"
     assert [(name, args[-1], kwargs) for name, args, kwargs in seen] == [
-        (name, plan.decode, {"pdl": plan.pdl, "evict": "evict_first"})
+        (name, plan.decode, {"w_scale": None, "pdl": plan.pdl, "evict": "evict_first"})
         for name in ("decode_gemm1_swiglu", "decode_gemm2_sum")]
     assert evict_checks == []
     assert rel_err(out, moe_experts_ref(x, gate_up, down, w, ids)) <= 1e-5

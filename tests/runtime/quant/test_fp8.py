@@ -362,3 +362,17 @@ def test_fp8_cuda_graph_replay_equals_eager(tokens):
         graph.replay()
         assert torch.equal(captured, moe_experts(x, gu, dn, w, ids))
     assert not torch.equal(captured, eager)
+
+
+def test_fp8_calls_take_their_plan_from_the_one_planner():
+    from moekit.experts.plan import DECODE, GROUPED, plan_triton_call
+
+    gu, dn = make_weights(8, 256, 128)
+    gu, dn = standin(gu), standin(dn)
+    x = torch.randn(300, 256)
+    _, ids = routing(300, 8, 2)
+    plan = plan_triton_call(x, gu, dn, ids)
+    assert plan.path == GROUPED and (plan.config.block_n1, plan.config.block_k1, plan.config.block_k2) == (128,) * 3
+    assert plan_triton_call(x[:1], gu, dn, ids[:1]).path == DECODE
+    with pytest.raises(ValueError, match="block_n1 must be 128"):
+        plan_triton_call(x, gu, dn, ids, config=ExpertsConfig())
