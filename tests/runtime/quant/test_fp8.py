@@ -372,7 +372,8 @@ def test_fp8_calls_take_their_plan_from_the_one_planner():
     x = torch.randn(300, 256)
     _, ids = routing(300, 8, 2)
     plan = plan_triton_call(x, gu, dn, ids)
-    assert plan.path == GROUPED and (plan.config.block_n1, plan.config.block_k1, plan.config.block_k2) == (128,) * 3
+    cfg = plan.config
+    assert plan.path == GROUPED and (cfg.block_n1, cfg.block_k1, cfg.block_k2) == (128, 128, 128)
     assert plan_triton_call(x[:1], gu, dn, ids[:1]).path == DECODE
     with pytest.raises(ValueError, match="block_n1 must be 128"):
         plan_triton_call(x, gu, dn, ids, config=ExpertsConfig())
