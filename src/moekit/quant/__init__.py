@@ -5,7 +5,8 @@ N = H, K = I), T rows of activations, B = `FP8_BLOCK` = 128.
 
     weights      `Fp8Weight`: data (E, N, K) float8_e4m3fn and scale (E, N / B, K / B) float32, one
                  scale per B x B block, w ~= data * scale (DeepSeek-V3's and Transformers'
-                 FineGrainedFP8 `weight_scale_inv`); `quantize_experts` makes one from bf16 weights
+                 FineGrainedFP8 `weight_scale_inv`); `quantize_experts` makes one from bf16 weights,
+                 `Fp8Weight.from_checkpoint` and `moekit.quant.loading` from a checkpoint's tensors
     activations  per row per B columns: q (T, K) float8_e4m3fn and scale (T, K / B) float32
                  (`quantize_rows`, one Triton pass; twin `quantize_rows_torch`)
 
@@ -81,6 +82,17 @@ class Fp8Weight:
     def to(self, device: torch.device | str) -> Fp8Weight:
         return Fp8Weight(self.data.to(device), self.scale.to(device))
 
+    @classmethod
+    def from_checkpoint(cls, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
+                        name: str = "weight") -> Fp8Weight:
+        """An FP8 checkpoint's fused expert tensors, weight (E, N, K) float8_e4m3fn and its
+        `weight_scale_inv` (E, N / 128, K / 128), checked (errors name `name`; scales finite and
+        positive) and wrapped, float32 scales without a copy. Per-expert tensors and whole state
+        dicts: `moekit.quant.loading` (`stack_experts`, `experts_from_checkpoint`)."""
+        from moekit.quant.loading import fp8_weight
+
+        return fp8_weight(weight, weight_scale_inv, name=name)
+
 
 def check_fp8_weight(name: str, w: object, *, shape: tuple[int, int, int] | None = None,
                      device: torch.device | None = None, allow_standin: bool = False) -> Fp8Weight:
@@ -115,8 +127,8 @@ def check_fp8_weight(name: str, w: object, *, shape: tuple[int, int, int] | None
 
 def check_fp8_scales(name: str, w: Fp8Weight) -> None:
     """Raise if any scale is NaN, infinite or not positive. Reads the scales: a host sync on CUDA,
-    so it runs where weights are made or loaded (`quantize_experts`, `Fp8Weight.from_checkpoint`),
-    never inside a forward."""
+    so it runs where weights are made or loaded (`quantize_experts`; `Fp8Weight.from_checkpoint`
+    checks alike, `moekit.quant.loading.check_scale_values`), never inside a forward."""
     bad = ~(torch.isfinite(w.scale) & (w.scale > 0))
     if bool(bad.any()):
         idx = tuple(int(i) for i in torch.nonzero(bad)[0])

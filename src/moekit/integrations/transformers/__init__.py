@@ -7,6 +7,8 @@
 - `experts`: `register` installs `experts_forward`, Transformers' experts signature on moekit's
   kernels (inference, training, decoding graphs, expert-parallel sentinel ids); `unsupported_reason`
   says why a module falls back to Transformers' own path.
+- `fp8`: FineGrainedFP8 experts (quantization_config quant_method "fp8", weight_block_size
+  [128, 128]) on moekit's FP8 path, inference only.
 - `convert`: `from_transformers` / `to_transformers`, a sparse MoE block <-> a `MoELayer` sharing
   its Parameters.
 - `patch`: `patch_llama4` runs Llama-4's block (no MoELayer form) on moekit's experts op;

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moekit.integrations.transformers.experts import _registered, _transformers, register, unsupported_reason
+from moekit.integrations.transformers.fp8 import holds_fp8
 from moekit.layer import MoELayer
 from moekit.shapes import MoEShape
 
@@ -82,6 +83,9 @@ def from_transformers(block: nn.Module, *, backend: str = "auto", router_backend
     reason = unsupported_reason(experts)
     if reason is not None:
         raise ValueError(f"moekit cannot run {type(experts).__name__}: it has {reason}")
+    if holds_fp8(experts):
+        raise ValueError(f"{type(experts).__name__} holds FP8 weights, a MoELayer dense ones: FP8 experts "
+                         "run through experts_implementation='moekit'")
     if experts.is_transposed:
         raise ValueError("MoELayer holds (E, 2I, H) / (E, H, I) weights; this block's are transposed")
     router_weight, gate_up, down = gate.weight, experts.gate_up_proj, experts.down_proj

@@ -14,10 +14,13 @@ sets (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`, `has_post_expe
   - gpt-oss's experts (`GptOssExperts._apply_gate`: clamped SwiGLU with its `alpha` and `limit`, on
     interleaved gate/up columns, `moekit.activation`), with their biases `gate_up_proj_bias` and
     `down_proj_bias` (fused in the triton kernels' epilogues),
-transposed or not (a transposed module is read through strided views, no copy). Everything else goes
-to Transformers' own grouped_mm path with one warning per (class, reason): non-gated experts, other
-activations or custom `_apply_gate`s, the default gate on interleaved rows, a post-expert norm,
-quantized or DTensor weights.
+transposed or not (a transposed module is read through strided views, no copy). FineGrainedFP8
+experts (`FP8Experts`, quantization_config quant_method "fp8": e4m3 weights with 128 x 128
+`*_scale_inv` block scales) run `moekit.moe_experts` on `moekit.quant.Fp8Weight`s, inference only
+(`fp8.py`; `register` adds moekit to their registry, FP8ExpertsInterface, too). Everything else
+goes to Transformers' own grouped_mm path (FP8 modules: its FP8 one) with one warning per (class,
+reason): non-gated experts, other activations or custom `_apply_gate`s, the default gate on
+interleaved rows, a post-expert norm, other quantized or DTensor weights.
 
 Training: a call that needs gradients runs on moekit too, through `moekit.ops.experts`, whose
 autograd reaches the experts' gate_up_proj / down_proj Parameters (through the transpose views of a
@@ -59,6 +62,13 @@ from moekit._validation import FLOAT_DTYPES, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
 from moekit.experts import BACKENDS, ExpertsOptions, has_backward
+from moekit.integrations.transformers.fp8 import (
+    fp8_fallback,
+    fp8_forward,
+    fp8_plan,
+    fp8_reason_for_call,
+    holds_fp8,
+)
 
 __all__ = ["experts_forward", "register", "unsupported_reason"]
 
@@ -73,6 +83,9 @@ class _Transformers:
     gpt_oss_apply_gate: Callable | None   # GptOssExperts._apply_gate: clamped SwiGLU, interleaved
     silu_types: tuple[type, ...]
     builtin_names: frozenset[str]
+    fp8_interface: type | None          # FP8ExpertsInterface: FineGrainedFP8's FP8Experts dispatch here
+    fp8_grouped_mm_forward: Callable | None   # its grouped_mm: the fallback of FP8 modules
+    fp8_apply_gate: Callable | None     # FP8Experts._apply_gate
 
 
 _TF: _Transformers | None = None
@@ -98,13 +111,22 @@ def _transformers() -> _Transformers:
         gpt_oss = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss").GptOssExperts
     except (ImportError, AttributeError):
         gpt_oss = None
+    try:
+        fp8 = importlib.import_module("transformers.integrations.finegrained_fp8")
+    except ImportError:
+        fp8 = None
+    fp8_interface = getattr(fp8, "FP8ExpertsInterface", None)
+    fp8_names = frozenset(fp8_interface._global_mapping) if fp8_interface is not None else frozenset()
     _TF = _Transformers(
         interface=interface,
         grouped_mm_forward=moe.grouped_mm_experts_forward,
         default_apply_gate=getattr(moe, "_default_apply_gate", None),
         gpt_oss_apply_gate=getattr(gpt_oss, "_apply_gate", None),
         silu_types=silu,
-        builtin_names=frozenset(moe.ALL_EXPERTS_FUNCTIONS) | {"eager"},
+        builtin_names=frozenset(moe.ALL_EXPERTS_FUNCTIONS) | fp8_names | {"eager"},
+        fp8_interface=fp8_interface,
+        fp8_grouped_mm_forward=getattr(fp8, "fp8_grouped_mm_experts_forward", None),
+        fp8_apply_gate=getattr(getattr(fp8, "FP8Experts", None), "_apply_gate", None),
     )
     return _TF
 
@@ -143,6 +165,8 @@ def register(name: str = "moekit", *, backend: str = "auto", eager_graphs: bool 
             fn = functools.partial(experts_forward, backend=backend, eager_graphs=eager_graphs)
         _registered[name] = ((backend, eager_graphs), fn)
     tf.interface.register(name, fn)
+    if tf.fp8_interface is not None:          # FineGrainedFP8's experts dispatch through their own registry
+        tf.fp8_interface.register(name, fn)
     return fn
 
 
@@ -173,8 +197,11 @@ def _activation_plan(experts: nn.Module, tf: _Transformers) -> tuple[str | None,
 
 def _plan(experts: nn.Module) -> tuple[str | None, dict]:
     """(why moekit cannot run the module, or None; the keyword arguments of `ops.experts` giving its
-    (E, 2I, H) / (E, H, I) weights, biases, activation and row layout)."""
+    (E, 2I, H) / (E, H, I) weights, biases, activation and row layout; for FP8 weights (`holds_fp8`)
+    {"fp8": its weights} instead)."""
     tf = _transformers()
+    if holds_fp8(experts):
+        return fp8_plan(experts, tf)
     if not getattr(experts, "has_gate", True):
         return "non-gated experts (has_gate=False)", {}
     if getattr(experts, "has_post_expert_norm", False):
@@ -228,11 +255,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _warn_once(cls_name: str, reason: str) -> None:
+def _warn_once(cls_name: str, reason: str, fallback: str = "grouped_mm") -> None:
     if (cls_name, reason) in _warned or torch.compiler.is_compiling():
         return
     _warned.add((cls_name, reason))
-    warnings.warn(f"moekit: {cls_name} has {reason}; running Transformers' grouped_mm experts instead",
+    warnings.warn(f"moekit: {cls_name} has {reason}; running Transformers' {fallback} experts instead",
                   stacklevel=3)
 
 
@@ -263,7 +290,10 @@ def experts_forward(
         (T, H) in the dtype of hidden_states.
     """
     reason, plan = _plan(self)
-    if reason is None and backend != "auto":
+    fp8_weights = plan.get("fp8")
+    if reason is None and fp8_weights is not None:
+        reason = fp8_reason_for_call(backend, hidden_states, top_k_weights)
+    elif reason is None and backend != "auto":
         biases = [b for b in (plan["gate_up_bias"], plan["down_bias"]) if b is not None]
         math = {k: plan[k] for k in ("gate_up_bias", "down_bias", "activation", "interleaved")}
         options = ExpertsOptions(**ExpertsOptions.math(**math))
@@ -272,8 +302,13 @@ def experts_forward(
             reason = (f"inputs that need gradients and backend={backend!r} has no backward on "
                       f"{self.gate_up_proj.device.type} for these experts")
     if reason is not None:
-        _warn_once(type(self).__name__, reason)
-        return _transformers().grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
+        tf = _transformers()
+        fallback = ("grouped_mm", tf.grouped_mm_forward) if not holds_fp8(self) else fp8_fallback(self, tf)
+        _warn_once(type(self).__name__, reason, fallback[0])
+        return fallback[1](self, hidden_states, top_k_index, top_k_weights)
+    if fp8_weights is not None:
+        return fp8_forward(self, fp8_weights, hidden_states, top_k_index, top_k_weights, backend,
+                           eager_graphs)
     gate_up, down = plan.pop("gate_up_proj"), plan.pop("down_proj")
 
     def run(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
