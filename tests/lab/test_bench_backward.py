@@ -151,7 +151,7 @@ def test_a_csv_from_before_the_direction_column_still_reads(tmp_path):
     write_csv(sample_rows(), path)
     keep = COLUMNS.index("threads")                          # older still: before --threads too
     lines = list(csv.reader(path.read_text().splitlines()))
-    assert lines[0][keep:] == ["threads", "direction", "peak_mib", "cache", "rows_per_pair"]
+    assert lines[0][keep:] == ["threads", "direction", "peak_mib", "cache", "rows_per_pair", "weights"]
     path.write_text("\n".join(",".join(f'"{c}"' if "," in c else c for c in line[:keep]) for line in lines)
                     + "\n")
     rows = STUDY.read(path)

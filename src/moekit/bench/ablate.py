@@ -11,6 +11,8 @@ each against the article's number (`ablate_report.ABLATIONS`):
     sort     align alone, torch vs triton
     bytes    DRAM bytes per kernel from Nsight Compute at T = 1 and 64, against the floor's bytes
     masked   the masked (E, C, H) layout vs the contiguous one at decode sizes
+    fp8      the layer on its weights in block-scaled FP8 vs the dense weights, each against its
+             own floor (the FP8 one: FP8 bytes, the FP8 matmul ceiling measured with the others)
 
 For each T one workload (`moekit.bench.runner.make_workload`: weights, tokens, routing, the fp32
 reference) is shared by every variant (`moekit.bench.ablate_variants`), and each variant, in each
@@ -35,7 +37,7 @@ from rich.console import Console
 from moekit.bench import args as arg_types
 from moekit.bench.ablate_bytes import find_ncu, profile_layer
 from moekit.bench.ablate_report import ABLATIONS, BYTES_VARIANT, STUDY, AblateRow
-from moekit.bench.ablate_variants import MEASURED, Setup, build
+from moekit.bench.ablate_variants import MEASURED, NotApplicable, Setup, build
 from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.results import Provenance
@@ -97,6 +99,8 @@ def _measure(work: Workload, name: str, setup: Setup, cfg: AblateConfig, ceiling
     """Columns of one variant's rows, one per mode (a variant that cannot be built is an error row)."""
     try:
         case = build(name, setup)
+    except NotApplicable as exc:
+        return [{"variant": name, "mode": m, "status": "skipped", "reason": str(exc)} for m in cfg.modes]
     except Exception as exc:   # e.g. tiles that cannot be built here: one row lost, not the study
         text = str(exc).strip().splitlines()
         return [{"variant": name, "mode": m, "status": "error",
@@ -104,8 +108,9 @@ def _measure(work: Workload, name: str, setup: Setup, cfg: AblateConfig, ceiling
                 for m in cfg.modes]
     rows = []
     for mode in cfg.modes:
-        m: Measurement = run_case(replace(work, expected=case.expected), name, mode, ceilings, cfg.options,
-                                  lambda _work: case.call)
+        case_work = replace(work, expected=case.expected,
+                            traffic=case.traffic if case.traffic is not None else work.traffic)
+        m: Measurement = run_case(case_work, name, mode, ceilings, cfg.options, lambda _work: case.call)
         tiles = case.config
         rows.append({"variant": name, "mode": mode, **m.columns(), "tol": m.tol,
                      "busy_ms": m.launches.busy_ms if m.launches else float("nan"), "idle_pct": m.idle_pct,
@@ -223,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         arg_types.check_out(args.out, STUDY.result_names, args.overwrite)
     except ValueError as exc:
         return usage_error(PROG, exc)
-    ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console, rep=cfg.options.rep)
+    ceilings, prov = measure_provenance(cfg.device, cfg.dtype, console, rep=cfg.options.rep,
+                                        fp8="fp8" in cfg.ablations)
     out_dir = args.out or RESULTS_ROOT / f"ablate-{prov.run_id}"
     console.print(f"{cfg.preset}, T={','.join(map(str, cfg.tokens))}, "
                   f"{str(cfg.dtype).removeprefix('torch.')}, "

@@ -113,6 +113,7 @@ def render_plots(rows: Sequence[AblateRow]) -> dict[str, tuple[str, bytes]]:
         "dense": [(ABLATIONS["dense"][1], _median, ms, True)],
         "sort": [(ABLATIONS["sort"][1], _median, ms, True)],
         "masked": [(ABLATIONS["masked"][1], _median, ms, True)],
+        "fp8": [(ABLATIONS["fp8"][1], _median, ms, True)],
     }
     out = {}
     for key in ABLATIONS:

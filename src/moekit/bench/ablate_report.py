@@ -52,6 +52,10 @@ VARIANTS: dict[str, str] = {
     "align_triton": "align_block_size(backend='triton'): one Triton launch up to 4,096 pairs, three above",
     "masked": "moe_experts(backend='masked'): pairs scattered into the (E, C = T·K, H) layout, GEMMs that "
               "skip the rows past each expert's count, weighted combine",
+    "fp8": "the whole triton path on the layer's weights in block-scaled FP8 (e4m3, one fp32 scale per "
+           "128 × 128 block, quantized once): moe_experts(backend='triton') on Fp8Weights, w8a8 grouped "
+           "GEMMs above the decode bound, w8a16 decode kernels below; checked against the FP8 oracle, its "
+           "floor from the FP8 bytes and the FP8 matmul ceiling",
     BYTES_VARIANT: "DRAM bytes read and written by each kernel of one `layer` call (Nsight Compute)",
 }
 
@@ -67,6 +71,7 @@ ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sort": ("Sort cost: align alone", ("align_torch", "align_triton")),
     "bytes": ("Bytes actually read (Nsight Compute)", (BYTES_VARIANT,)),
     "masked": ("Masked layout vs contiguous at decode sizes", ("layer", "masked")),
+    "fp8": ("Dense weights vs block-scaled FP8 weights", ("layer", "fp8")),
 }
 
 
@@ -230,6 +235,9 @@ ARTICLE: dict[str, str] = {
              "hit, and 1.20 GB for 64 tokens (127 of 128 experts).",
     "masked": "The article has no number for it: DeepGEMM keeps the masked layout for decode under CUDA "
               "graphs, where the host never learns the per-expert counts.",
+    "fp8": "The article has no FP8 number (its kernels read bf16 weights). FP8 weights and their scales "
+           "are about half of bf16's bytes, so below the crossover the floor halves; above it the FLOPs "
+           "run on the FP8 tensor cores' roof.",
 }
 
 
@@ -257,6 +265,7 @@ RELATIVE = {
     "swiglu": ("swiglu_separate", "layer", "the layer with a separate SwiGLU pass", "the fused epilogue"),
     "dense": ("grouped_gemms", "dense", "the grouped kernels", "two dense matmuls of the same FLOPs"),
     "masked": ("masked", "layer", "the masked layout", "the contiguous one"),
+    "fp8": ("fp8", "layer", "the layer on FP8 weights", "the dense weights"),
 }
 
 
@@ -389,10 +398,21 @@ def _not_timed(rows: Sequence[AblateRow]) -> list[str]:
               for r in bad), ""] if bad else []
 
 
+def _fp8_floors(rows: Sequence[AblateRow]) -> list[str]:
+    """Each variant against its own floor: the dense weights', the FP8 weights' (FP8 bytes, FP8 roof)."""
+    by, variants = index(rows), ABLATIONS["fp8"][1]
+    body = [[str(t), mode, *(_cell(by.get((v, mode, t)), lambda r: f"{r.pct_floor:.2g}%") for v in variants)]
+            for t in tokens_of(rows, variants) for mode in modes_of(rows)
+            if any((v, mode, t) in by for v in variants)]
+    return ["", "% of each one's floor (the FP8 floor: FP8 bytes of the experts hit, FLOPs on the FP8 "
+            "matmul ceiling of the run's provenance, `fp8_tflops`):", "",
+            *_table(["T", "mode", "layer, % of floor", "fp8, % of FP8 floor"], body)]
+
+
 # Each ablation's tables after its legend: the median-ms comparison, or its own.
 TABLES: dict[str, Callable[[Sequence[AblateRow]], list[str]]] = {
     "weight": lambda rs: _compare(rs, "weight") + _weight_errors(rs), "graph": _graph_table,
-    "tile": _tile_tables, "bytes": _bytes_list,
+    "tile": _tile_tables, "bytes": _bytes_list, "fp8": lambda rs: _compare(rs, "fp8") + _fp8_floors(rs),
 }
 
 

@@ -10,10 +10,13 @@ computed once outside every timed call, as the router's outputs are:
     counts        pairs per expert, on the host (padding counts)
 
 `build(name, setup)` returns a `Case`: the call to time and the `Expected` its output must meet
-(`moekit.bench.correctness`: the fp32 reference, 2x plain PyTorch's error in the dtype). A variant
+(`moekit.bench.correctness`: the fp32 reference, 2x plain PyTorch's error in the dtype), or raises
+`NotApplicable` when the layer cannot run it (FP8 weights need H and I divisible by 128). A variant
 that computes a piece of the path (the GEMMs on permuted rows, an alignment, dense matmuls) is
 checked through a `finish` that turns its output into the layer's (T, H) in fp32 outside the
-timed call, so a piece that is wrong is refused like a whole path that is.
+timed call, so a piece that is wrong is refused like a whole path that is. The fp8 variant runs on
+the layer's weights quantized (`moekit.bench.fp8`), checked against the FP8 oracle of its path and
+carrying the FP8 traffic (its floor: FP8 bytes, the FP8 roof).
 
 The unfused epilogues are the kernels' own constexpr switches (`gemm1_swiglu(swiglu=False)`,
 `gemm2_weighted(topk_weights=None)`), followed by the PyTorch pass they leave out; the separate
@@ -36,7 +39,9 @@ from moekit.align import Alignment, align_block_size, sort_pairs
 from moekit.bench.ablate_report import TILE_HEIGHTS, VARIANTS
 from moekit.bench.correctness import Expected, Finished
 from moekit.bench.dense import dense_expected, dense_pair, swiglu_pass
-from moekit.bench.kernel_work import padded_rows
+from moekit.bench.fp8 import Fp8Workloads, quantize_layer, shape_problem
+from moekit.bench.kernel_work import TILED, padded_rows
+from moekit.bench.roofline import Traffic
 from moekit.bench.runner import Workload
 from moekit.experts import moe_experts
 from moekit.experts.triton import align_pairs
@@ -60,12 +65,18 @@ class Case:
         expected: the check its output must pass before it is timed.
         config: the contiguous layout's tiles it runs (None: dense matmuls, the masked layout).
         padded_rows: rows its tiles compute (each expert's pairs rounded up to config.block_m).
+        traffic: the bytes and FLOPs its floor counts (None: the workload's; the fp8 variant's own).
     """
 
     call: Callable[[], object]
     expected: Expected
     config: ExpertsConfig | None = None
     padded_rows: int | None = None
+    traffic: Traffic | None = None
+
+
+class NotApplicable(ValueError):
+    """The layer cannot run this variant (the reason is the message): its rows are skipped."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,11 @@ class Setup:
         return permutation(w.topk_ids, w.topk_weights, self.align, w.dtype)
 
     @cached_property
+    def fp8(self) -> Fp8Workloads:
+        """The workload on the layer's weights quantized to block-scaled FP8 (quantized here, once)."""
+        return Fp8Workloads(self.work, quantize_layer(self.work.weights))
+
+    @cached_property
     def counts(self) -> list[int]:
         ids = self.work.topk_ids.reshape(-1).long()
         return torch.bincount(ids, minlength=self.work.shape.num_experts).tolist()
@@ -267,6 +283,15 @@ def _masked(s: Setup) -> Case:
     return s.case(lambda: moe_experts(*s.args, backend="masked"))
 
 
+def _fp8(s: Setup) -> Case:
+    """The triton path on FP8 weights, as `moekit bench --weights fp8` times it."""
+    problem = shape_problem(s.work.preset, s.work.shape)
+    if problem:
+        raise NotApplicable(problem)
+    twin = s.fp8.for_backend(TILED)
+    return Case(s.fp8.factory(TILED)(twin), twin.expected, traffic=twin.traffic)
+
+
 BUILDERS: dict[str, Builder] = {
     "gemms": _gemms,
     "index_add": _separate_passes(lambda y, p, t: unpermute_index_add(y, p, t)),
@@ -281,6 +306,7 @@ BUILDERS: dict[str, Builder] = {
     "align_torch": _align("torch"),
     "align_triton": _align("triton"),
     "masked": _masked,
+    "fp8": _fp8,
 }
 MEASURED = tuple(v for v in VARIANTS if v in BUILDERS)   # every variant but dram_bytes, in report order
 

@@ -16,6 +16,13 @@ GPU, by default) the whole step in one CUDA graph, for each backend the registry
 on the device: the rows' direction is "fwd+bwd", their floor that of `roofline.training_traffic`, and
 on CUDA the eager rows carry the call's peak memory.
 
+--weights fp8 quantizes the layer's expert weights once (block-scaled e4m3, `moekit.bench.fp8`) and
+times each backend that takes FP8 weights (triton, loop) on them beside the same backend on the
+dense weights, in the same run: rows with `weights` "fp8", checked against the FP8 oracle, their
+floor from the FP8 bytes and the FP8 matmul ceiling (`torch._scaled_mm`, measured with the others on
+CUDA); the report and the console give the FP8 speed-up per token count. On a CPU-only machine its
+default layer is `bench.fp8.CPU_SHAPE` (the tiny preset's H and I are not multiples of 128).
+
 Every argument is checked while parsing and the output folder before anything is measured; a folder
 that already holds results is refused unless --overwrite is given. All outputs are rendered in
 memory and then written, each file atomically. Exit status: 0 when at least one case was timed,
@@ -39,9 +46,11 @@ from moekit.bench import args as arg_types
 from moekit.bench import peers
 from moekit.bench.args import CPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.dense import DENSE
+from moekit.bench.fp8 import CPU_SHAPE, fp8_backends, shape_problem
 from moekit.bench.kernel_work import TILED
-from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct
-from moekit.bench.results import ResultRow, json_text
+from moekit.bench.layers import parse_shape
+from moekit.bench.report import JSON_NAME, STUDY, crossover_of, fmt_pct, fp8_pairs
+from moekit.bench.results import FP8, ResultRow, json_text
 from moekit.bench.runner import LAYER, Options
 from moekit.bench.study import (
     CSV_NAME,
@@ -66,6 +75,7 @@ BACKWARD_GPU_TOKENS = (1024, 4096, 16384)   # training batches
 BACKWARD_CPU_TOKENS = (1, 4, 16)            # an interpreted triton step takes about 0.5 s
 QUICK_BACKWARD_GPU_TOKENS = (1024, 4096)
 QUICK = Options(warmup=1, rep=5, routing_draws=16)
+WEIGHTS = ("dtype", FP8)   # --weights
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
@@ -117,22 +127,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first) for each backend with a backward on the "
                         f"device; default tokens {','.join(map(str, BACKWARD_GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, BACKWARD_CPU_TOKENS))} on the CPU")
+    p.add_argument("--weights", choices=WEIGHTS, default="dtype",
+                   help="the experts' weights: dtype (default: dense, in --dtype), or fp8: also each "
+                        f"backend that takes FP8 weights ({','.join(fp8_backends())}) on the weights "
+                        "block-quantized to e4m3 (one fp32 scale per 128x128 block), beside the same "
+                        "backend on the dense weights; floors from the FP8 bytes and the FP8 matmul "
+                        "ceiling (torch._scaled_mm, CUDA). H and I must be multiples of 128 (default "
+                        f"layer on the CPU: --shape {CPU_SHAPE}); forward only")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:
     device = arg_types.resolve_device(args.device)
     on_gpu = device.type == "cuda"
-    layers = arg_types.resolve_layers(args, device, warn_to(console))
+    fp8 = args.weights == FP8
+    if fp8 and args.backward:
+        raise ValueError("--weights fp8: FP8 experts are inference only; drop --backward")
+    if fp8 and not arg_types.layer_given(args) and not on_gpu:
+        layers = [parse_shape(CPU_SHAPE)]
+    else:
+        layers = arg_types.resolve_layers(args, device, warn_to(console))
     if not arg_types.layer_given(args) and not on_gpu:
         why = "--device cpu" if torch.cuda.is_available() else "No CUDA device"
-        console.print(f"[yellow]{why}: the '{CPU_PRESET}' preset on the CPU (Triton interpreted, "
-                      "CPU ceilings).[/yellow]", soft_wrap=True)
+        what = (f"the layer {CPU_SHAPE} (FP8 blocks need H and I divisible by 128)" if fp8
+                else f"the '{CPU_PRESET}' preset")
+        console.print(f"[yellow]{why}: {what} on the CPU (Triton interpreted, CPU ceilings).[/yellow]",
+                      soft_wrap=True)
+    problems = [shape_problem(layer.name, layer.shape) for layer in layers] if fp8 else []
+    if any(problems):
+        raise ValueError("--weights fp8: " + "; ".join(p for p in problems if p))
     if args.backends is not None:
         backends = list(dict.fromkeys(args.backends))
     elif args.backward:
         backends = [b for b in arg_types.default_backends() if has_backward(b, device)]
+    elif fp8:
+        backends = fp8_backends(arg_types.default_backends())
     else:
         backends = list(arg_types.default_backends())
+    if fp8 and not fp8_backends(backends):
+        raise ValueError(f"--weights fp8: none of --backends {','.join(backends)} takes FP8 weights; those "
+                         f"that do: {','.join(fp8_backends())}")
     for b in backends:
         if b not in BACKENDS and not peers.is_peer(b):
             raise ValueError(f"--backends: unknown backend {b!r}; expected from {BACKENDS + peers.PEERS}")
@@ -162,7 +195,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
     graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
     plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed,
-                direction="fwd+bwd" if args.backward else "fwd")
+                direction="fwd+bwd" if args.backward else "fwd", fp8=fp8)
     return plan, with_peers
 
 
@@ -193,10 +226,14 @@ def _summary_table(rows: Sequence[ResultRow], title: str,
     table.add_column("backend (mode)")
     for t in tokens:
         table.add_column(f"T={t}", justify="right")
-    floor = {r.tokens: r.floor_ms for r in rows}
-    table.add_row("floor", *[f"{floor[t]:.3g}" for t in tokens], end_section=True)
-    by_key = {(r.tokens, r.backend, r.mode): r for r in rows}
-    for b, m in dict.fromkeys((r.backend, r.mode) for r in rows):
+    floors = [("floor", {r.tokens: r.floor_ms for r in rows if not r.on_fp8}),
+              ("FP8 floor", {r.tokens: r.floor_ms for r in rows if r.on_fp8})]
+    floors = [(name, f) for name, f in floors if f]
+    for i, (name, floor) in enumerate(floors):
+        table.add_row(name, *[f"{floor[t]:.3g}" if t in floor else "" for t in tokens],
+                      end_section=i == len(floors) - 1)
+    by_key = {(r.tokens, r.series, r.mode): r for r in rows}
+    for b, m in dict.fromkeys((r.series, r.mode) for r in rows):
         cells = []
         for t in tokens:
             r = by_key.get((t, b, m))
@@ -210,6 +247,32 @@ def _summary_table(rows: Sequence[ResultRow], title: str,
             else:
                 style = "red" if r.status in ("failed", "error") else "dim"
                 cells.append(f"[{style}]{r.status.replace('_', ' ')}[/{style}]")
+        table.add_row(f"{b} ({m})", *cells)
+    return table
+
+
+def _fp8_table(rows: Sequence[ResultRow], preset: str) -> Table | None:
+    """FP8 against the dense weights, backends down, token counts across (None without FP8 rows)."""
+    pairs = fp8_pairs([r for r in rows if r.preset == preset])
+    if not pairs:
+        return None
+    dtype = pairs[0][0].dtype
+    tokens = sorted({f.tokens for f, _ in pairs})
+    table = Table(title=f"{preset}: FP8 weights vs {dtype}: fp8 ms / {dtype} ms / speed-up / % of FP8 floor")
+    table.add_column("backend (mode)")
+    for t in tokens:
+        table.add_column(f"T={t}", justify="right")
+    by_key = {(f.tokens, f.backend, f.mode): (f, d) for f, d in pairs}
+    for b, m in dict.fromkeys((f.backend, f.mode) for f, _ in pairs):
+        cells = []
+        for t in tokens:
+            f, d = by_key.get((t, b, m), (None, None))
+            if f is None or f.status != "ok":
+                cells.append("" if f is None else f"[red]{f.status.replace('_', ' ')}[/red]")
+                continue
+            dense = f"{d.median_ms:.3g}" if d is not None and d.status == "ok" else "–"
+            speed = f"{d.median_ms / f.median_ms:.2f}×" if d is not None and d.status == "ok" else "–"
+            cells.append(f"{f.median_ms:.3g}\n{dense}\n{speed}\n{fmt_pct(f.pct_floor)}")
         table.add_row(f"{b} ({m})", *cells)
     return table
 
@@ -235,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     with arg_types.cpu_threads(plan.device, args.threads) as threads:   # the ceilings too: same threads
         ceilings, prov = measure_provenance(
             plan.device, plan.dtype, console, rep=options.rep,
-            transformers_version=peers.transformers_version() if with_peers else None)
+            transformers_version=peers.transformers_version() if with_peers else None, fp8=plan.fp8)
         out_dir = args.out or RESULTS_ROOT / prov.run_id
         progress = Progress(TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -255,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(INTERPRETER_NOTE, highlight=False)
     for preset in plan.presets:
         console.print(_summary(rows, preset, plan.direction))
+        fp8_table = _fp8_table(rows, preset)
+        if fp8_table is not None:
+            console.print(fp8_table)
     console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))
     console.print(f"Wrote {out_dir / CSV_NAME}, {JSON_NAME}, {len(written) - 3} plots and "
                   f"{written[-1].name} in {out_dir}")
@@ -262,4 +328,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: internal error: a timed row has no time", file=sys.stderr)
         return 1
     return exit_status(PROG, rows, out_dir / CSV_NAME, console,
-                       lambda r: f"{r.preset} T={r.tokens} {r.backend} ({r.mode})")
+                       lambda r: f"{r.preset} T={r.tokens} {r.series} ({r.mode})")

@@ -17,6 +17,10 @@ topk_weights): the fp32 reference is torch autograd through `moe_experts_ref` on
 inputs; the baseline is autograd through the same plain-PyTorch loop in the dtype. The fp32 floor
 uses the backward's longest reduction, H + 2I + T (the SwiGLU gradient sums over H, dx over the 2I
 gate and up columns, a weight gradient over up to T rows of its expert).
+
+Calls on block-scaled FP8 weights (`moekit.bench.fp8`) follow the same rule (`budget`) with the
+reference of their path and, as baseline, this loop on the weights dequantized to the dtype, with
+their quantization of x and h (`experts_same_dtype`'s h_pass).
 """
 
 from __future__ import annotations
@@ -132,8 +136,11 @@ class ExpectedGrads:
 
 
 def experts_same_dtype(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch in the inputs' dtype, one pass per expert: the error baseline (see module doc)."""
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       h_pass: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Plain PyTorch in the inputs' dtype, one pass per expert: the error baseline (see module doc).
+    h_pass: applied to each expert's silu(gate) * up rows before the down projection (FP8's
+    quantization of h, `moekit.bench.fp8`)."""
     inter = down_proj.shape[2]
     out = torch.zeros(x.shape[0], down_proj.shape[1], dtype=x.dtype, device=x.device)
     ids = topk_ids.long()
@@ -142,9 +149,20 @@ def experts_same_dtype(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: t
         if tok.numel() == 0:
             continue
         h = F.linear(x[tok], gate_up_proj[e])
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down_proj[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h if h_pass is None else h_pass(h), down_proj[e])
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].to(y.dtype))
     return out
+
+
+def budget(ref: torch.Tensor, base: torch.Tensor, reduction: int) -> Expected:
+    """The reference `ref` (fp32) and its tolerance: 2x the error of plain PyTorch's `base`, floored
+    at the rounding of fp32 sums of `reduction` terms (see module doc)."""
+    baseline_err = float((base.float() - ref).abs().max()) if ref.numel() else 0.0
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    fp32_floor = torch.finfo(torch.float32).eps * math.sqrt(reduction) * scale
+    return Expected(ref=ref, baseline_err=baseline_err,
+                    tol=TOLERANCE_FACTOR * max(baseline_err, fp32_floor))
 
 
 def expected_output(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -152,12 +170,7 @@ def expected_output(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     """fp32 reference and the tolerance for every backend run on these inputs."""
     ref = moe_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     base = experts_same_dtype(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-    baseline_err = float((base.float() - ref).abs().max()) if ref.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    reduction = x.shape[1] + down_proj.shape[2]
-    fp32_floor = torch.finfo(torch.float32).eps * math.sqrt(reduction) * scale
-    return Expected(ref=ref, baseline_err=baseline_err,
-                    tol=TOLERANCE_FACTOR * max(baseline_err, fp32_floor))
+    return budget(ref, base, x.shape[1] + down_proj.shape[2])
 
 
 def _grads_of(fn, inputs: tuple[torch.Tensor, ...], topk_ids: torch.Tensor, grad_out: torch.Tensor,

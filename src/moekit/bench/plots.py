@@ -1,7 +1,8 @@
 """PNG plots drawn from result rows alone (never from live measurements), one set per preset
 (<preset>: the layer's name as a file name carries it, `moekit.bench.layers.file_stem`):
 
-    time_<preset>.png       median time vs tokens, log-log, p20-p80 band, the floor dashed
+    time_<preset>.png       median time vs tokens, log-log, p20-p80 band, the floor dotted (and the
+                            FP8 floor, grey, for rows on FP8 weights: a backend's "fp8" line)
     floor_pct_<preset>.png  % of floor vs tokens
     launches_<preset>.png   kernels per call vs tokens, log-log
 """
@@ -25,26 +26,28 @@ MODE_STYLE = {"eager": "-", "graph": "--"}
 
 
 def series(rows: Sequence[ResultRow], preset: str) -> dict[tuple[str, str], list[ResultRow]]:
-    """Timed rows of one preset keyed (backend, mode) in order of appearance, sorted by tokens."""
+    """Timed rows of one preset keyed (backend, mode) in order of appearance, sorted by tokens (a
+    backend on FP8 weights is its own: "triton fp8")."""
     out: dict[tuple[str, str], list[ResultRow]] = {}
     for r in rows:
         if r.preset == preset and r.status == "ok":
-            out.setdefault((r.backend, r.mode), []).append(r)
+            out.setdefault((r.series, r.mode), []).append(r)
     return {k: sorted(v, key=lambda r: r.tokens) for k, v in out.items()}
 
 
 def _styles(rows: Sequence[ResultRow], preset: str) -> dict[tuple[str, str], dict]:
     """One colour per backend, one line style per mode, so eager and graph pair up visually."""
-    backends = list(dict.fromkeys(r.backend for r in rows if r.preset == preset))
+    backends = list(dict.fromkeys(r.series for r in rows if r.preset == preset))
     colors = {b: f"C{i % 10}" for i, b in enumerate(backends)}
     return {(b, m): dict(color=colors[b], ls=MODE_STYLE.get(m, ":"), label=f"{b} ({m})", marker="o", ms=3)
             for b, m in series(rows, preset)}
 
 
-def floor_by_tokens(rows: Sequence[ResultRow], preset: str) -> list[tuple[int, float]]:
+def floor_by_tokens(rows: Sequence[ResultRow], preset: str, fp8: bool = False) -> list[tuple[int, float]]:
+    """(T, floor ms) of one preset: the dense weights' floor, or with fp8 the FP8 weights'."""
     seen: dict[int, float] = {}
     for r in rows:
-        if r.preset == preset and not math.isnan(r.floor_ms):
+        if r.preset == preset and r.on_fp8 == fp8 and not math.isnan(r.floor_ms):
             seen.setdefault(r.tokens, r.floor_ms)
     return sorted(seen.items())
 
@@ -108,9 +111,10 @@ def plot_time(rows: Sequence[ResultRow], preset: str) -> tuple[str, bytes]:
         ax.plot(t, [r.median_ms for r in rs], **styles[key])
         ax.fill_between(t, [r.p20_ms for r in rs], [r.p80_ms for r in rs], color=styles[key]["color"],
                         alpha=0.12)
-    floor = floor_by_tokens(rows, preset)
-    if floor:
-        ax.plot([t for t, _ in floor], [f for _, f in floor], color="k", ls=":", lw=2, label="floor")
+    for fp8, color, label in ((False, "k", "floor"), (True, "0.55", "FP8 floor")):
+        floor = floor_by_tokens(rows, preset, fp8)
+        if floor:
+            ax.plot([t for t, _ in floor], [f for _, f in floor], color=color, ls=":", lw=2, label=label)
     _legend(ax)
     return f"time_{file_stem(preset)}.png", png_bytes(fig)
 

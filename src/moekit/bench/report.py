@@ -6,7 +6,9 @@ draw the forward rows.
 The dense pair's rows (backend "dense", `moekit.bench.dense`) are a column like a backend's, and the
 headline table sets triton's time against them: "% of dense pair" = dense time / triton time at the
 same T, in the graph mode where both were timed in one (eager otherwise). Triton rows that record
-`rows_per_pair` get a table of the rows their tiles compute per pair (the padding).
+`rows_per_pair` get a table of the rows their tiles compute per pair (the padding). Rows on FP8
+weights (`moekit bench --weights fp8`, `weights` "fp8") are columns of their own ("triton fp8"), each
+against the FP8 floor, and a table sets each against the same backend on the dense weights.
 
 `moekit bench` writes it after a sweep; `moekit report DIR` rebuilds it (and the plots) from the
 CSV, so a recorded run can be re-rendered without the device it was measured on. `STUDY` ties the
@@ -26,7 +28,7 @@ from moekit.bench.dense import DENSE
 from moekit.bench.kernel_work import TILED
 from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label
-from moekit.bench.roofline import crossover_tokens
+from moekit.bench.roofline import crossover_tokens, fp8_crossover_tokens
 from moekit.bench.runner import LAYER
 from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
 from moekit.eager_graphs import EAGER_GRAPH_MAX_TOKENS
@@ -52,15 +54,20 @@ def crossover_of(r: ResultRow) -> float:
     return crossover_tokens(shape_of(r), dtype_of(r.dtype), Ceilings(r.copy_gbps, r.matmul_tflops))
 
 
+def ceilings_of(r: ResultRow) -> Ceilings:
+    """The roofs a row's run measured (the FP8 one NaN where it was not)."""
+    return Ceilings(r.copy_gbps, r.matmul_tflops, r.fp8_tflops)
+
+
 def _columns(rows: Sequence[ResultRow]) -> list[tuple[str, str]]:
-    return list(dict.fromkeys((r.backend, r.mode) for r in rows))
+    return list(dict.fromkeys((r.series, r.mode) for r in rows))
 
 
 def _pivot(rows: Sequence[ResultRow], cell: Callable[[ResultRow], str], lead: dict[int, str] | None = None,
            lead_name: str = "", tail: dict[int, str] | None = None, tail_name: str = "") -> list[str]:
     """T down, one column per (backend, mode) across; `lead` / `tail`: a column by T before / after them."""
     cols = _columns(rows)
-    by_key = {(r.tokens, r.backend, r.mode): r for r in rows}
+    by_key = {(r.tokens, r.series, r.mode): r for r in rows}
     head = (["T"] + ([lead_name] if lead else []) + [f"{b} ({m})" for b, m in cols]
             + ([tail_name] if tail else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
@@ -87,7 +94,7 @@ def _time_cell(r: ResultRow) -> str:
 def share_of_dense(rows: Sequence[ResultRow]) -> tuple[str, dict[int, float]]:
     """(mode, {T: 100 * dense time / triton time}) over the Ts where both were timed in that mode:
     graph when any T has both in a graph, else eager ("", {} without such a pair)."""
-    ok = {(r.tokens, r.backend, r.mode): r for r in rows if r.status == "ok"}
+    ok = {(r.tokens, r.backend, r.mode): r for r in rows if r.status == "ok" and not r.on_fp8}
     for mode in ("graph", "eager"):
         share = {t: 100.0 * d.median_ms / v.median_ms for (t, b, m), d in ok.items()
                  if b == DENSE and m == mode and (v := ok.get((t, TILED, mode))) is not None}
@@ -118,6 +125,52 @@ def _layer_note(rs: Sequence[ResultRow]) -> list[str]:
             "tokens replay the "
             "layer's eager graphs (`moekit.eager_graphs`), so its eager column is the eager layer call a "
             "decoding model pays. Its floor is the experts' (the router's weight adds E·H elements).", ""]
+
+
+def fp8_pairs(rows: Sequence[ResultRow]) -> list[tuple[ResultRow, ResultRow | None]]:
+    """(row on FP8 weights, the same backend, T and mode on the dense weights or None), per FP8 row."""
+    dense = {(r.preset, r.tokens, r.backend, r.mode): r for r in rows
+             if not r.on_fp8 and r.direction == "fwd"}
+    return [(r, dense.get((r.preset, r.tokens, r.backend, r.mode))) for r in rows if r.on_fp8]
+
+
+def _fp8_section(rs: Sequence[ResultRow]) -> list[str]:
+    """One layer's FP8 rows against the same backend on the dense weights, one line per backend,
+    mode and T."""
+    pairs = fp8_pairs(rs)
+    if not pairs:
+        return []
+    r0 = pairs[0][0]
+    ceilings = ceilings_of(r0)
+    roof = (f"the FP8 matmul ceiling ({r0.fp8_tflops:,.0f} TFLOP/s, `torch._scaled_mm` e4m3)"
+            if not math.isnan(r0.fp8_tflops) else
+            "the matmul ceiling of the dtype (no FP8 ceiling was measured on this device)")
+    cross = fp8_crossover_tokens(shape_of(r0), ceilings)
+    out = ["", f"### FP8 weights vs {r0.dtype}", "",
+           "Block-scaled e4m3 weights (one fp32 scale per 128 × 128 block, quantized once: "
+           "`moekit.quant.quantize_experts`) against the same backend on the dense weights, at the same "
+           f"T and mode; speed-up = {r0.dtype} time / FP8 time. FP8 floor = max(FP8 bytes of the experts "
+           "hit (e4m3 data + scales) + activations + routing over the copy bandwidth, FLOPs over "
+           f"{roof}); FP8 crossover ≈ {cross:,.0f} tokens. Each FP8 call was checked first against the "
+           "fp32 oracle of its path: `experts_fp8_torch` (w8a8: x quantized per token per 128 channels, "
+           "h per 128 columns), or on triton's decode path (w8a16) the fp32 layer on the dequantized "
+           f"weights, within 2× plain PyTorch of the same quantization in {r0.dtype}.", "",
+           f"| backend | mode | T | {r0.dtype} ms | fp8 ms | speed-up | FP8 floor ms | fp8 % of FP8 floor |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    backends = list(dict.fromkeys(f.backend for f, _ in pairs))
+    modes = list(dict.fromkeys(f.mode for f, _ in pairs))
+    for f, d in sorted(pairs, key=lambda p: (backends.index(p[0].backend), modes.index(p[0].mode),
+                                             p[0].tokens)):
+        dense_ok = d is not None and d.status == "ok"
+        cells = [_time_or_status(d) if d is not None else "–", _time_or_status(f),
+                 f"{d.median_ms / f.median_ms:.2f}×" if dense_ok and f.status == "ok" else "–",
+                 fmt_number(f.floor_ms), fmt_pct(f.pct_floor) if f.status == "ok" else "–"]
+        out.append(f"| {f.backend} | {f.mode} | {f.tokens} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _time_or_status(r: ResultRow) -> str:
+    return fmt_number(r.median_ms) if r.status == "ok" else r.status.replace("_", " ")
 
 
 def _padding_table(rs: Sequence[ResultRow]) -> list[str]:
@@ -160,9 +213,12 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     mode, share = share_of_dense(rs)
     out += _dense_note(rs, mode)
     out += _layer_note(rs)
+    if any(r.on_fp8 for r in rs):
+        out += ["Columns *… fp8* time the backend on FP8 weights; their % is of the FP8 floor (below).", ""]
     floor = {t: fmt_number(f) for t, f in plots.floor_by_tokens(rs, preset)}
     out += _pivot(rs, _time_cell, floor, "floor ms", {t: fmt_pct(v) for t, v in share.items()},
                   f"{TILED} ({mode}): % of dense pair")
+    out += _fp8_section(rs)
     out += _padding_table(rs)
     out += ["", f"### Spread of the timed calls: p20–p80 ms (noisy: p80 / p20 > {NOISY_RATIO})", ""]
     out += _pivot(rs, lambda r: spread(r.p20_ms, r.p80_ms) if r.status == "ok" else "")
@@ -187,7 +243,7 @@ def _preset_section(rows: Sequence[ResultRow], preset: str) -> list[str]:
     untimed = [r for r in rs if r.status != "ok"]
     if untimed:
         out += ["", "### Not timed", ""]
-        out += [f"- T={r.tokens} {r.backend} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
+        out += [f"- T={r.tokens} {r.series} ({r.mode}): **{r.status.replace('_', ' ')}**: {r.reason}"
                 for r in untimed]
     stem = file_stem(preset)
     out += ["", "### Plots", "",
@@ -242,6 +298,9 @@ def _floor_notes(rows: Sequence[ResultRow]) -> list[str]:
     if any(r.direction == "fwd" for r in rows):
         lines.append("- floor = max(bytes / copy bandwidth, FLOPs / matmul rate); bytes = weights of every "
                      "expert hit + input + output + routing. % of floor = floor / time (100% = at the roof).")
+    if any(r.on_fp8 for r in rows):
+        lines.append("- rows on FP8 weights (`weights` fp8): the same floor with the weights' bytes those of "
+                     "e4m3 data + fp32 block scales and the FLOPs on the FP8 matmul ceiling.")
     if any(r.direction == "fwd+bwd" for r in rows):
         lines.append("- forward + backward floor: FLOPs = 3 × the forward's; bytes = weights of every expert "
                      "hit read twice (forward, backward) + weight gradients of all E experts written once "
@@ -250,6 +309,17 @@ def _floor_notes(rows: Sequence[ResultRow]) -> list[str]:
                      "device memory one call took above what was held before (CUDA only; – on the CPU, "
                      "not measured).")
     return lines
+
+
+def _fp8_ceiling(rows: Sequence[ResultRow]) -> str:
+    """The provenance line's FP8 roof: measured, or why FP8 rows have none."""
+    r0 = rows[0]
+    if not math.isnan(r0.fp8_tflops):
+        return (f", FP8 matmul **{r0.fp8_tflops:,.2f} TFLOP/s** (`torch._scaled_mm`, e4m3 8192³ with fp32 "
+                f"scales; ridge {ceilings_of(r0).ridge(fp8=True):.1f} FLOP/byte)")
+    if any(r.on_fp8 for r in rows):
+        return "; no FP8 ceiling measured (CPU, or no FP8 matmul): FP8 floors use the matmul ceiling"
+    return ""
 
 
 def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
@@ -268,7 +338,7 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         f"- run {', '.join(runs)}, {r0.date}, commit `{r0.commit or 'unknown'}`",
         f"- device: {r0.device_name}, {r0.device_type}; {versions}; python {r0.python_version}",
         f"- dtype {r0.dtype}; ceilings measured on this device: copy **{r0.copy_gbps:,.1f} GB/s**, "
-        f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)",
+        f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)" + _fp8_ceiling(rows),
         *_floor_notes(rows),
         "- every backend was checked against the fp32 reference before timing; one that failed is "
         "listed under *Not timed*, never timed.",

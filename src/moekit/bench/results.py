@@ -23,7 +23,7 @@ import platform
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,11 +32,14 @@ import torch
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "error", "skipped", "not_capturable")
 DIRECTIONS = ("fwd", "fwd+bwd")   # a `moekit bench` row's pass: the forward, or forward + backward
+FP8 = "fp8"   # ResultRow.weights of a call on block-scaled FP8 expert weights (`moekit bench --weights fp8`)
 
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where and with what a run was measured; copied into each of its rows."""
+    """Where and with what a run was measured; copied into each of its rows. fp8_tflops: the FP8
+    matmul ceiling (`ceilings.fp8_ceiling`) of a run that measured it, NaN (an empty cell) otherwise
+    and in files written before the column; keyword-only, so row types add their fields after it."""
 
     run_id: str
     date: str
@@ -51,6 +54,7 @@ class Provenance:
     dtype: str
     copy_gbps: float
     matmul_tflops: float
+    fp8_tflops: float = field(default=math.nan, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,11 @@ class ResultRow(LayerRow):
     another buffer read: `moekit bench --flush clean`) or "warm" (no flush: `moekit bench`'s CPU
     default), empty in rows written before it; `rows_per_pair`, triton rows only (NaN elsewhere and
     before the column): the rows its GEMM tiles compute per valid pair, num_padded of its alignment
-    over the pairs (1.24: 19% of the rows computed are padding; `moekit.bench.kernel_work`).
+    over the pairs (1.24: 19% of the rows computed are padding; `moekit.bench.kernel_work`);
+    `weights`, the expert weights the call ran on: the dtype's name (the dense weights in `dtype`) or
+    "fp8" (block-scaled e4m3, `moekit bench --weights fp8`: its bytes those of
+    `roofline.fp8_traffic`, its floor on the FP8 roof `fp8_tflops`), empty in rows written before it
+    (the dense weights).
 
     The dense pair's rows (backend "dense", `moekit.bench.dense`: the layer's FLOPs as two dense
     matmuls through one expert) carry the layer's bytes, FLOPs and floor, so their pct_floor and
@@ -117,6 +125,17 @@ class ResultRow(LayerRow):
     peak_mib: float = math.nan
     cache: str = ""
     rows_per_pair: float = math.nan
+    weights: str = ""
+
+    @property
+    def on_fp8(self) -> bool:
+        """Whether the call ran on block-scaled FP8 weights."""
+        return self.weights == FP8
+
+    @property
+    def series(self) -> str:
+        """The backend as tables and plots name it: "triton", or "triton fp8" on FP8 weights."""
+        return f"{self.backend} {FP8}" if self.on_fp8 else self.backend
 
 
 @dataclass(frozen=True)
@@ -204,7 +223,8 @@ def device_name(device: torch.device) -> str:
 
 
 def collect_provenance(device: torch.device, dtype: torch.dtype, copy_gbps: float, matmul_tflops: float,
-                       *, transformers_version: str | None = None) -> Provenance:
+                       *, transformers_version: str | None = None,
+                       fp8_tflops: float = math.nan) -> Provenance:
     import triton
 
     import moekit
@@ -224,6 +244,7 @@ def collect_provenance(device: torch.device, dtype: torch.dtype, copy_gbps: floa
         dtype=str(dtype).removeprefix("torch."),
         copy_gbps=copy_gbps,
         matmul_tflops=matmul_tflops,
+        fp8_tflops=fp8_tflops,
     )
 
 
@@ -345,7 +366,8 @@ def check_provenance(row: Provenance) -> str:
     """"" when the provenance columns can be used: positive ceilings, a torch dtype name."""
     if not isinstance(getattr(torch, row.dtype, None), torch.dtype):
         return f"column 'dtype' must name a torch dtype, got {row.dtype!r}"
-    return positive_problem(row, "copy_gbps", "matmul_tflops")
+    return (positive_problem(row, "copy_gbps", "matmul_tflops")
+            or positive_problem(row, "fp8_tflops", empty_ok=True))
 
 
 def shape_label(row: object) -> str:
@@ -371,6 +393,10 @@ def check_result_row(row: ResultRow) -> str:
         return problem
     if row.direction not in DIRECTIONS:
         return f"column 'direction' must be one of {DIRECTIONS}, got {row.direction!r}"
+    if row.weights not in ("", row.dtype, FP8):
+        return f"column 'weights' must be {row.dtype!r} (the dtype), {FP8!r} or empty, got {row.weights!r}"
+    if row.on_fp8 and row.direction != "fwd":
+        return "a row on FP8 weights must be a forward ('fwd'): FP8 experts are inference only"
     problem = positive_problem(row, "floor_ms", "experts_expected", "peak_mib", "rows_per_pair",
                                empty_ok=True)
     if not problem and row.status == "ok":

@@ -22,15 +22,21 @@ forward GEMM (activation and weight gradients) make the FLOPs 3x the forward's. 
 
 Intermediates (the gate/up pre-activations, h, their gradients) are not counted: a fused
 implementation could keep them on chip, so the floor stays a floor.
+
+Block-scaled FP8 weights (`moekit bench --weights fp8`, `fp8_traffic`): each distinct expert hit
+reads its e4m3 weights and their fp32 scales, one per 128 x 128 block (`moekit.quant.fp8_bytes`),
+about half the bf16 bytes; activations, routing and FLOPs are unchanged, and the FLOPs run on the
+FP8 roof (`Ceilings.compute_tflops(fp8=True)`, the measured `torch._scaled_mm` rate).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moekit.bench.ceilings import Ceilings
+from moekit.quant import fp8_bytes
 from moekit.shapes import MoEShape
 
 ROUTING_WEIGHT_ITEMSIZE = 4  # moekit.route returns fp32 weights
@@ -47,6 +53,7 @@ class Traffic:
         routing_bytes: topk_ids and topk_weights, T * K * (id itemsize + weight itemsize).
         flops: GEMM FLOPs of the valid pairs (SwiGLU and the weighted sum are negligible).
         grad_bytes: weight gradients written (0 for a forward; see the module doc).
+        fp8: the weights are block-scaled FP8 (`fp8_traffic`): the FLOPs' roof is the FP8 matmul's.
     """
 
     experts_hit: int
@@ -55,6 +62,7 @@ class Traffic:
     routing_bytes: int
     flops: int
     grad_bytes: int = 0
+    fp8: bool = False
 
     @property
     def bytes(self) -> int:
@@ -90,6 +98,21 @@ def traffic(
     )
 
 
+def fp8_expert_bytes(shape: MoEShape) -> int:
+    """Bytes of one expert's block-scaled FP8 weights: gate_up (2I, H) and down (H, I), e4m3 data
+    and their fp32 scales."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    return fp8_bytes((1, 2 * i, h)) + fp8_bytes((1, h, i))
+
+
+def fp8_traffic(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype: torch.dtype, *,
+                weights_itemsize: int = ROUTING_WEIGHT_ITEMSIZE) -> Traffic:
+    """`traffic` of a call on block-scaled FP8 weights (activations in `dtype`): each expert hit
+    reads `fp8_expert_bytes`, and the FLOPs run on the FP8 roof (module doc)."""
+    t = traffic(shape, tokens, topk_ids, dtype, weights_itemsize=weights_itemsize)
+    return replace(t, weight_bytes=t.experts_hit * fp8_expert_bytes(shape), fp8=True)
+
+
 def training_traffic(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype: torch.dtype, *,
                      weights_itemsize: int = ROUTING_WEIGHT_ITEMSIZE) -> Traffic:
     """Bytes and FLOPs of one forward + backward with this routing (module doc); weight gradients in
@@ -106,14 +129,15 @@ def training_traffic(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype
 
 
 def floor_ms_of(t: Traffic, ceilings: Ceilings) -> float:
+    """max(bytes / copy bandwidth, FLOPs / compute roof) in ms; the FP8 roof for FP8 traffic."""
     memory_ms = t.bytes / (ceilings.copy_gbps * 1e9) * 1e3
-    compute_ms = t.flops / (ceilings.matmul_tflops * 1e12) * 1e3
+    compute_ms = t.flops / (ceilings.compute_tflops(t.fp8) * 1e12) * 1e3
     return max(memory_ms, compute_ms)
 
 
 def bound_of(t: Traffic, ceilings: Ceilings) -> str:
     """"memory" or "compute": which roof sets the floor."""
-    return "compute" if t.intensity > ceilings.ridge_flops_per_byte else "memory"
+    return "compute" if t.intensity > ceilings.ridge(t.fp8) else "memory"
 
 
 def floor_ms(shape: MoEShape, tokens: int, topk_ids: torch.Tensor, dtype: torch.dtype,
@@ -129,3 +153,9 @@ def crossover_tokens(shape: MoEShape, dtype: torch.dtype, ceilings: Ceilings) ->
     intensity is T * K * 2 / (E * itemsize); it meets the ridge at the T returned here.
     """
     return ceilings.ridge_flops_per_byte * shape.num_experts / shape.top_k * dtype.itemsize / 2
+
+
+def fp8_crossover_tokens(shape: MoEShape, ceilings: Ceilings) -> float:
+    """`crossover_tokens` of FP8 weights: FP8 ridge * E / K * (FP8 bytes per weight, scales included) / 2."""
+    per_weight = fp8_expert_bytes(shape) / shape.params_per_expert
+    return ceilings.ridge(fp8=True) * shape.num_experts / shape.top_k * per_weight / 2

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from moekit.bench.ceilings import Ceilings, measure_ceilings
+from moekit.bench.ceilings import Ceilings, fp8_ceiling, measure_ceilings
 from moekit.bench.results import (
     STATUSES,
     Provenance,
@@ -148,14 +148,25 @@ def redraw(study: Study, src: Path, out_dir: Path | None = None) -> tuple[list, 
 
 
 def measure_provenance(device: torch.device, dtype: torch.dtype, console, *, rep: int | None = None,
-                       transformers_version: str | None = None) -> tuple[Ceilings, Provenance]:
-    """Measure the device's ceilings once, and the run's provenance that every row carries."""
+                       transformers_version: str | None = None,
+                       fp8: bool = False) -> tuple[Ceilings, Provenance]:
+    """Measure the device's ceilings once, and the run's provenance that every row carries; with
+    fp8, the FP8 matmul ceiling too (`ceilings.fp8_ceiling`: CUDA only, a note where it is not)."""
     console.print(f"Measuring ceilings on {device} ({str(dtype).removeprefix('torch.')})...")
     ceilings = measure_ceilings(device, dtype, rep=rep)
     console.print(f"  copy {ceilings.copy_gbps:,.1f} GB/s, matmul {ceilings.matmul_tflops:,.3g} TFLOP/s, "
                   f"ridge {ceilings.ridge_flops_per_byte:.1f} FLOP/byte")
+    if fp8:
+        fp8_tflops, why_not = fp8_ceiling(device, rep)
+        ceilings = replace(ceilings, fp8_tflops=fp8_tflops)
+        if why_not:
+            console.print(f"  {why_not}", style="yellow", markup=False, highlight=False)
+        else:
+            console.print(f"  FP8 matmul {fp8_tflops:,.3g} TFLOP/s (torch._scaled_mm, e4m3), ridge "
+                          f"{ceilings.ridge(fp8=True):.1f} FLOP/byte")
     return ceilings, collect_provenance(device, dtype, ceilings.copy_gbps, ceilings.matmul_tflops,
-                                        transformers_version=transformers_version)
+                                        transformers_version=transformers_version,
+                                        fp8_tflops=ceilings.fp8_tflops)
 
 
 def warn_to(console) -> Callable[[str], None]:
