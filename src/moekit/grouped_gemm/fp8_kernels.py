@@ -27,7 +27,7 @@ import moekit.kernels  # noqa: F401  (first: the interpreter switch, before trit
 import triton
 import triton.language as tl
 
-from moekit.grouped_gemm.kernels import _for_each_tile
+from moekit.grouped_gemm.kernels import _for_each_tile, sorted_rows, store_pair_rows
 from moekit.kernels.pdl import pdl_enter
 from moekit.quant.kernels import quantize_groups
 
@@ -47,10 +47,7 @@ def _gemm1_fp8_tile(x_ptr, w_ptr, h_ptr, hs_ptr, sorted_ids_ptr, row0, e, pid_n,
     UE8M0: tl.constexpr = flags[0]
     STANDIN: tl.constexpr = flags[1]
     TMA_W: tl.constexpr = flags[2]
-    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
-    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
-    valid = pair < S
-    tok = (pair // TOP_K).to(tl.int64)
+    rows, pair, valid, tok = sorted_rows(sorted_ids_ptr, row0, S, TOP_K, M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN], N % BN == 0
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + rk[None, :] * stride_xk                       # [M, BK]
@@ -123,9 +120,7 @@ def _gemm2_fp8_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0,
     stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn = strides
     hs_ptr, stride_hsm, stride_hsk, ws_ptr, stride_wse, stride_wsn, stride_wsk, _unused = scales
     TMA_W: tl.constexpr = flags[2]
-    rows = row0 + tl.arange(0, M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < S
+    rows, pair, valid, _tok = sorted_rows(sorted_ids_ptr, row0, S, 1, M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -152,10 +147,7 @@ def _gemm2_fp8_tile(h_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0,
         b_s = tl.load(bs_ptrs + kb * stride_wsk, mask=n_in, other=0.0)
         acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         a_ptrs += BLOCK_K * stride_hk
-    wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-    acc = acc * wt[:, None]
-    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_ym + rn[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_in[None, :])
+    store_pair_rows(acc, y_ptr, topk_weights_ptr, pair, valid, rn, n_in, stride_ym, stride_yn, True)
 
 
 @triton.jit

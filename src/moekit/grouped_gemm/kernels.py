@@ -199,6 +199,16 @@ def _store_gate_up(ptrs, acc_g, acc_u, n_in, up_offset):
 
 
 @triton.jit
+def sorted_rows(sorted_ids_ptr, row0, S, TOP_K: tl.constexpr, M: tl.constexpr):
+    """(rows, pair, valid, tok) of M sorted rows from row0: their pair ids (S marks padding),
+    whether each holds a pair, and the token (int64) whose row of x it gathers."""
+    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
+    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
+    valid = pair < S
+    return rows, pair, valid, (pair // TOP_K).to(tl.int64)
+
+
+@triton.jit
 def _gemm1_tile(x_ptr, w, h_ptr, pre_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, K, strides, epilogue,
                 TOP_K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, flags):
@@ -216,10 +226,7 @@ def _gemm1_tile(x_ptr, w, h_ptr, pre_ptr, sorted_ids_ptr, row0, e, pid_n, S, N, 
     INTERLEAVED: tl.constexpr = flags[3]
     TMA_W: tl.constexpr = flags[4]
     STORE_PRE: tl.constexpr = flags[5]
-    rows = row0 + tl.arange(0, M)                                      # sorted rows [M]
-    pair = tl.load(sorted_ids_ptr + rows)                              # pair ids; S = padding
-    valid = pair < S
-    tok = (pair // TOP_K).to(tl.int64)
+    rows, pair, valid, tok = sorted_rows(sorted_ids_ptr, row0, S, TOP_K, M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
     n_in = rn < N
     rk = tl.arange(0, BLOCK_K)                                         # [BK]
@@ -378,9 +385,7 @@ def _gemm2_tile(h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_
     MUL_W: tl.constexpr = flags[0]
     HAS_BIAS: tl.constexpr = flags[1]
     TMA_W: tl.constexpr = flags[4]
-    rows = row0 + tl.arange(0, M)
-    pair = tl.load(sorted_ids_ptr + rows)
-    valid = pair < S
+    rows, pair, valid, _tok = sorted_rows(sorted_ids_ptr, row0, S, 1, M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -399,6 +404,14 @@ def _gemm2_tile(h_ptr, w, y_ptr, topk_weights_ptr, sorted_ids_ptr, row0, e, pid_
     if HAS_BIAS:                                       # before the routing weight, as gpt-oss adds it
         bias = tl.load(bias_ptr + e * stride_be + rn * stride_bn, mask=n_in, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
+    store_pair_rows(acc, y_ptr, topk_weights_ptr, pair, valid, rn, n_in, stride_ym, stride_yn, MUL_W)
+
+
+@triton.jit
+def store_pair_rows(acc, y_ptr, topk_weights_ptr, pair, valid, rn, n_in, stride_ym, stride_yn,
+                    MUL_W: tl.constexpr):
+    """GEMM2's epilogue: the [M, BN] fp32 rows acc, times each pair's routing weight when MUL_W,
+    stored at the pairs' own rows of y (rows of padding, valid False, store nothing)."""
     if MUL_W:
         wt = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
