@@ -377,3 +377,21 @@ def test_fp8_calls_take_their_plan_from_the_one_planner():
     assert plan_triton_call(x[:1], gu, dn, ids[:1]).path == DECODE
     with pytest.raises(ValueError, match="block_n1 must be 128"):
         plan_triton_call(x, gu, dn, ids, config=ExpertsConfig())
+
+
+@pytest.mark.gpu
+def test_fp8_under_torch_compile_gpu():
+    """The `moekit::experts_fp8` op on the triton kernels: one frame for every T (dynamic), equal to
+    the eager call bit for bit (the same kernels and tiles)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gu, dn = make_weights(16, 512, 256, "cuda")
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda x, w, ids: moe_experts(x, gu, dn, w, ids), backend=counter, fullgraph=True,
+                       dynamic=True)
+    for tokens in (3, 40, 300):
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+        w, ids = routing(tokens, 16, 4, device="cuda")
+        with torch.no_grad():
+            assert torch.equal(fn(x, w, ids), moe_experts(x, gu, dn, w, ids))
+    assert counter.frame_count == 1
