@@ -72,6 +72,20 @@ def test_sweep_writes_one_row_per_variant_and_checks_each(tmp_path):
     assert "## flush: tiny, T = 2 (eager)" in (out / "report.md").read_text()
 
 
+def test_sweep_fp8_set_checks_each_variant_against_its_paths_oracle(tmp_path):
+    """Dense first (the speed-up column is dense / FP8), then FP8 variants, each checked against the
+    oracle of the path it runs: w8a8 tiles, and at decode sizes the decode kernels (w8a16)."""
+    out = tmp_path / "f"
+    assert run_cli(["sweep", "--set", "fp8", "--shape", "E=4,H=128,I=128,K=2", "--tokens", "1", "--rep", "1",
+                    "--out", str(out)]) == 0
+    rows = _read(out, variants.STUDY)
+    grouped = ["dense", "fp8", "fp8 table", "fp8 tma", "fp8 no tma", "fp8 bm64 w4", "fp8 bm128 w8"]
+    names = [r.variant for r in rows]
+    assert names[:len(grouped)] == grouped and names[len(grouped)] == "fp8 direct 0"
+    assert all(r.status == "ok" and r.max_err >= 0 for r in rows)
+    assert "tma_weights=True" in next(r.tiles for r in rows if r.variant == "fp8 tma")
+
+
 def test_sweep_tile_sets_name_their_configs():
     import torch
 

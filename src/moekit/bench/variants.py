@@ -13,6 +13,10 @@
                    clean buffer read, or left warm
     --set wgrad    the weight-gradient kernel's tiles (`moekit.bench.wgrad`): the forward's old tiles,
                    `wgrad_config`'s and the candidates, both launches of a training step
+    --set fp8      the dense weights against the same weights in block-scaled FP8: the backend's
+                   choice, its FP8 tiles with and without TMA, two other tile families, and at
+                   decode sizes the decode kernels' tile sets on the e4m3 weights (H and I divisible
+                   by 128)
 
 Each variant goes through the benchmark's `run_case`: checked against the fp32 reference first (the
 2x rule; a variant that fails is recorded and never timed), then timed by `time_fn` (graph replays
@@ -226,9 +230,55 @@ def wgrad_variants(work: Workload) -> dict[str, Variant]:
     return {n: variant(v) for n, v in tiles.items()}
 
 
+def fp8_variants(work: Workload) -> dict[str, Variant]:
+    """The triton path on the dense weights (first: the speed-up column is dense / FP8), then on the
+    same weights in block-scaled FP8 (`moekit.bench.fp8`): the backend's choice, its tiles with and
+    without TMA weights, two other tile families, and at decode sizes the decode kernels' tile sets
+    on the e4m3 weights. Each FP8 variant is checked against the oracle of the path it runs."""
+    from moekit import tuning
+    from moekit.bench.fp8 import Fp8Workloads, fp8_factory, quantize_layer
+    from moekit.decode import DECODE_TILES, DEFAULT_DECODE, experts_decode, use_decode_direct
+    from moekit.experts import ExpertsOptions, get_backend, moe_experts
+    from moekit.quant import FP8_DTYPE
+
+    experts = quantize_layer(work.weights)
+    twins = Fp8Workloads(work, experts)
+    s, t, dev = work.shape, work.tokens, work.device
+    base = tuning.get_config(s, t, FP8_DTYPE, dev)
+
+    def grouped(cfg) -> Variant:
+        def make(w: Workload):
+            args = (w.x, experts.gate_up, experts.down, w.topk_weights, w.topk_ids)
+            if experts.standin:
+                return lambda: get_backend("triton").run_fp8(*args, ExpertsOptions(config=cfg), None, False)
+            return lambda: moe_experts(*args, backend="triton", config=cfg)
+        return Variant(make, _tiles(cfg), twins.w8a8)
+
+    def direct(tiles) -> Variant:
+        def make(w: Workload):
+            ids, wt, out = w.topk_ids.contiguous(), w.topk_weights.contiguous(), torch.empty_like(w.x)
+            scales = (experts.gate_up.scale, experts.down.scale)
+            return lambda: experts_decode(w.x, experts.gate_up.data, experts.down.data, wt, ids, out, tiles,
+                                          scales)
+        return Variant(make, tiles.label(), twins.w8a16)
+
+    families = {"fp8 table": base, "fp8 tma": replace(base, tma_weights=True),
+                "fp8 no tma": replace(base, tma_weights=False),
+                "fp8 bm64 w4": tuning.fp8_tiles(replace(base, block_m=64, pair_blocks=1, warps1=4, warps2=4,
+                                                        stages1=3, stages2=3, block_n2=128)),
+                "fp8 bm128 w8": tuning.fp8_tiles(replace(base, block_m=128, pair_blocks=1, warps1=8, warps2=8,
+                                                         stages1=3, stages2=3, block_n2=128))}
+    chosen = Variant(fp8_factory("triton", experts), "backend's choice", twins.for_backend("triton"))
+    variants = {"dense": _experts(None), "fp8": chosen}
+    variants.update({n: grouped(c) for n, c in families.items()})
+    if use_decode_direct(t, s.top_k, s.num_experts):
+        variants.update({f"fp8 direct {i}": direct(c) for i, c in enumerate((DEFAULT_DECODE, *DECODE_TILES))})
+    return variants
+
+
 SETS: dict[str, Callable[[Workload], dict[str, Variant]]] = {
     "tiles": tile_variants, "decode": decode_variants, "group": group_variants, "hints": hint_variants,
-    "flush": flush_variants, "wgrad": wgrad_variants}
+    "flush": flush_variants, "wgrad": wgrad_variants, "fp8": fp8_variants}
 
 
 def set_rows(name: str, work: Workload, head: dict, modes: Sequence[str], ceilings, options: Options,
