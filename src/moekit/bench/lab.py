@@ -22,9 +22,10 @@ Measure = Callable[[object, object, object], list]   # (console, ceilings, prove
 
 def run_study(prog: str, args: argparse.Namespace, study: Study, device: torch.device, dtype: torch.dtype,
               measure: Measure, describe: Callable[[object], str], *, rep: int | None = None,
-              transformers_version: str | None = None) -> int:
-    """Check --out, measure the ceilings and provenance, `measure` the rows (CPU threads pinned by
-    --threads), write results.csv and report.md, print the report; the scaffold's exit status."""
+              transformers_version: str | None = None, fp8: bool = False) -> int:
+    """Check --out, measure the ceilings and provenance (fp8: the FP8 matmul ceiling too), `measure`
+    the rows (CPU threads pinned by --threads), write results.csv and report.md, print the report;
+    the scaffold's exit status."""
     from rich.console import Console  # here: `moekit report` redraws these studies without rich
 
     console = Console()
@@ -34,7 +35,7 @@ def run_study(prog: str, args: argparse.Namespace, study: Study, device: torch.d
         return usage_error(prog, exc)
     with arg_types.cpu_threads(device, getattr(args, "threads", 1)):
         ceilings, prov = measure_provenance(device, dtype, console, rep=rep,
-                                            transformers_version=transformers_version)
+                                            transformers_version=transformers_version, fp8=fp8)
         rows = measure(console, ceilings, prov)
     out_dir = args.out or RESULTS_ROOT / f"{study.name}-{prov.run_id}"
     if not rows:

@@ -357,4 +357,5 @@ def run(args: argparse.Namespace) -> int:
         return rows
 
     return run_study(PROG, args, STUDY, device, dtype, measure,
-                     lambda r: f"{r.variant_set} T={r.tokens} {r.variant} ({r.mode})", rep=options.rep)
+                     lambda r: f"{r.variant_set} T={r.tokens} {r.variant} ({r.mode})", rep=options.rep,
+                     fp8="fp8" in args.sets)
