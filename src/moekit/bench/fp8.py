@@ -39,6 +39,7 @@ from moekit.bench.roofline import fp8_traffic
 from moekit.bench.runner import BackendFactory, Call, Weights, Workload
 from moekit.decode import use_decode_direct
 from moekit.experts import BACKENDS, ExpertsOptions, get_backend, moe_experts
+from moekit.experts.registry import fp8_backend_names
 from moekit.grouped_gemm.fp8 import experts_fp8_torch
 from moekit.quant import FP8_BLOCK, STANDIN_DTYPE, Fp8Weight, quantize_experts
 from moekit.reference import moe_experts_ref
@@ -51,7 +52,7 @@ SCALE_MIN = 1e-10 / E4M3_MAX        # an all-zero group: a tiny positive scale, 
 
 def takes_fp8(backend: str) -> bool:
     """Whether a moekit backend takes FP8 weights (its registry entry has a `run_fp8`)."""
-    return backend in BACKENDS and get_backend(backend).run_fp8 is not None
+    return backend in fp8_backend_names()
 
 
 def fp8_backends(backends: Iterable[str] = BACKENDS) -> list[str]:

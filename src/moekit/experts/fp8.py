@@ -30,7 +30,13 @@ from moekit._validation import (
 from moekit.align import align_block_size
 from moekit.decode import experts_decode
 from moekit.experts.plan import DECODE, plan_triton_call
-from moekit.experts.registry import CONFIG_FIELDS, ExpertsOptions, backend_names, config_of_ints, get_backend
+from moekit.experts.registry import (
+    CONFIG_FIELDS,
+    ExpertsOptions,
+    config_of_ints,
+    fp8_backend_names,
+    get_backend,
+)
 from moekit.grouped_gemm import moe_sum
 from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
 from moekit.quant import Fp8Weight, check_fp8_scales, check_fp8_weight, quantize_rows
@@ -56,6 +62,23 @@ def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_
     return num_experts
 
 
+def check_inference(x: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """RuntimeError unless the call needs no gradients: the FP8 experts have no backward."""
+    if needs_grad(x, topk_weights):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
+
+
+def fp8_backend(backend: str, device: torch.device) -> str:
+    """The backend an FP8 call runs on: "auto" is triton on CUDA and loop (the fp32 twin) elsewhere;
+    any other name must take FP8 weights (ValueError naming those that do)."""
+    name = ("triton" if device.type == "cuda" else "loop") if backend == "auto" else backend
+    if get_backend(name).run_fp8 is None:
+        raise ValueError(f"backend={name!r} takes no FP8 weights; backends that do: "
+                         f"{list(fp8_backend_names())}")
+    return name
+
+
 def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, *, config: ExpertsConfig | None = None,
                        out: torch.Tensor | None = None, ue8m0: bool = False) -> torch.Tensor:
@@ -64,9 +87,7 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
     path's tiles (`moekit.tuning.check_fp8_config`); given, the decode path is not taken. ue8m0: the
     activations' and h's scales are powers of two."""
     check_triton_device("hidden_states", x)
-    if needs_grad(x, topk_weights):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
+    check_inference(x, topk_weights)
     if out is None:
         out = _workspace.empty_like(x)
     num_tokens, top_k = topk_ids.shape
@@ -91,9 +112,7 @@ def experts_loop_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_
                      topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
                      ue8m0: bool = False) -> torch.Tensor:
     """The fp32 twin, rounded to x's dtype: the FP8 path on any device (a loop over the experts hit)."""
-    if needs_grad(x, topk_weights):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
+    check_inference(x, topk_weights)
     result = experts_fp8_torch(x, gate_up, down, topk_weights, topk_ids, ue8m0=ue8m0).to(x.dtype)
     return result if out is None else out.copy_(result)
 
@@ -106,16 +125,11 @@ def moe_experts_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_w
     triton on CUDA, loop elsewhere); under torch.compile the `moekit::experts_fp8` op."""
     num_experts = check_fp8_experts_args(x, gate_up, down, topk_weights, topk_ids,
                                          top_k_at_most_experts=not ignore_invalid_ids)
-    name = ("triton" if x.device.type == "cuda" else "loop") if backend == "auto" else backend
+    name = fp8_backend(backend, x.device)
     impl = get_backend(name)
-    if impl.run_fp8 is None:
-        takers = [n for n in backend_names() if get_backend(n).run_fp8 is not None]
-        raise ValueError(f"backend={name!r} takes no FP8 weights; backends that do: {takers}")
     if config is not None and "config" not in impl.options:
         raise ValueError(f"config applies to backend='triton', not backend={name!r}")
-    if needs_grad(x, topk_weights):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
+    check_inference(x, topk_weights)
     compiling = torch.compiler.is_compiling()
     if validate is None:
         validate = x.device.type == "cpu" and not compiling

@@ -168,6 +168,11 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def fp8_backend_names() -> tuple[str, ...]:
+    """The registered backends that take block-scaled FP8 weights (a `run_fp8`), in order."""
+    return tuple(name for name, b in _REGISTRY.items() if b.run_fp8 is not None)
+
+
 def capability_table() -> str:
     """The registered backends' capabilities as a Markdown table (the README's copy is checked
     against it, so the docs cannot drift from the registry)."""

@@ -23,6 +23,7 @@ in float16), and the quantizing kernels round to the e4m3 grid arithmetically (`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,14 +126,27 @@ def check_fp8_weight(name: str, w: object, *, shape: tuple[int, int, int] | None
     return w
 
 
+def check_scale_values(name: str, scale: torch.Tensor, keys: Sequence[Sequence[str]] | None = None) -> None:
+    """Raise ValueError unless every scale is finite and positive, naming `name` and the block's index
+    (a host sync on CUDA). keys: scale (E, R, C) stacks per-expert scales whose rows are len(keys)
+    equal parts, expert e of part p read from keys[p][e]: the error names that tensor instead."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if not bool(bad.any()):
+        return
+    idx = tuple(int(v) for v in torch.nonzero(bad)[0])
+    value = float(scale[idx])
+    if keys is not None:
+        e, i, j = idx
+        rows = scale.shape[1] // len(keys)
+        name, idx = keys[i // rows][e], (i % rows, j)
+    raise ValueError(f"{name} must be finite and positive, got {value} at {idx}")
+
+
 def check_fp8_scales(name: str, w: Fp8Weight) -> None:
-    """Raise if any scale is NaN, infinite or not positive. Reads the scales: a host sync on CUDA,
-    so it runs where weights are made or loaded (`quantize_experts`; `Fp8Weight.from_checkpoint`
-    checks alike, `moekit.quant.loading.check_scale_values`), never inside a forward."""
-    bad = ~(torch.isfinite(w.scale) & (w.scale > 0))
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(f"{name}.scale must be finite and positive, got {float(w.scale[idx])} at {idx}")
+    """Raise if any of w's scales is NaN, infinite or not positive (`check_scale_values`). Reads the
+    scales: a host sync on CUDA, so it runs where weights are made, loaded or validated on request,
+    never inside a forward."""
+    check_scale_values(f"{name}.scale", w.scale)
 
 
 def _div_rn(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -223,4 +237,5 @@ def quantize_rows(x: torch.Tensor, *, ue8m0: bool = False, dtype: torch.dtype | 
 
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8Weight", "check_fp8_scales", "check_fp8_weight",
-           "dequantize_rows", "fp8_bytes", "quantize_experts", "quantize_rows", "quantize_rows_torch"]
+           "check_scale_values", "dequantize_rows", "fp8_bytes", "quantize_experts", "quantize_rows",
+           "quantize_rows_torch"]

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight
+from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, check_scale_values
 
 __all__ = ["check_fp8_tensors", "check_scale_values", "experts_from_checkpoint", "fp8_weight",
            "stack_experts"]
@@ -127,22 +127,6 @@ def _num_experts(tensors: Mapping[str, torch.Tensor], prefix: str) -> int:
     while f"{prefix}{count}.gate_proj.weight" in tensors:
         count += 1
     return count
-
-
-def check_scale_values(name: str, scale: torch.Tensor, keys: Sequence[Sequence[str]] | None = None) -> None:
-    """Raise ValueError unless every scale is finite and positive, naming `name` and the block's index
-    (a host sync on CUDA). keys: scale (E, R, C) stacks per-expert scales whose rows are len(keys)
-    equal parts, expert e of part p read from keys[p][e]: the error names that tensor instead."""
-    bad = ~(torch.isfinite(scale) & (scale > 0))
-    if not bool(bad.any()):
-        return
-    idx = tuple(int(v) for v in torch.nonzero(bad)[0])
-    value = float(scale[idx])
-    if keys is not None:
-        e, i, j = idx
-        rows = scale.shape[1] // len(keys)
-        name, idx = keys[i // rows][e], (i % rows, j)
-    raise ValueError(f"{name} must be finite and positive, got {value} at {idx}")
 
 
 def experts_from_checkpoint(tensors: Mapping[str, torch.Tensor], prefix: str = "",

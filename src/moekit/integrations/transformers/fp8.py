@@ -43,7 +43,8 @@ from torch import nn
 from moekit._validation import needs_grad
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
 from moekit.experts import moe_experts
-from moekit.experts.registry import backend_names, get_backend
+from moekit.experts.fp8 import fp8_backend
+from moekit.experts.registry import fp8_backend_names, get_backend
 from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight
 from moekit.quant.loading import check_fp8_tensors, check_scale_values
 
@@ -165,8 +166,8 @@ def fp8_reason_for_call(backend: str, hidden_states: torch.Tensor, top_k_weights
     """Why this call of a module `fp8_plan` accepts must fall back: gradients, or a backend that
     takes no FP8 weights."""
     if backend != "auto" and get_backend(backend).run_fp8 is None:
-        takers = [b for b in backend_names() if get_backend(b).run_fp8 is not None]
-        return f"FP8 weights, which backend={backend!r} does not take (FP8 backends: {', '.join(takers)})"
+        return (f"FP8 weights, which backend={backend!r} does not take (FP8 backends: "
+                f"{', '.join(fp8_backend_names())})")
     if needs_grad(hidden_states, top_k_weights):
         return "FP8 weights and inputs that need gradients (moekit's FP8 experts are inference only)"
     return None
@@ -187,9 +188,8 @@ def fp8_forward(experts: nn.Module, weights: tuple, hidden_states: torch.Tensor,
     """(T, H) in hidden_states' dtype: the experts on moekit's FP8 path, sentinel ids (outside [0, E))
     contributing 0; eager decoding calls replay a CUDA graph as the dense path's do."""
     if torch.compiler.is_compiling():
-        name = ("triton" if hidden_states.device.type == "cuda" else "loop") if backend == "auto" else backend
-        return torch.ops.moekit.experts_fp8(hidden_states, *weights, top_k_weights, top_k_index, name, None,
-                                            False)
+        return torch.ops.moekit.experts_fp8(hidden_states, *weights, top_k_weights, top_k_index,
+                                            fp8_backend(backend, hidden_states.device), None, False)
     gate_up, down = weights
 
     def run(hidden: torch.Tensor, ids: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
