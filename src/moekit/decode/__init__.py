@@ -48,20 +48,26 @@ ENV_VAR = "MOEKIT_DECODE_DIRECT"
 class GemvTiles:
     """One decode kernel's tiles: block_n output columns and block_k reduction columns per step of
     a program (its [block_n, block_k] fp32 accumulator), warps, pipeline stages and the reduction
-    loop's unroll factor."""
+    loop's unroll factor. step_sum: each step's products are summed over its block_k columns at
+    once into a [block_n] accumulator (the kernels' STEP_SUM)."""
 
     block_n: int = 16
     block_k: int = 256
     warps: int = 4
     stages: int = 3
     unroll: int = 1
+    step_sum: bool = False
 
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
-            check_tile("GemvTiles", name, v, name.startswith("block_"))
+            if name != "step_sum":
+                check_tile("GemvTiles", name, v, name.startswith("block_"))
+        if not isinstance(self.step_sum, bool):
+            raise ValueError(f"GemvTiles.step_sum must be a bool, got {self.step_sum!r}")
 
     def label(self) -> str:
-        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}"
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}u{self.unroll}" + \
+            ("r" if self.step_sum else "")
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,11 @@ DEFAULT_DECODE = DecodeConfig()
 # tiles: more loads in flight when only one or two tokens' outputs are being produced.
 SMALL_DECODE = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
 SMALL_DECODE_PAIRS = 16
+# FP8 weights above SMALL_DECODE_PAIRS: a step's products summed at once (step_sum) freed the
+# registers for twice the step and 4-column GEMV2 tiles over all 8 slots; on the H200 at 4 tokens
+# each kernel took about 20% less than DEFAULT_DECODE's.
+FP8_DECODE = DecodeConfig(GemvTiles(block_n=16, block_k=512, warps=8, step_sum=True),
+                          GemvTiles(block_n=4, block_k=256, step_sum=True), slots2=8)
 # Candidates for the GPU comparison (`moekit sweep --set decode`) and the sm_90 compile check
 # (tools/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
 # reduction step, the loops unrolled twice, GEMV2 over 8 slots at once.
@@ -106,6 +117,9 @@ DECODE_TILES = (
     DecodeConfig.both(block_n=16, block_k=256, warps=4, stages=3, unroll=2),
     SMALL_DECODE,
     DecodeConfig(gemv2=GemvTiles(block_n=16, block_k=128, warps=8), slots2=8),
+    FP8_DECODE,
+    DecodeConfig(GemvTiles(block_n=16, block_k=256, step_sum=True),
+                 GemvTiles(block_n=8, block_k=128, warps=8), slots2=8),
 )
 
 
@@ -114,10 +128,12 @@ def decode_direct_enabled() -> bool:
     return env.flag(ENV_VAR)
 
 
-def decode_config(num_pairs: int) -> DecodeConfig:
-    """The tiles the backend runs for num_pairs = T * K pairs (one-byte FP8 weights too: twice the
-    reduction step measured slower from 4 tokens up on the H200)."""
-    return SMALL_DECODE if num_pairs <= SMALL_DECODE_PAIRS else DEFAULT_DECODE
+def decode_config(num_pairs: int, fp8: bool = False) -> DecodeConfig:
+    """The tiles the backend runs for num_pairs = T * K pairs; fp8: the weights are block-scaled
+    FP8 (`FP8_DECODE` above `SMALL_DECODE_PAIRS`)."""
+    if num_pairs <= SMALL_DECODE_PAIRS:
+        return SMALL_DECODE
+    return FP8_DECODE if fp8 else DEFAULT_DECODE
 
 
 def expected_rereads(num_tokens: int, top_k: int, num_experts: int) -> float:
@@ -171,7 +187,8 @@ def decode_gemm1_swiglu(x: torch.Tensor, gate_up_proj: torch.Tensor, topk_ids: t
             TOP_K=topk_ids.shape[1], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=hidden % tiles.block_k == 0, UNROLL=tiles.unroll,
             W_EVICT=weight_evict(x.device, topk_ids.numel()) if evict is None else evict,
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(x.device, pdl),
+            STEP_SUM=tiles.step_sum, num_warps=tiles.warps, num_stages=tiles.stages,
+            **pdl_kwargs(x.device, pdl),
             **_scale_args(w_scale, tiles.block_n))
     return h
 
@@ -195,7 +212,8 @@ def decode_gemm2_sum(h: torch.Tensor, down_proj: torch.Tensor, topk_weights: tor
             TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             EVEN_K=inter % tiles.block_k == 0, UNROLL=tiles.unroll, SLOTS=cfg.slots2,
             W_EVICT=weight_evict(h.device, topk_ids.numel()) if evict is None else evict,
-            num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(h.device, pdl),
+            STEP_SUM=tiles.step_sum, num_warps=tiles.warps, num_stages=tiles.stages,
+            **pdl_kwargs(h.device, pdl),
             **_scale_args(w_scale, tiles.block_n))
     return out
 
@@ -207,7 +225,7 @@ def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles;
     pdl, evict: as in `decode_gemm1_swiglu`). scales: the weights are block-scaled FP8 data and these
     their (gate_up, down) block scales."""
-    cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
+    cfg = decode_config(topk_ids.numel(), fp8=scales is not None) if cfg is None else cfg
     gs, ds = (None, None) if scales is None else scales
     h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, w_scale=gs, pdl=pdl, evict=evict)
     return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, w_scale=ds, pdl=pdl, evict=evict)

@@ -14,7 +14,9 @@ one row per program is a matrix-vector product: each step loads a [BN, BK] weigh
 matching [BK] chunk of the row, multiplies in fp32 into a [BN, BK] accumulator, and the K dimension
 is reduced once after the loop (tl.sum), which compiles to plain FMAs and one final shuffle tree.
 GEMV2's SLOTS computes that many of a token's slots together ([SLOTS, BN, BK] steps, the slots
-still added in ascending order). UNROLL unrolls the reduction loop (`tl.range(loop_unroll_factor=...)`).
+still added in ascending order). STEP_SUM sums each step's products over its BK columns at once
+into a [BN] accumulator instead: the accumulator's registers go to more programs resident and
+wider steps, at a shuffle tree a step. UNROLL unrolls the reduction loop (`tl.range(loop_unroll_factor=...)`).
 Both put more weight bytes in flight per program: the loads are not software-pipelined through
 shared memory (only registers carry them), and at T = 1 GEMV2 has only H / BN programs.
 Ids are compared in their own integer type (int64 ids are never truncated before the range check).
@@ -36,11 +38,12 @@ SCALE_BLOCK = tl.constexpr(128)
 @triton.jit
 def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, s_ptr=None,
-              stride_sk=0, W_SCALED: tl.constexpr = False):
+              stride_sk=0, W_SCALED: tl.constexpr = False, STEP_SUM: tl.constexpr = False):
     """acc [BN, BK] fp32 += W[:, k0:k0+BK] * v[k0:k0+BK] (broadcast over rows); past K reads 0.
     W_EVICT: the weight loads' eviction policy (`moekit.launch_hints.weight_evict`). W_SCALED: W is
     block-scaled FP8 and s_ptr its scales' row for these rows (one 128-row block): v is multiplied by
-    the scale of each column's 128-column block first."""
+    the scale of each column's 128-column block first. STEP_SUM: acc is [BN], the step's products
+    summed over its BK columns at once."""
     rk = k0 + tl.arange(0, BLOCK_K)
     if EVEN_K:
         v = tl.load(v_ptrs + rk * stride_vk)
@@ -54,7 +57,10 @@ def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
             v = v.to(tl.float32) * tl.load(s_ptr + (rk // SCALE_BLOCK) * stride_sk, mask=k_in, other=0.0)
         w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0,
                     eviction_policy=W_EVICT)
-    return acc + w.to(tl.float32) * v.to(tl.float32)[None, :]
+    prod = w.to(tl.float32) * v.to(tl.float32)[None, :]
+    if STEP_SUM:
+        return acc + tl.sum(prod, axis=1)
+    return acc + prod
 
 
 @triton.jit
@@ -64,6 +70,7 @@ def decode_gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr = 1, W_EVICT: tl.constexpr = "", USE_PDL: tl.constexpr = False,
     ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0, W_SCALED: tl.constexpr = False,
+    STEP_SUM: tl.constexpr = False,
 ):
     # N = I, K = H; w: gate_up (E, 2N, K), gate rows first. grid (S, cdiv(N, BLOCK_N)).
     # USE_PDL: launched with programmatic dependent launch (`moekit.kernels.pdl`).
@@ -85,15 +92,23 @@ def decode_gemm1_swiglu_kernel(
         else:
             gs_row = ws_ptr
             us_row = ws_ptr
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if STEP_SUM:
+            acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
-                              W_EVICT, gs_row, stride_wsk, W_SCALED)
+                              W_EVICT, gs_row, stride_wsk, W_SCALED, STEP_SUM)
             acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
-                              W_EVICT, us_row, stride_wsk, W_SCALED)
-        gate = tl.sum(acc_g, axis=1)
-        up = tl.sum(acc_u, axis=1)
+                              W_EVICT, us_row, stride_wsk, W_SCALED, STEP_SUM)
+        if STEP_SUM:
+            gate = acc_g
+            up = acc_u
+        else:
+            gate = tl.sum(acc_g, axis=1)
+            up = tl.sum(acc_u, axis=1)
         h = gate * tl.sigmoid(gate) * up                                    # silu(gate) * up, fp32
     h_ptrs = h_ptr + pair.to(tl.int64) * stride_hm + rn * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in)
@@ -104,7 +119,7 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
                 stride_hm, stride_hk, stride_we, stride_wn, stride_wk,
                 TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, UNROLL: tl.constexpr, W_EVICT: tl.constexpr, scales,
-                W_SCALED: tl.constexpr):
+                W_SCALED: tl.constexpr, STEP_SUM: tl.constexpr):
     """out [BN] += the weighted rows of slots s0 .. s0 + SLOTS - 1, computed together (one
     [SLOTS, BN, BK] step loads every slot's weight tile: more bytes in flight), added in ascending
     slot order. Slots past TOP_K or with ids outside [0, E) read nothing and add 0. W_SCALED: the
@@ -120,7 +135,10 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
     h_rows = h_ptr + pair[:, None] * stride_hm                                             # [S, 1]
     d_rows = w_ptr + e[:, None, None] * stride_we + rn.to(tl.int64)[None, :, None] * stride_wn  # [S, BN, 1]
     row_in = valid[:, None, None] & n_in[None, :, None]
-    acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if STEP_SUM:
+        acc = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -138,8 +156,14 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
             s_ptrs = ws_row + e[:, None] * stride_wse
             v = v * tl.load(s_ptrs + (rk // SCALE_BLOCK)[None, :] * stride_wsk, mask=valid[:, None],
                             other=0.0)
-        acc += w.to(tl.float32) * v[:, None, :]
-    part = tl.sum(acc, axis=2) * wt[:, None]                                               # [S, BN]
+        if STEP_SUM:
+            acc += tl.sum(w.to(tl.float32) * v[:, None, :], axis=2)
+        else:
+            acc += w.to(tl.float32) * v[:, None, :]
+    if STEP_SUM:
+        part = acc * wt[:, None]                                                           # [S, BN]
+    else:
+        part = tl.sum(acc, axis=2) * wt[:, None]
     for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
         out += tl.sum(tl.where(rs[:, None] == j, part, 0.0), axis=0)
     return out
@@ -152,7 +176,7 @@ def decode_gemm2_sum_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     UNROLL: tl.constexpr = 1, SLOTS: tl.constexpr = 1, W_EVICT: tl.constexpr = "",
     USE_PDL: tl.constexpr = False, ws_ptr=None, stride_wse=0, stride_wsn=0, stride_wsk=0,
-    W_SCALED: tl.constexpr = False,
+    W_SCALED: tl.constexpr = False, STEP_SUM: tl.constexpr = False,
 ):
     # N = H, K = I; w: down (E, N, K). grid (T, cdiv(N, BLOCK_N)). h (S, I) from GEMV1.
     # SLOTS > 1 (a power of two): groups of SLOTS slots computed together (`_slot_group`).
@@ -171,7 +195,7 @@ def decode_gemm2_sum_kernel(
             out = _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, rn, n_in,
                               stride_hm, stride_hk, stride_we, stride_wn, stride_wk, TOP_K, SLOTS, BLOCK_N,
                               BLOCK_K, EVEN_K, UNROLL, W_EVICT, (ws_row, stride_wse, stride_wsk),
-                              W_SCALED)
+                              W_SCALED, STEP_SUM)
     else:
         for slot in range(0, TOP_K):            # ascending slot order: a fixed summation order
             pair = tok * TOP_K + slot
@@ -185,10 +209,16 @@ def decode_gemm2_sum_kernel(
                              + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn)
                 else:
                     s_row = ws_ptr
-                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                if STEP_SUM:
+                    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                else:
+                    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
                 for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
                     acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K,
-                                    W_EVICT, s_row, stride_wsk, W_SCALED)
-                out += tl.sum(acc, axis=1) * wt
+                                    W_EVICT, s_row, stride_wsk, W_SCALED, STEP_SUM)
+                if STEP_SUM:
+                    out += acc * wt
+                else:
+                    out += tl.sum(acc, axis=1) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)

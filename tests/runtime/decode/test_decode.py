@@ -18,6 +18,7 @@ from moekit.decode import (
     DECODE_TILES,
     DEFAULT_DECODE,
     ENV_VAR,
+    FP8_DECODE,
     SMALL_DECODE,
     SMALL_DECODE_PAIRS,
     DecodeConfig,
@@ -105,6 +106,23 @@ def test_slot_groups_match_the_twin(case, slots):
     assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
 
 
+STEP_SUM = GemvTiles(block_n=16, block_k=16, warps=1, stages=1, step_sum=True)
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-E{}-H{}-I{}-K{}".format(*c))
+def test_step_sums_match_the_twins(case, slots):
+    """step_sum: each step's products summed at once ([BN] accumulators), in both kernels, one slot
+    at a time and in slot groups; K tails, invalid ids (beside valid ones: top_k > 1)."""
+    x, gate_up, down, w, ids = make(*case, invalid=case[-1] > 1)
+    cfg = DecodeConfig(STEP_SUM, STEP_SUM, slots2=slots)
+    with poisoning():
+        h = decode_gemm1_swiglu(x, gate_up, ids, cfg)
+        out = decode_gemm2_sum(h, down, w, ids, poisoned(x.shape, x.dtype, x.device), cfg)
+    assert rel_err(h, decode_gemm1_swiglu_torch(x, gate_up, ids)) <= 1e-5
+    assert rel_err(out, decode_gemm2_sum_torch(h, down, w, ids)) <= 1e-5
+
+
 def test_unrolled_loops_compute_the_same():
     x, gate_up, down, w, ids = make(*CASES[1], invalid=True)
     unrolled = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1, unroll=2)
@@ -161,6 +179,12 @@ def test_direct_path_only_where_experts_are_read_about_once():
 def test_tiles_by_pairs():
     assert decode_config(1) == decode_config(SMALL_DECODE_PAIRS) == SMALL_DECODE
     assert decode_config(SMALL_DECODE_PAIRS + 1) == decode_config(DECODE_MAX_PAIRS) == DEFAULT_DECODE
+    assert decode_config(SMALL_DECODE_PAIRS, fp8=True) == SMALL_DECODE
+    assert decode_config(SMALL_DECODE_PAIRS + 1, fp8=True) == decode_config(DECODE_MAX_PAIRS, fp8=True) \
+        == FP8_DECODE
+    assert FP8_DECODE.gemv1.step_sum and FP8_DECODE.label().endswith("r/n4k256w4s3u1rx8")
+    with pytest.raises(ValueError, match="GemvTiles.step_sum must be a bool"):
+        GemvTiles(step_sum=1)
 
 
 def test_experts_decode_runs_the_tiles_of_its_pair_count(monkeypatch):

@@ -211,9 +211,12 @@ def test_fp8_gemms_equal_their_twins(cfg):
 
 
 SLOT_GROUPS = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
+STEP_SUMS = DecodeConfig(GemvTiles(block_n=16, block_k=256, step_sum=True),
+                         GemvTiles(block_n=4, block_k=128, step_sum=True), slots2=4)
 
 
-@pytest.mark.parametrize("tiles", [DecodeConfig(), SLOT_GROUPS], ids=["one-slot", "slot-groups"])
+@pytest.mark.parametrize("tiles", [DecodeConfig(), SLOT_GROUPS, STEP_SUMS],
+                         ids=["one-slot", "slot-groups", "step-sums"])
 def test_fp8_decode_kernels_scale_the_weights_in_registers(tiles):
     num_experts, hidden, inter, top_k = 6, 256, 128, 4
     gu, dn = make_weights(num_experts, hidden, inter)
