@@ -481,25 +481,37 @@ def decode_variants(spec: str) -> dict[str, object]:
 
 
 def check_decode(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
-    """One line per decode tile choice: both kernels at T = 1 (shared memory, registers, spills)."""
+    """One line per decode tile choice and weight format (the dtype's, then block-scaled e4m3 with
+    float32 scales): both kernels at T = 1 (shared memory, registers, spills)."""
     from moekit.decode import experts_decode
     from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
+    from moekit.quant import FP8_BLOCK, FP8_DTYPE
 
     x, ids, w = inp.x[:1], inp.ids[:1], inp.w[:1]
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return torch.ones(t.shape[0], t.shape[1] // FP8_BLOCK, t.shape[2] // FP8_BLOCK)
+
+    formats = {"": (inp.gate_up, inp.down, None),
+               ".fp8": (inp.gate_up.to(FP8_DTYPE), inp.down.to(FP8_DTYPE),
+                        (scales(inp.gate_up), scales(inp.down)))}
     failed = 0
     for name, tiles in variants.items():
-        started = time.perf_counter()
-        try:
-            launches = capture_launches(lambda t=tiles: experts_decode(x, inp.gate_up, inp.down, w, ids,
-                                                                       torch.empty_like(x), t),
-                                        (decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel))
-            status = "OK  shared " + compile_launches(launches, target, dump, [f"decode.{name}"] * 2, regs)
-        except Exception as exc:
-            failed += 1
-            status = fail_status(exc)
-        print(f"decode {name:<8} {status}  [{tiles.label()}]  ({time.perf_counter() - started:.1f} s)",
-              flush=True)
-    print(f"{len(variants) - failed}/{len(variants)} decode variants compile"
+        for suffix, (gate_up, down, block_scales) in formats.items():
+            started = time.perf_counter()
+            try:
+                launches = capture_launches(
+                    lambda t=tiles, g=gate_up, d=down, s=block_scales: experts_decode(
+                        x, g, d, w, ids, torch.empty_like(x), t, s),
+                    (decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel))
+                status = "OK  shared " + compile_launches(launches, target, dump,
+                                                          [f"decode.{name}{suffix}"] * 2, regs)
+            except Exception as exc:
+                failed += 1
+                status = fail_status(exc)
+            print(f"decode {name + suffix:<12} {status}  [{tiles.label()}]  "
+                  f"({time.perf_counter() - started:.1f} s)", flush=True)
+    print(f"{len(variants) * len(formats) - failed}/{len(variants) * len(formats)} decode variants compile"
           + (f", {failed} FAILED" if failed else ""))
     return 1 if failed else 0
 

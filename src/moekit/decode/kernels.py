@@ -59,8 +59,10 @@ def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
                     eviction_policy=W_EVICT)
     prod = w.to(tl.float32) * v.to(tl.float32)[None, :]
     if STEP_SUM:
-        return acc + tl.sum(prod, axis=1)
-    return acc + prod
+        acc = acc + tl.sum(prod, axis=1)
+    else:
+        acc = acc + prod
+    return acc
 
 
 @triton.jit

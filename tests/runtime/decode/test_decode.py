@@ -246,10 +246,11 @@ def test_backend_keeps_the_normal_path_where_the_direct_one_does_not_apply(direc
 
 
 def test_decode_kernels_compile_for_sm90_without_spills():
-    """tools/aot_compile_check.py --decode default: both kernels at the Qwen3-30B-A3B shape, bf16,
-    through ptxas for sm_90, no local memory."""
-    out = aot_compile_check("--decode", "default", "--regs")
-    assert "1/1 decode variants compile" in out and "local" not in out
+    """tools/aot_compile_check.py --decode: both kernels of every tile set at the Qwen3-30B-A3B shape,
+    on bf16 and on block-scaled e4m3 weights, through ptxas for sm_90, no local memory."""
+    out = aot_compile_check("--decode", "all", "--regs")
+    count = 2 * (len(DECODE_TILES) + 1)
+    assert f"{count}/{count} decode variants compile" in out and "local" not in out
 
 
 @pytest.mark.gpu
