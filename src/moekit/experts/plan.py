@@ -147,7 +147,7 @@ def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, do
         gate_up_proj, down_proj = gate_up_proj.data, down_proj.data
     if takes_decode_path(gate_up_proj, topk_ids, grad=grad, config=config, plain=plain):
         pairs = topk_ids.numel()
-        return TritonPlan(DECODE, decode=decode_config(pairs, fp8=fp8), pdl=pdl_enabled(device),
+        return TritonPlan(DECODE, decode=decode_config(pairs), pdl=pdl_enabled(device),
                           weight_evict=weight_evict(device, pairs))
     if config is None:
         config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1],

@@ -195,7 +195,7 @@ def test_experts_triton_runs_the_decode_plan_it_makes(monkeypatch):
     x, gate_up, down, w, ids = make(2)                     # 4 pairs over 8 experts
     monkeypatch.setattr(planning, "weight_evict", lambda device, num_pairs: "evict_first")
     tiles = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1)   # none of the pair-count tiles
-    monkeypatch.setattr(planning, "decode_config", lambda num_pairs, fp8=False: tiles)
+    monkeypatch.setattr(planning, "decode_config", lambda num_pairs: tiles)
     plans = spy_plans(monkeypatch)
     seen = spy_launchers(monkeypatch, decode, ("decode_gemm1_swiglu", "decode_gemm2_sum"))
     evict_checks = counting(monkeypatch, decode, "weight_evict")
