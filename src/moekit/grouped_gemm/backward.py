@@ -361,9 +361,9 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
 
 
 # The Gluon weight gradient copies a by-token A operand (d down's dout, (T, H)) into sorted rows in this
-# many column chunks, one buffer reused: at 4,096 Qwen3 tokens the whole copy (150 MB) lifted the
-# step's peak above grouped_mm's; two chunks cost one more gather and kernel launch (+10% on d down).
-GLUON_A_CHUNKS = 2
+# many column chunks, one buffer reused: the copy alive beside every weight gradient sets the step's
+# peak; each further chunk costs a gather and a kernel launch.
+GLUON_A_CHUNKS = 4
 
 
 def gluon_a_chunks(n: int, tiles: GluonWgradTiles) -> int:

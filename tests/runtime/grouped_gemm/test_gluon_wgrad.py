@@ -224,7 +224,7 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
             return lambda *args, **kwargs: launches.append((grid, args, kwargs))
 
     monkeypatch.setattr(gluon_kernels, "gluon_wgrad_kernel", Recorder())
-    num_tokens, num_experts, top_k, hidden, inter = 16, 4, 2, 256, 128
+    num_tokens, num_experts, top_k, hidden, inter = 16, 4, 2, 512, 128
     ids = distinct_topk_ids(num_tokens, num_experts, top_k)
     align = align_block_size(ids, num_experts, 64, backend="torch")
     rows = align.sorted_ids.numel()
@@ -242,7 +242,7 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
     assert (n, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter))
     # d down's dout (A by token) in column chunks through one buffer; d gate_up's x (B) whole.
     chunks = gb.gluon_a_chunks(n, tiles) if launch == "down" else 1
-    assert chunks == (2 if launch == "down" else 1)
+    assert chunks == (4 if launch == "down" else 1)
     assert len(launches) == chunks
     width = n // chunks
     npad = int(align.num_padded)
@@ -269,7 +269,7 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
         assert list(c_desc.shape) == [e * n - row0, c]
         assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
     if launch == "down":
-        assert launches[0][1][0].base is launches[1][1][0].base    # one buffer for both chunks
+        assert all(args[0].base is launches[0][1][0].base for _, args, _ in launches)   # one buffer
 
 
 def test_gluon_a_chunks_and_launch_arguments_refused():
@@ -277,8 +277,8 @@ def test_gluon_a_chunks_and_launch_arguments_refused():
     tiles' rows, else whole; `gluon_wgrad` refuses a chunk that does not fit the gradient, and
     `sorted_rows` an out buffer of another shape or dtype, naming them, before any launch."""
     pp = GLUON_PP_WGRAD
-    assert gb.gluon_a_chunks(2048, pp) == gb.GLUON_A_CHUNKS == 2
-    assert gb.gluon_a_chunks(128, pp) == 1 and gb.gluon_a_chunks(384, pp) == 1
+    assert gb.gluon_a_chunks(2048, pp) == gb.gluon_a_chunks(512, pp) == gb.GLUON_A_CHUNKS == 4
+    assert [gb.gluon_a_chunks(n, pp) for n in (128, 384, 768)] == [1, 1, 1]
     out = torch.empty(2, 256, 128, dtype=torch.bfloat16)
     row_starts = torch.zeros(3, dtype=torch.int32)
     a, b = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
