@@ -17,7 +17,7 @@ on the device: the rows' direction is "fwd+bwd", their floor that of `roofline.t
 on CUDA the eager rows carry the call's peak memory.
 
 --weights fp8 quantizes the layer's expert weights once (block-scaled e4m3, `moekit.bench.fp8`) and
-times each backend that takes FP8 weights (triton, loop) on them beside the same backend on the
+times each backend that takes FP8 weights (triton, masked, loop) on them beside the same backend on the
 dense weights, in the same run: rows with `weights` "fp8", checked against the FP8 oracle, their
 floor from the FP8 bytes and the FP8 matmul ceiling (`torch._scaled_mm`, measured with the others on
 CUDA); the report and the console give the FP8 speed-up per token count. On a CPU-only machine its

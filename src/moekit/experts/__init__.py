@@ -51,7 +51,7 @@ from moekit.align import pack_alignment, packed_bound, packed_size, padded_lengt
 from moekit.experts.fp8 import experts_loop_fp8, experts_triton_fp8, moe_experts_fp8
 from moekit.experts.grouped_mm import check_grouped_mm_layout, experts_grouped_mm
 from moekit.experts.loop import experts_loop
-from moekit.experts.masked import experts_masked
+from moekit.experts.masked import experts_masked, experts_masked_fp8
 from moekit.experts.padded import PaddedWorkspaceTooLarge, experts_padded
 from moekit.experts.plan import auto_config
 from moekit.experts.registry import (
@@ -112,7 +112,9 @@ register_backend(Backend(
         out=out, capacity=opts.capacity),
     "DeepGEMM's masked layout: pairs scattered into (E, C, H), counts on the device, grouped GEMMs "
     "whose programs past a count exit, weighted gather",
-    capturable=True, backward_devices=frozenset(), options=frozenset({"config", "capacity_factor", "stats"})))
+    capturable=True, backward_devices=frozenset(), options=frozenset({"config", "capacity_factor", "stats"}),
+    run_fp8=lambda x, gu, d, w, ids, opts, out, ue8m0: experts_masked_fp8(
+        x, gu, d, w, ids, config=opts.config, out=out, ue8m0=ue8m0)))
 
 BACKENDS = backend_names()
 
@@ -191,8 +193,8 @@ def moe_experts(
         hidden_states: (T, H) float32, float16 or bfloat16.
         gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), same dtype and device; or a
             `moekit.quant.Fp8Weight` (block-scaled float8 e4m3, `moekit.quant.quantize_experts`):
-            FP8 experts, inference only, on backends triton and loop (`Backend.run_fp8`), with no
-            capacity_factor, stats, biases or other activation.
+            FP8 experts, inference only, on backends triton, masked and loop (`Backend.run_fp8`),
+            with no capacity_factor, stats, biases or other activation.
         down_proj: (E, H, I), dense or `Fp8Weight` as gate_up_proj.
         topk_weights: (T, K) routing weights (any float dtype; applied in fp32 by triton).
         topk_ids: (T, K) int32 or int64 expert ids.

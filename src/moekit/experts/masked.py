@@ -12,6 +12,10 @@ most S), else S, which no expert can exceed (nothing is dropped, at the price of
 workspace: the layout suits decode, or a capacity). Pairs past C are dropped: they contribute 0 and
 are counted in stats["dropped"]; pairs with ids outside [0, E) are skipped and not counted.
 Workspace: x_masked (E, C, H), which GEMM2 overwrites with y, and h (E, C, I), in the input dtype.
+
+FP8 weights (`moekit.quant.Fp8Weight`, `experts_masked_fp8`): the same layout and launches with the
+masked FP8 GEMMs (x quantized per 128 channels inside GEMM1, h quantized in its epilogue: hq (E, C, I)
+e4m3 and its scales), C = S, inference only.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import torch
 
 from moekit._memory import fits
 from moekit._validation import check_triton_device
+from moekit.experts.fp8 import check_inference
 from moekit.experts.padded import PaddedWorkspaceTooLarge, capacity
-from moekit.masked import masked_layout, masked_moe
+from moekit.masked import check_masked_fp8_config, masked_fp8_config, masked_layout, masked_moe
+from moekit.quant import FP8_BLOCK, Fp8Weight
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 
@@ -38,6 +44,16 @@ def workspace_bytes(num_experts: int, cap: int, hidden: int, inter: int, itemsiz
     return num_experts * cap * (hidden + inter) * itemsize
 
 
+def _check_fits(nbytes: int, device: torch.device, cap: int) -> None:
+    # The free-memory query is skipped while capturing: the graph's sizes were checked eagerly.
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    reason = fits(nbytes, device)
+    if reason:
+        raise PaddedWorkspaceTooLarge(f"masked backend's (E, C={cap}, *) buffers: {reason}; use a "
+                                      "capacity_factor or another backend")
+
+
 def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    capacity_factor: float | None = None, stats: dict | None = None,
@@ -52,12 +68,7 @@ def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
         capacity = masked_capacity(num_tokens * top_k, num_experts, capacity_factor)
     cap = capacity
     dev = hidden_states.device
-    # The free-memory query is skipped while capturing: the graph's sizes were checked eagerly.
-    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        reason = fits(workspace_bytes(num_experts, cap, hidden, inter, hidden_states.element_size()), dev)
-        if reason:
-            raise PaddedWorkspaceTooLarge(f"masked backend's (E, C={cap}, *) buffers: {reason}; use a "
-                                          "capacity_factor or another backend")
+    _check_fits(workspace_bytes(num_experts, cap, hidden, inter, hidden_states.element_size()), dev, cap)
     if config is None:
         # K may exceed E on an expert-parallel rank; at most E of a token's pairs land here.
         shape = MoEShape(num_experts, hidden, inter, min(top_k, num_experts))
@@ -68,3 +79,28 @@ def experts_masked(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
         stats["dropped"] = layout.dropped                                # device scalar, no sync
         stats["counts"] = layout.counts                                  # (E,) int32 on the device
     return masked_moe(hidden_states, layout, gate_up_proj, down_proj, topk_weights, config, out)
+
+
+def experts_masked_fp8(hidden_states: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       config: ExpertsConfig | None = None, out: torch.Tensor | None = None,
+                       ue8m0: bool = False) -> torch.Tensor:
+    """(T, H) in x's dtype: the masked path on block-scaled FP8 weights, C = S (nothing dropped).
+    config: the masked FP8 tiles (`moekit.masked.check_masked_fp8_config`; default: the tuned FP8
+    tiles for the call with GEMM1's step one scale block, or `masked_fp8_config`)."""
+    check_triton_device("hidden_states", hidden_states)
+    check_inference(hidden_states, topk_weights)
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    cap = masked_capacity(num_tokens * top_k, num_experts, None)
+    dev = hidden_states.device
+    # x_masked (y written over it) in x's dtype, hq in one byte (two for the CPU's stand-ins), hs.
+    row_bytes = hidden * hidden_states.element_size() + 2 * inter + 4 * (inter // FP8_BLOCK)
+    _check_fits(num_experts * cap * row_bytes, dev, cap)
+    if config is None:
+        config = masked_fp8_config(cap, hidden, inter, dev)
+    check_masked_fp8_config(config)
+    layout = masked_layout(topk_ids, num_experts, cap)
+    return masked_moe(hidden_states, layout, gate_up, down, topk_weights, config, out, ue8m0=ue8m0)

@@ -9,6 +9,11 @@ per-expert row counts stay on the device, and the dispatch / combine that build 
     masked_combine   y (E, C, H), topk_weights (T, K) -> (T, H), fp32 weighted sum in slot order
     masked_moe       the four in a row after the layout: x (T, H) -> (T, H) (the `masked` backend)
 
+`masked_experts` and `masked_moe` also take block-scaled FP8 weights (`moekit.quant.Fp8Weight`, w8a8):
+GEMM1 quantizes x's rows per 128 channels as it loads them and h per 128 columns in its epilogue
+(`masked_gemm1_swiglu_fp8`), GEMM2 reads the quantized h (`masked_gemm2_fp8`); twin
+`masked_experts_fp8_torch`.
+
 Expert e owns rows [0, counts[e]) of its C rows; the kernels read and write only those (programs
 past a count exit at once), so the host never needs the counts: one graph-capturable launch per GEMM
 whatever the routing. Rows at or past a count are never read, and are left unwritten in the outputs.
@@ -23,7 +28,7 @@ expert), H hidden, I intermediate.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +50,30 @@ from moekit.grouped_gemm import _dot_precision
 from moekit.masked.kernels import (
     masked_combine_kernel,
     masked_dispatch_kernel,
+    masked_gemm1_swiglu_fp8_kernel,
     masked_gemm1_swiglu_kernel,
+    masked_gemm2_fp8_kernel,
     masked_gemm2_kernel,
     masked_layout_kernel,
 )
+from moekit.quant import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    STANDIN_DTYPE,
+    Fp8Weight,
+    check_fp8_weight,
+    dequantize_rows,
+    quantize_rows_torch,
+)
 from moekit.shapes import MoEShape
-from moekit.tuning import ExpertsConfig, default_config
+from moekit.tuning import (
+    ExpertsConfig,
+    check_fp8_config,
+    default_config,
+    fp8_tiles,
+    pipeline_bytes,
+    shared_memory_budget,
+)
 
 MAX_GRID = 2**31 - 1     # CUDA's limit on a grid's x dimension
 LAYOUT_TILE = 4096       # elements of the layout kernel's (BLOCK_P, BLOCK_E) one-hot tile
@@ -163,6 +186,11 @@ def masked_gemm1_swiglu(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_pr
     return h
 
 
+def _row_weight_args(row_weights: torch.Tensor | None, counts: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """GEMM2's row-weight pointer and strides: without weights any tensor (never read) and zeros."""
+    return (counts, (0, 0)) if row_weights is None else (row_weights, row_weights.stride())
+
+
 def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
                  row_weights: torch.Tensor | None, cfg: ExpertsConfig,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,8 +200,7 @@ def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
     y = out if out is not None else _workspace.empty(num_experts, capacity, hidden, dtype=h.dtype,
                                                      device=h.device)
     programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, hidden, cfg.block_n2)
-    rw = row_weights if row_weights is not None else counts          # never read without weights
-    rw_strides = row_weights.stride() if row_weights is not None else (0, 0)
+    rw, rw_strides = _row_weight_args(row_weights, counts)
     if programs:
         masked_gemm2_kernel[(programs,)](
             h, down_proj, y, rw, counts, capacity, hidden, inter, num_m, num_n,
@@ -181,6 +208,85 @@ def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
             HAS_ROW_WEIGHTS=row_weights is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
             BLOCK_K=cfg.block_k2, EVEN_K=inter % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(h.dtype),
             num_warps=cfg.warps2, num_stages=cfg.stages2,
+        )
+    return y
+
+
+def masked_fp8_config(capacity: int, hidden: int, inter: int,
+                      device: torch.device | str | None = None) -> ExpertsConfig:
+    """The default FP8 tiles for C rows per expert: `masked_config`'s made fit for the FP8 kernels
+    (`check_masked_fp8_config`), with pipeline stages dropped until the operand tiles fit in the
+    device's shared memory (counted at two bytes an element: x is loaded in its own dtype)."""
+    cfg = fp8_tiles(masked_config(capacity, hidden, inter, 2, device))
+    budget = shared_memory_budget(device)
+    while cfg.stages1 > 1 and pipeline_bytes(cfg, 2, 1) > budget:
+        cfg = replace(cfg, stages1=cfg.stages1 - 1)
+    while cfg.stages2 > 1 and pipeline_bytes(cfg, 2, 2) > budget:
+        cfg = replace(cfg, stages2=cfg.stages2 - 1)
+    return cfg
+
+
+def check_masked_fp8_config(cfg: ExpertsConfig) -> ExpertsConfig:
+    """ValueError naming the field unless the masked FP8 kernels can run cfg: `check_fp8_config`'s
+    rules, and block_k1 = 128 (GEMM1 quantizes each step's activations as one 128-channel group)."""
+    check_fp8_config(cfg)
+    if cfg.block_k1 != FP8_BLOCK:
+        raise ValueError(f"config.block_k1 must be {FP8_BLOCK} for FP8 weights on the masked layout (GEMM1 "
+                         f"quantizes the activations per {FP8_BLOCK} channels as it loads them), "
+                         f"got {cfg.block_k1}")
+    return cfg
+
+
+def _kernel_data(w: Fp8Weight) -> torch.Tensor:
+    """The weight data the kernels read: on the CPU (Triton's interpreter has no e4m3 dot) e4m3
+    data as its exact float16 stand-in."""
+    if w.data.device.type == "cpu" and w.data.dtype == FP8_DTYPE:
+        return w.data.to(STANDIN_DTYPE)
+    return w.data
+
+
+def masked_gemm1_swiglu_fp8(x_masked: torch.Tensor, counts: torch.Tensor, gate_up: Fp8Weight,
+                            cfg: ExpertsConfig, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hq (E, C, I) e4m3, or float16 stand-ins on the CPU; hs (E, C, I / 128) float32): silu(gate) * up
+    of x's rows [0, counts[e]) quantized per 128 channels, on block-scaled FP8 gate_up, quantized per
+    row per 128 columns (power-of-two scales with ue8m0); other rows unwritten."""
+    check_masked_fp8_config(cfg)
+    num_experts, capacity, hidden = x_masked.shape
+    inter = gate_up.shape[1] // 2
+    data = _kernel_data(gate_up)
+    hq = _workspace.empty(num_experts, capacity, inter, dtype=data.dtype, device=x_masked.device)
+    hs = _workspace.empty(num_experts, capacity, inter // FP8_BLOCK, dtype=torch.float32,
+                          device=x_masked.device)
+    programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, inter, FP8_BLOCK)
+    if programs:
+        masked_gemm1_swiglu_fp8_kernel[(programs,)](
+            x_masked, data, gate_up.scale, hq, hs, counts, capacity, inter, hidden, num_m, num_n,
+            *x_masked.stride(), *data.stride(), *gate_up.scale.stride(), *hq.stride(), hs.stride(0),
+            hs.stride(1), BLOCK_M=cfg.block_m, UE8M0=ue8m0, STANDIN=data.dtype != FP8_DTYPE,
+            num_warps=cfg.warps1, num_stages=cfg.stages1,
+        )
+    return hq, hs
+
+
+def masked_gemm2_fp8(hq: torch.Tensor, hs: torch.Tensor, counts: torch.Tensor, down: Fp8Weight,
+                     row_weights: torch.Tensor | None, cfg: ExpertsConfig, out_dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y (E, C, H) in out_dtype: (hq @ down_e^T), dequantized, [* row_weights, fp32] on rows
+    [0, counts[e]); other rows unwritten."""
+    check_masked_fp8_config(cfg)
+    num_experts, capacity, inter = hq.shape
+    hidden = down.shape[1]
+    data = _kernel_data(down)
+    y = out if out is not None else _workspace.empty(num_experts, capacity, hidden, dtype=out_dtype,
+                                                     device=hq.device)
+    programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, hidden, cfg.block_n2)
+    rw, rw_strides = _row_weight_args(row_weights, counts)
+    if programs:
+        masked_gemm2_fp8_kernel[(programs,)](
+            hq, hs, data, down.scale, y, rw, counts, capacity, hidden, inter, num_m, num_n,
+            *hq.stride(), *hs.stride(), *data.stride(), *down.scale.stride(), *y.stride(), *rw_strides,
+            HAS_ROW_WEIGHTS=row_weights is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
+            BLOCK_K=cfg.block_k2, num_warps=cfg.warps2, num_stages=cfg.stages2,
         )
     return y
 
@@ -218,11 +324,13 @@ def masked_combine(y: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Te
     return out
 
 
-def masked_moe(x: torch.Tensor, layout: MaskedLayout, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-               topk_weights: torch.Tensor, cfg: ExpertsConfig,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def masked_moe(x: torch.Tensor, layout: MaskedLayout, gate_up_proj: torch.Tensor | Fp8Weight,
+               down_proj: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor, cfg: ExpertsConfig,
+               out: torch.Tensor | None = None, *, ue8m0: bool = False) -> torch.Tensor:
     """The masked path after the layout: dispatch into (E, C, H), GEMM1 + SwiGLU, GEMM2 written over
-    x_masked (dead once GEMM1 has run: launches on one stream run in order), weighted combine.
+    x_masked (dead once GEMM1 has run: launches on one stream run in order), weighted combine. With
+    `Fp8Weight`s the FP8 GEMMs (cfg: `check_masked_fp8_config`; ue8m0: power-of-two activation
+    scales).
 
     x (T, H) and topk_weights (T, K) as given to `masked_layout`'s ids; out (T, H) or None (a fresh
     buffer). Every size follows from (T, K, E, C): no host sync. Shared by the `masked` backend and
@@ -230,29 +338,42 @@ def masked_moe(x: torch.Tensor, layout: MaskedLayout, gate_up_proj: torch.Tensor
     """
     num_experts = gate_up_proj.shape[0]
     x_masked = masked_dispatch(x, layout, num_experts, topk_weights.shape[1])
-    h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, cfg)
-    y = masked_gemm2(h, layout.counts, down_proj, None, cfg, out=x_masked)
+    if isinstance(gate_up_proj, Fp8Weight):
+        hq, hs = masked_gemm1_swiglu_fp8(x_masked, layout.counts, gate_up_proj, cfg, ue8m0=ue8m0)
+        y = masked_gemm2_fp8(hq, hs, layout.counts, down_proj, None, cfg, x.dtype, out=x_masked)
+    else:
+        h = masked_gemm1_swiglu(x_masked, layout.counts, gate_up_proj, cfg)
+        y = masked_gemm2(h, layout.counts, down_proj, None, cfg, out=x_masked)
     if out is None:
         out = _workspace.empty_like(x)
     return masked_combine(y, layout, topk_weights, out)
 
 
-def check_masked_args(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
-                      down_proj: torch.Tensor, row_weights: torch.Tensor | None) -> None:
-    """Shapes, dtypes and devices of `masked_experts`' inputs (reads no tensor data)."""
+def check_masked_args(x_masked: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor | Fp8Weight,
+                      down_proj: torch.Tensor | Fp8Weight, row_weights: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices of `masked_experts`' inputs, dense or `Fp8Weight` weights (reads no
+    tensor data)."""
     check_tensor("x_masked", x_masked, ndim=3, dtypes=FLOAT_DTYPES)
     check_triton_device("x_masked", x_masked)
     dev, dtype = x_masked.device, x_masked.dtype
     num_experts, capacity, hidden = x_masked.shape
     check_tensor("counts", counts, ndim=1, dtypes=ID_DTYPES, device=dev)
     check_shape("counts", counts, (num_experts,), "one count per expert of x_masked (E, C, H)")
-    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
-    check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
+    fp8 = isinstance(gate_up_proj, Fp8Weight) or isinstance(down_proj, Fp8Weight)
+    if fp8:         # both block-scaled FP8; float16 stand-ins only for the CPU's interpreter
+        check_fp8_weight("gate_up_proj", gate_up_proj, device=dev, allow_standin=dev.type == "cpu")
+    else:
+        check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=(dtype,), device=dev)
+        check_tensor("down_proj", down_proj, ndim=3, dtypes=(dtype,), device=dev)
     e, two_i, h_in = gate_up_proj.shape
     if e != num_experts or h_in != hidden or two_i % 2:
         raise ValueError(f"gate_up_proj must have shape (E={num_experts}, 2*I, H={hidden}) (Transformers "
                          f"layout, gate rows first), got {tuple(gate_up_proj.shape)}")
-    check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
+    if fp8:
+        check_fp8_weight("down_proj", down_proj, shape=(num_experts, hidden, two_i // 2), device=dev,
+                         allow_standin=dev.type == "cpu")
+    else:
+        check_shape("down_proj", down_proj, (num_experts, hidden, two_i // 2), "(E, H, I)")
     if row_weights is not None:
         check_tensor("row_weights", row_weights, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
         check_shape("row_weights", row_weights, (num_experts, capacity), "(E, C), as x_masked")
@@ -270,13 +391,14 @@ def check_counts_in_range(counts: torch.Tensor, capacity: int) -> None:
 def masked_experts(
     x_masked: torch.Tensor,
     counts: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Fp8Weight,
+    down_proj: torch.Tensor | Fp8Weight,
     row_weights: torch.Tensor | None = None,
     *,
     config: ExpertsConfig | None = None,
     validate: bool | None = None,
     out: torch.Tensor | None = None,
+    ue8m0_scales: bool = False,
 ) -> torch.Tensor:
     """SwiGLU experts on the masked layout: y[e, r] = down_e(silu(gate_e x[e, r]) * up_e x[e, r])
     (* row_weights[e, r]) for each expert e and row r < counts[e]. No host sync, graph-capturable.
@@ -287,15 +409,18 @@ def masked_experts(
             NaN included, is harmless.
         counts: (E,) int32 or int64 on the same device (DeepEP's recv_count, DeepGEMM's masked_m).
             The kernels clamp each count to [0, C], so no count reads past the buffer.
-        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), x_masked's dtype.
-        down_proj: (E, H, I).
+        gate_up_proj: (E, 2I, H), gate rows first (Transformers layout), x_masked's dtype; or a
+            `moekit.quant.Fp8Weight` (block-scaled e4m3, H and I multiples of 128): x's rows are
+            quantized per 128 channels and h per 128 columns (w8a8), inference only.
+        down_proj: (E, H, I), dense or `Fp8Weight` as gate_up_proj.
         row_weights: optional (E, C) float weights multiplied into each output row in fp32 (the
             routing weight of the pair in that row); None leaves the rows unweighted (DeepEP's
             combine applies the weights itself).
         config: tiles (block_m, block_n1, block_k1, ... of `ExpertsConfig`; group_m is unused).
-            Default: `masked_config` for C.
+            Default: `masked_config` for C (FP8: `masked_fp8_config`, rules `check_masked_fp8_config`).
         validate: check 0 <= counts <= C (a host sync on CUDA). Default: True on CPU, False on CUDA.
         out: optional (E, C, H) buffer of x_masked's dtype, overlapping neither itself nor an input.
+        ue8m0_scales: FP8 weights: the activations' and h's scales are powers of two.
 
     Returns:
         (E, C, H) in x_masked's dtype. Rows at or past counts[e] are not written: they keep what
@@ -304,9 +429,15 @@ def masked_experts(
     check_masked_args(x_masked, counts, gate_up_proj, down_proj, row_weights)
     num_experts, capacity, hidden = x_masked.shape
     inter = gate_up_proj.shape[1] // 2
+    fp8 = isinstance(gate_up_proj, Fp8Weight)
+    if fp8 and torch.is_grad_enabled() and (x_masked.requires_grad or (
+            row_weights is not None and row_weights.requires_grad)):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
     if out is not None:
-        inputs = {"x_masked": x_masked, "counts": counts, "gate_up_proj": gate_up_proj,
-                  "down_proj": down_proj}
+        inputs = {"x_masked": x_masked, "counts": counts,
+                  "gate_up_proj": gate_up_proj.data if fp8 else gate_up_proj,
+                  "down_proj": down_proj.data if fp8 else down_proj}
         if row_weights is not None:
             inputs["row_weights"] = row_weights
         check_out(out, x_masked, inputs, like_name="x_masked")
@@ -314,6 +445,10 @@ def masked_experts(
         validate = x_masked.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
         check_counts_in_range(counts, capacity)
+    if fp8:
+        config = masked_fp8_config(capacity, hidden, inter, x_masked.device) if config is None else config
+        hq, hs = masked_gemm1_swiglu_fp8(x_masked, counts, gate_up_proj, config, ue8m0=ue8m0_scales)
+        return masked_gemm2_fp8(hq, hs, counts, down_proj, row_weights, config, x_masked.dtype, out)
     if config is None:
         config = masked_config(capacity, hidden, inter, x_masked.element_size(), x_masked.device)
     h = masked_gemm1_swiglu(x_masked, counts, gate_up_proj, config)
@@ -343,6 +478,28 @@ def masked_gemm2_torch(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.T
     y = torch.zeros(num_experts, capacity, down_proj.shape[1], dtype=torch.float32, device=h.device)
     for e, n in enumerate(_clamped_counts(counts, capacity)):
         y[e, :n] = h[e, :n].float() @ down_proj[e].float().T
+        if row_weights is not None:
+            y[e, :n] *= row_weights[e, :n].float()[:, None]
+    return y
+
+
+def masked_experts_fp8_torch(x_masked: torch.Tensor, counts: torch.Tensor, gate_up: Fp8Weight,
+                             down: Fp8Weight, row_weights: torch.Tensor | None = None, *,
+                             ue8m0: bool = False) -> torch.Tensor:
+    """Twin of `masked_experts` on FP8 weights, in fp32: (E, C, H), rows past the counts 0. Each
+    row quantized per 128 channels, the weights dequantized, silu(gate) * up quantized per 128
+    columns, the down projection, the row weight (`moekit.grouped_gemm.fp8.experts_fp8_torch`'s
+    quantization on the masked layout)."""
+    num_experts, capacity, _ = x_masked.shape
+    wg, wd = gate_up.dequantize(), down.dequantize()
+    y = torch.zeros(num_experts, capacity, down.shape[1], dtype=torch.float32, device=x_masked.device)
+    for e, n in enumerate(_clamped_counts(counts, capacity)):
+        if n == 0:
+            continue
+        xd = dequantize_rows(*quantize_rows_torch(x_masked[e, :n], ue8m0=ue8m0))
+        gate, up = (xd @ wg[e].T).chunk(2, dim=-1)
+        h = dequantize_rows(*quantize_rows_torch(F.silu(gate) * up, ue8m0=ue8m0))
+        y[e, :n] = h @ wd[e].T
         if row_weights is not None:
             y[e, :n] *= row_weights[e, :n].float()[:, None]
     return y

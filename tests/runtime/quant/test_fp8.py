@@ -33,6 +33,7 @@ from moekit.grouped_gemm.fp8 import (
     gemm2_weighted_fp8,
     gemm2_weighted_fp8_torch,
 )
+from moekit.masked import masked_experts, masked_experts_fp8_torch
 from moekit.quant import (
     FP8_DTYPE,
     STANDIN_DTYPE,
@@ -252,6 +253,12 @@ def test_fp8_experts_within_twice_plain_pytorch(case):
     w, ids = routing(tokens, num_experts, top_k, dtype=id_dtype)
     if case == "one-expert":
         ids.fill_(2)
+    with torch.no_grad(), _workspace.poisoning():
+        masked = moe_experts(x, gu, dn, w, ids, backend="masked")        # w8a8 at every size
+    assert masked.shape == x.shape and masked.dtype == x.dtype
+    if tokens:
+        ref = experts_fp8_torch(x, gu, dn, w, ids)
+        assert rel_err(masked, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
     for cfg in (None, CFGS["paired"]):
         with torch.no_grad(), _workspace.poisoning():
             out = experts_triton_fp8(x, standin(gu), standin(dn), w, ids, config=cfg)
@@ -276,9 +283,10 @@ def test_fp8_ids_outside_the_experts_contribute_zero():
     with torch.no_grad():
         out = experts_triton_fp8(x, standin(gu), standin(dn), w, ids, config=CFGS["plain"])
         via_moe = moe_experts(x, gu, dn, w, ids, backend="loop", ignore_invalid_ids=True)
+        masked = moe_experts(x, gu, dn, w, ids, backend="masked", ignore_invalid_ids=True)
     keep = ids.clone()
     ref = experts_fp8_torch(x, gu, dn, w, keep)
-    assert rel_err(out, ref) < 1e-5 and rel_err(via_moe, ref) < 1e-6
+    assert rel_err(out, ref) < 1e-5 and rel_err(via_moe, ref) < 1e-6 and rel_err(masked, ref) < 1e-5
     with pytest.raises(ValueError, match=r"must lie in \[0, num_experts=4\)"):
         moe_experts(x, gu, dn, w, ids, backend="loop")
 
@@ -315,6 +323,93 @@ def test_fp8_under_torch_compile():
         with torch.no_grad():
             assert rel_err(fn(x, w, ids), experts_fp8_torch(x, gu, dn, w, ids)) < 1e-6
     assert counter.frame_count == 1
+
+
+# ---- the masked layout (`moekit.masked`): the FP8 GEMMs over (E, C, H) buffers
+
+
+def masked_fp8_same_dtype(x_masked, counts, gu, dn, row_weights):
+    """Plain PyTorch in x's dtype with its own quantizer, on the masked layout: (E, C, H), rows past
+    the counts 0."""
+    dtype = x_masked.dtype
+    wg, wd = _dequant_plain(gu).to(dtype), _dequant_plain(dn).to(dtype)
+    inter = wd.shape[2]
+    y = torch.zeros(*x_masked.shape[:2], wd.shape[1], dtype=dtype, device=x_masked.device)
+    for e, n in enumerate(counts.long().clamp(0, x_masked.shape[1]).tolist()):
+        if n:
+            a = _quant_rows_plain(x_masked[e, :n]).to(dtype) @ wg[e].T
+            h = _quant_rows_plain(F.silu(a[:, :inter]) * a[:, inter:]).to(dtype)
+            rows = (h @ wd[e].T).float()
+            if row_weights is not None:
+                rows = rows * row_weights[e, :n].float()[:, None]
+            y[e, :n] = rows.to(dtype)
+    return y
+
+
+MASKED_COUNTS = {                       # C = 7 rows an expert
+    "empty-and-full": ([0, 7, 3], torch.int32),
+    "past-C-and-negative-int64": ([9, -2, 7], torch.int64),
+    "all-on-one": ([0, 7, 0], torch.int32),
+    "one-row": ([1, 0, 0], torch.int64),
+}
+MASKED_FP8_TILES = (None, ExpertsConfig(block_m=16, block_n1=128, block_k1=128, warps1=4, stages1=2,
+                                        block_n2=64, block_k2=32, warps2=4, stages2=2))
+
+
+def check_masked_fp8(case, weighted, ue8m0, device, dtype):
+    """masked_experts on FP8 weights against its fp32 twin, within 2x plain PyTorch in dtype over the
+    rows in use; rows past the counts hold NaN in x and stay unwritten in out."""
+    counts_list, count_dtype = MASKED_COUNTS[case]
+    num_experts, cap, hidden, inter = 3, 7, 256, 128
+    gu, dn = make_weights(num_experts, hidden, inter, device, ue8m0=ue8m0)
+    counts = torch.tensor(counts_list, dtype=count_dtype, device=device)
+    used = counts.long().clamp(0, cap).tolist()
+    x = torch.randn(num_experts, cap, hidden, dtype=dtype, device=device)
+    for e, n in enumerate(used):
+        x[e, n:] = float("nan")
+    rw = torch.rand(num_experts, cap, device=device) if weighted else None
+    ref = masked_experts_fp8_torch(x, counts, gu, dn, rw, ue8m0=ue8m0)
+    plain = masked_fp8_same_dtype(x, counts, gu, dn, rw)
+    pick = torch.arange(cap, device=device)[None, :] < torch.tensor(used, device=device)[:, None]   # (E, C)
+    bound = 2 * rel_err(plain[pick], ref[pick])
+    for cfg in MASKED_FP8_TILES:
+        out = torch.full((num_experts, cap, hidden), float("nan"), dtype=dtype, device=device)
+        with torch.no_grad(), _workspace.poisoning():
+            y = masked_experts(x, counts, gu, dn, rw, config=cfg, validate=False, out=out,
+                               ue8m0_scales=ue8m0)
+        assert y is out
+        for e, n in enumerate(used):
+            assert torch.isnan(y[e, n:]).all()                   # rows past the count: unwritten
+        assert torch.isfinite(y[pick]).all() and rel_err(y[pick], ref[pick]) <= bound
+
+
+@pytest.mark.parametrize("case", list(MASKED_COUNTS))
+@pytest.mark.parametrize("weighted,ue8m0", [(False, False), (True, True)], ids=["plain", "weighted-ue8m0"])
+def test_masked_fp8_within_twice_plain_pytorch(case, weighted, ue8m0):
+    check_masked_fp8(case, weighted, ue8m0, "cpu", torch.float16)
+
+
+def test_masked_fp8_contract():
+    gu, dn = make_weights(3, 128, 128)
+    x = torch.randn(3, 4, 128)
+    counts = torch.tensor([1, 0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="down_proj must be an moekit.quant.Fp8Weight"):
+        masked_experts(x, counts, gu, dn.dequantize())
+    with pytest.raises(TypeError, match="gate_up_proj must be an moekit.quant.Fp8Weight"):
+        masked_experts(x, counts, gu.dequantize(), dn)
+    with pytest.raises(ValueError, match="down_proj must have shape"):
+        masked_experts(x, counts, gu, quantize_experts(torch.randn(3, 128, 256)))
+    with pytest.raises(ValueError, match="block_k1 must be 128"):
+        masked_experts(x, counts, gu, dn, config=ExpertsConfig(block_n1=128, block_k1=64, block_k2=64))
+    with pytest.raises(ValueError, match="block_n1 must be 128"):
+        masked_experts(x, counts, gu, dn, config=ExpertsConfig(block_n1=64, block_k1=128, block_k2=64))
+    with pytest.raises(ValueError, match=r"counts must lie in \[0, C=4\]"):
+        masked_experts(x, torch.tensor([5, 0, 0]), gu, dn)
+    with pytest.raises(RuntimeError, match="inference only"):
+        masked_experts(x.clone().requires_grad_(), counts, gu, dn)
+    w, ids = routing(3, 3, 2)
+    with pytest.raises(ValueError, match="capacity_factor: not available with FP8"):
+        moe_experts(x[0, :3], gu, dn, w, ids, backend="masked", capacity_factor=1.0)
 
 
 # ---- the GPU: real e4m3
@@ -398,3 +493,31 @@ def test_fp8_under_torch_compile_gpu():
         with torch.no_grad():
             assert torch.equal(fn(x, w, ids), moe_experts(x, gu, dn, w, ids))
     assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MASKED_COUNTS))
+def test_masked_fp8_gpu(case):
+    check_masked_fp8(case, True, False, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 128])
+def test_masked_backend_fp8_gpu_graph_replay(tokens):
+    """The masked backend on real e4m3: within 2x plain bf16 PyTorch of the oracle; a captured call
+    replays on new tokens as an eager call computes them."""
+    gu, dn = make_weights(16, 512, 256, "cuda")
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    w, ids = routing(tokens, 16, 4, device="cuda")
+    with torch.no_grad(), _workspace.poisoning():
+        eager = moe_experts(x, gu, dn, w, ids, backend="masked")
+    ref = experts_fp8_torch(x, gu, dn, w, ids)
+    assert rel_err(eager, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
+    with torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = moe_experts(x, gu, dn, w, ids, backend="masked")
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(captured, moe_experts(x, gu, dn, w, ids, backend="masked"))
+    assert not torch.equal(captured, eager)
