@@ -26,8 +26,8 @@ from moekit._memory import fits
 from moekit._validation import check_triton_device
 from moekit.experts.fp8 import check_inference
 from moekit.experts.padded import PaddedWorkspaceTooLarge, capacity
-from moekit.masked import check_masked_fp8_config, masked_fp8_config, masked_layout, masked_moe
-from moekit.quant import FP8_BLOCK, Fp8Weight
+from moekit.masked import check_masked_fp8_config, masked_fp8_tiles, masked_layout, masked_moe
+from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 
@@ -86,8 +86,8 @@ def experts_masked_fp8(hidden_states: torch.Tensor, gate_up: Fp8Weight, down: Fp
                        config: ExpertsConfig | None = None, out: torch.Tensor | None = None,
                        ue8m0: bool = False) -> torch.Tensor:
     """(T, H) in x's dtype: the masked path on block-scaled FP8 weights, C = S (nothing dropped).
-    config: the masked FP8 tiles (`moekit.masked.check_masked_fp8_config`; default: the tuned FP8
-    tiles for the call with GEMM1's step one scale block, or `masked_fp8_config`)."""
+    config: the masked FP8 tiles (`moekit.masked.check_masked_fp8_config`; default: the FP8 tiles
+    for the call's token count, `moekit.masked.masked_fp8_tiles`)."""
     check_triton_device("hidden_states", hidden_states)
     check_inference(hidden_states, topk_weights)
     num_tokens, hidden = hidden_states.shape
@@ -100,7 +100,9 @@ def experts_masked_fp8(hidden_states: torch.Tensor, gate_up: Fp8Weight, down: Fp
     row_bytes = hidden * hidden_states.element_size() + 2 * inter + 4 * (inter // FP8_BLOCK)
     _check_fits(num_experts * cap * row_bytes, dev, cap)
     if config is None:
-        config = masked_fp8_config(cap, hidden, inter, dev)
+        # As the dense call: the tiles of the call's token count (rows in use), not of C.
+        shape = MoEShape(num_experts, hidden, inter, min(top_k, num_experts))
+        config = masked_fp8_tiles(get_config(shape, num_tokens, FP8_DTYPE, dev), dev)
     check_masked_fp8_config(config)
     layout = masked_layout(topk_ids, num_experts, cap)
     return masked_moe(hidden_states, layout, gate_up, down, topk_weights, config, out, ue8m0=ue8m0)

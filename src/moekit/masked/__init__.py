@@ -214,10 +214,20 @@ def masked_gemm2(h: torch.Tensor, counts: torch.Tensor, down_proj: torch.Tensor,
 
 def masked_fp8_config(capacity: int, hidden: int, inter: int,
                       device: torch.device | str | None = None) -> ExpertsConfig:
-    """The default FP8 tiles for C rows per expert: `masked_config`'s made fit for the FP8 kernels
-    (`check_masked_fp8_config`), with pipeline stages dropped until the operand tiles fit in the
-    device's shared memory (counted at two bytes an element: x is loaded in its own dtype)."""
-    cfg = fp8_tiles(masked_config(capacity, hidden, inter, 2, device))
+    """The default FP8 tiles for C rows per expert: `masked_config`'s through `masked_fp8_tiles`."""
+    return masked_fp8_tiles(masked_config(capacity, hidden, inter, 2, device), device)
+
+
+def masked_fp8_tiles(cfg: ExpertsConfig, device: torch.device | str | None = None) -> ExpertsConfig:
+    """cfg made fit for the masked FP8 kernels (`check_masked_fp8_config`), with pipeline stages
+    dropped until the operand tiles fit in the device's shared memory (counted at two bytes an
+    element: x is loaded in its own dtype)."""
+    cfg = fp8_tiles(cfg)
+    # GEMM1 holds two [BM, 128] fp32 accumulators and quantizes each step's rows: for sm_90 ptxas
+    # keeps it out of local memory from 32 rows only on 8 warps, and past 64 rows on none.
+    cfg = replace(cfg, block_m=min(cfg.block_m, 64))
+    if cfg.block_m >= 32:
+        cfg = replace(cfg, warps1=max(cfg.warps1, 8))
     budget = shared_memory_budget(device)
     while cfg.stages1 > 1 and pipeline_bytes(cfg, 2, 1) > budget:
         cfg = replace(cfg, stages1=cfg.stages1 - 1)

@@ -389,6 +389,21 @@ def test_masked_fp8_within_twice_plain_pytorch(case, weighted, ue8m0):
     check_masked_fp8(case, weighted, ue8m0, "cpu", torch.float16)
 
 
+def test_masked_fp8_tiles():
+    """The masked FP8 tiles: one scale block a step and a GEMM1 column tile, at most 64 rows, 8 warps
+    for GEMM1 from 32 rows, pipeline stages within the shared memory budget."""
+    from moekit.masked import masked_fp8_tiles
+    from moekit.tuning import pipeline_bytes, shared_memory_budget
+
+    for block_m in (16, 32, 128):
+        cfg = masked_fp8_tiles(ExpertsConfig(block_m=block_m, block_n1=64, block_k1=64, warps1=4, stages1=4,
+                                             block_n2=256, block_k2=64, warps2=4, stages2=4), "cpu")
+        assert (cfg.block_n1, cfg.block_k1, cfg.block_k2) == (128, 128, 128)
+        assert cfg.block_m == min(block_m, 64) and cfg.warps1 == (4 if block_m < 32 else 8)
+        budget = shared_memory_budget("cpu")
+        assert pipeline_bytes(cfg, 2, 1) <= budget and pipeline_bytes(cfg, 2, 2) <= budget
+
+
 def test_masked_fp8_contract():
     gu, dn = make_weights(3, 128, 128)
     x = torch.randn(3, 4, 128)
