@@ -62,7 +62,12 @@ spills are reported (the 128-column tiles spill loop counters: 72 B with Triton 
 
 `--decode [all|default,<i>,...]` checks the direct decode kernels instead (`moekit.decode.kernels`:
 GEMV1 + SwiGLU and GEMV2 + slot sum, at T = 1, int64 ids) with the default tiles
-(`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index); --regs as above.
+(`moekit.decode.DEFAULT_DECODE`) and `DECODE_TILES` (by index), on bf16 and on block-scaled e4m3
+weights; --regs as above.
+
+`--masked` checks the masked layout's GEMMs instead (`moekit.masked.masked_experts`): the dense
+kernels at `masked_config`'s tiles for 8 and 512 rows an expert, and the FP8 kernels at the tiles
+`masked_fp8_tiles` makes of 16- to 128-row tiles; --regs as above.
 
 `--align` checks the align kernels instead (`moekit.align.kernels`, as `align_block_size_triton`
 launches them): the one-program kernel, the one-launch kernel of a program a chunk (up to
@@ -78,6 +83,7 @@ Usage: python tools/aot_compile_check.py [--preset qwen3-30b-a3b] [--tiles S,M,M
        python tools/aot_compile_check.py --gluon-wgrad [--regs] [--dump DIR]
        python tools/aot_compile_check.py --gluon-swiglu [--regs] [--dump DIR]
        python tools/aot_compile_check.py --align [--regs] [--dump DIR]
+       python tools/aot_compile_check.py --masked [--regs] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -516,6 +522,59 @@ def check_decode(inp: Inputs, variants: dict, target, dump: Path | None, regs: b
     return 1 if failed else 0
 
 
+def check_masked(shape: moekit.MoEShape, target, dump: Path | None, regs: bool) -> int:
+    """One line per masked-layout GEMM pair (`moekit.masked.masked_experts`): the dense kernels (bf16)
+    at `masked_config`'s tiles for 8 and 512 rows an expert, and the FP8 kernels (e4m3 weights, bf16
+    activations) at `masked_fp8_tiles` of 16- to 128-row tiles."""
+    import moekit.masked as masked
+    from moekit.masked.kernels import (
+        masked_gemm1_swiglu_fp8_kernel,
+        masked_gemm1_swiglu_kernel,
+        masked_gemm2_fp8_kernel,
+        masked_gemm2_kernel,
+    )
+    from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight
+    from moekit.tuning import ExpertsConfig
+
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    counts = torch.zeros(e, dtype=torch.int32)
+    gate_up, down = torch.empty(e, 2 * i, h, dtype=torch.bfloat16), torch.empty(e, h, i, dtype=torch.bfloat16)
+    gate_up8 = Fp8Weight(gate_up.to(FP8_DTYPE), torch.ones(e, 2 * i // FP8_BLOCK, h // FP8_BLOCK))
+    down8 = Fp8Weight(down.to(FP8_DTYPE), torch.ones(e, h // FP8_BLOCK, i // FP8_BLOCK))
+    checks = {}
+    for cap in (8, 512):
+        cfg = masked.masked_config(cap, h, i, 2)
+        checks[f"bf16.c{cap}"] = (cap, gate_up, down, cfg, (masked_gemm1_swiglu_kernel, masked_gemm2_kernel))
+    for block_m in (16, 32, 64, 128):
+        tiles = ExpertsConfig(block_m=block_m, block_n2=128, warps2=8 if block_m > 32 else 4)
+        cfg = masked.masked_fp8_tiles(tiles)
+        checks[f"fp8.bm{block_m}"] = (64, gate_up8, down8, cfg,
+                                      (masked_gemm1_swiglu_fp8_kernel, masked_gemm2_fp8_kernel))
+    checked = masked.check_triton_device
+    masked.check_triton_device = lambda *a, **k: None      # CPU tensors stand in for the GPU's
+    failed = 0
+    try:
+        for name, (cap, gu, dn, cfg, kernels) in checks.items():
+            started = time.perf_counter()
+            x = torch.empty(e, cap, h, dtype=torch.bfloat16)
+            try:
+                launches = capture_launches(
+                    lambda x=x, gu=gu, dn=dn, cfg=cfg: masked.masked_experts(x, counts, gu, dn, config=cfg,
+                                                                             validate=False), kernels)
+                names = [f"masked.{name}"] * 2
+                status = "OK  shared " + compile_launches(launches, target, dump, names, regs)
+            except Exception as exc:
+                failed += 1
+                status = fail_status(exc)
+            print(f"masked {name:<10} {status}  [bm{cfg.block_m} w{cfg.warps1}/{cfg.warps2} "
+                  f"s{cfg.stages1}/{cfg.stages2}]  ({time.perf_counter() - started:.1f} s)", flush=True)
+    finally:
+        masked.check_triton_device = checked
+    print(f"{len(checks) - failed}/{len(checks)} masked variants compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
     failed = 0
     for name, tiles in variants.items():
@@ -651,6 +710,8 @@ def main() -> int:
     p.add_argument("--decode", nargs="?", const="all", default=None,
                    help="the direct decode kernels' tiles instead: all, or default,<index>,...")
     p.add_argument("--align", action="store_true", help="the align kernels instead (ALIGN_CASES)")
+    p.add_argument("--masked", action="store_true",
+                   help="the masked layout's GEMMs instead, dense and on FP8 weights")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -676,6 +737,8 @@ def main() -> int:
         return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
     if args.align:
         return check_align(target, args.dump, args.regs)
+    if args.masked:
+        return check_masked(moekit.get_shape(args.preset), target, args.dump, args.regs)
     if args.decode is not None:
         return check_decode(inp, decode_variants(args.decode), target, args.dump, args.regs)
     pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]
