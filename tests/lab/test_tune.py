@@ -1,7 +1,8 @@
 """`moekit tune` (`moekit.bench.tune`): the candidate tiles, the search with the GPU timer stubbed
-(CPU, interpreter), the switches tried on the fastest tiles, the report, the table it writes (merged
-in token order, never partial, never into the package, with its "_meta") and the command line. The
-tables themselves and their lookup: tests/runtime/tuning/test_tuning.py."""
+(CPU, interpreter), the switches tried on the fastest tiles, the search on block-scaled FP8 weights
+(`--weights fp8`), the report, the table it writes (merged in token order, never partial, never into
+the package, with its "_meta") and the command line. The tables themselves and their lookup:
+tests/runtime/tuning/test_tuning.py."""
 
 from __future__ import annotations
 
@@ -15,21 +16,26 @@ import sys
 import pytest
 import torch
 
-from helpers import smem_bytes
+from helpers import rel_err, smem_bytes
 from moekit.bench import tune as tuner
 from moekit.bench.tune_report import CONFIG_FIELDS
 from moekit.cli import build_parser, main
-from moekit.shapes import PRESETS
+from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8_torch, gemm2_weighted_fp8_torch
+from moekit.quant import Fp8Weight, dequantize_rows, quantize_rows_torch
+from moekit.shapes import PRESETS, MoEShape
 from moekit.tuning import (
     PACKAGED_DIR,
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
+    check_fp8_config,
     default_config,
+    fp8_tiles,
     parse_table,
     shape_key,
 )
 
 QWEN = PRESETS["qwen3-30b-a3b"]   # E=128, K=8: mean rows per expert = T / 16
+FP8_SHAPE = MoEShape(8, 128, 128, 2)   # H and I one FP8 scale block each (the tiny preset's are not)
 
 
 # The tuner's logic (the GPU timer stubbed).
@@ -61,6 +67,25 @@ def test_gemm_candidates_drop_only_tiles_over_the_limit():
     assert dict(block_n=128, block_k=256, warps=4, stages=5) not in small
     assert dict(block_n=128, block_k=256, warps=4, stages=3) not in small   # 408 KiB
     assert dict(block_n=32, block_k=256, warps=4, stages=5) in small         # 200 KiB
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_fp8_gemm_candidates_are_fp8_tiles_within_shared_memory(block_m):
+    """The FP8 search's tiles: the dense search's space (counted at one byte an operand) cut to
+    GEMM1's block_n 128 and block_k 64 or 128 in both GEMMs; every one runs on the FP8 kernels."""
+    limit = 96 * 1024                    # below some 1-byte tiles: the limit must cut them
+    cut = False
+    for swiglu, gemm in ((True, 1), (False, 2)):
+        cands = tuner.gemm_candidates(block_m, 1, swiglu, limit, fp8=True)
+        expected = [p for p in tuner.gemm_candidates(block_m, 1, swiglu, limit)
+                    if p["block_k"] in (64, 128) and (not swiglu or p["block_n"] == 128)]
+        assert cands and cands == expected
+        for p in cands:
+            cfg = tuner._with(fp8_tiles(ExpertsConfig(block_m=block_m)), gemm, p)
+            check_fp8_config(cfg)
+            assert smem_bytes(cfg, 1, gemm) <= limit, (gemm, p)
+        cut |= len(cands) < len(tuner.gemm_candidates(block_m, 1, swiglu, fp8=True))
+    assert cut
 
 
 FAST1 = dict(block_n=32, block_k=64, warps=4, stages=3)
@@ -258,6 +283,63 @@ def test_tune_report_shows_the_switches_tried_and_chosen():
     assert "| 250.0 |" in line             # block_m 16's tiles alone: 0.25 ms per routing, not chosen
 
 
+FAST1_FP8 = dict(block_n=128, block_k=64, warps=4, stages=4)
+
+
+def test_tune_tokens_on_fp8_weights_times_the_fp8_kernels():
+    """--weights fp8: the weights quantized once, GEMM1 timed on x quantized per row, GEMM2 on
+    GEMM1's quantized h, the path through the FP8 experts; every config timed and the winner pass
+    `check_fp8_config`; the 5-stage 128-deep GEMM1 tile (fits in e4m3 only) is among those timed."""
+    timed = []
+
+    def timer(fn) -> float:
+        cfg = fn.args[-1]
+        timed.append(fn)
+        if fn.func is not tuner._path_all:
+            gemm = 1 if fn.func is tuner._gemm1_all else 2
+            p = {k: getattr(cfg, f"{k}{gemm}") for k in ("block_n", "block_k", "warps", "stages")}
+            return 0.1 if p == (FAST1_FP8, FAST2)[gemm - 1] else 1.0
+        label = tuner.variant_label(cfg)
+        if label == "":
+            return 0.36 if cfg.block_m == 16 else 0.3
+        return 0.1 if (cfg.block_m, label) == (16, "paired") else 0.4
+
+    assert tuner.block_m_candidates(FP8_SHAPE, 48) == [16, 32]
+    best, records = tuner.tune_tokens(FP8_SHAPE, 48, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=timer, fp8=True)
+    for fn in timed:
+        check_fp8_config(fn.args[-1])
+        assert fn.args[1].fp8 and isinstance(fn.args[1].gate_up, Fp8Weight)
+    assert check_fp8_config(best) is best and (best.block_m, best.pair_blocks) == (16, 2)
+    # The winner keeps the FP8 tiles the timer favours.
+    assert {k: getattr(best, f"{k}1") for k in FAST1_FP8} == FAST1_FP8
+    assert {k: getattr(best, f"{k}2") for k in FAST2} == FAST2
+    gemm1 = [fn for fn in timed if fn.func is tuner._gemm1_all]
+    # 5 x (16x128 + 2 x 128x128) x 1 = 170 KiB as e4m3 (x too); 340 KiB at 2 bytes, over the limit.
+    assert any((c.block_m, c.block_k1, c.stages1) == (16, 128, 5) for c in (fn.args[-1] for fn in gemm1))
+    assert all(r["block_k"] in (64, 128) for r in records if r["gemm"] in (1, 2))
+
+    # What was timed computes what the FP8 path computes: run one of each kind once on the CPU.
+    path = next(fn for fn in timed if fn.func is tuner._path_all)
+    xs, weights, ws, ids, _ = path.args
+    gu, dn, k = weights.gate_up, weights.down, FP8_SHAPE.top_k
+    g1, g2 = gemm1[0], next(fn for fn in timed if fn.func is tuner._gemm2_all)
+    for x, (xq, xscale) in zip(xs, g1.args[0]):
+        ref_q, ref_s = quantize_rows_torch(x, dtype=xq.dtype)
+        assert torch.equal(xq, ref_q) and torch.equal(xscale, ref_s)
+    (xq, xscale), align = g1.args[0][0], g1.args[2][0]
+    (hq, hs), = g1()
+    hq_t, hs_t = gemm1_swiglu_fp8_torch(xq, xscale, gu, align, k)
+    live = int(align.num_padded)
+    assert rel_err(dequantize_rows(hq[:live], hs[:live]), dequantize_rows(hq_t[:live], hs_t[:live])) < 1e-3
+    (hq, hs), align = g2.args[0][0], g2.args[3][0]
+    (y,) = g2()
+    assert rel_err(y, gemm2_weighted_fp8_torch(hq, hs, dn, ws[0], align)) < 1e-5
+    (out,) = path()
+    # h's e4m3 rounding may flip where the fp32 sums run in another order, as in the GEMM1 check above.
+    assert rel_err(out, experts_fp8_torch(xs[0], gu, dn, ws[0], ids[0])) < 1e-3
+
+
 def test_tune_tokens_says_so_when_no_tile_runs():
     def failing(fn):
         raise RuntimeError("out of resources")
@@ -325,7 +407,8 @@ def test_write_table_keeps_a_tma_entry_and_leaves_the_others_without_the_key(tmp
 TUNE_BAD_ARGUMENTS = [("--tokens", "0"), ("--tokens", "1,x"), ("--tokens", ","), ("--rotations", "-1"),
                       ("--out", "/dev/null/x.json"), ("--out", "/dev/null/dir"), ("--table", "{dir}"),
                       ("--table", "/dev/null/x.json"), ("--records", "/dev/null/r.jsonl"), ("--rep", "0"),
-                      ("--seed", "-1"), ("--preset", "nope"), ("--dtype", "float32")]
+                      ("--seed", "-1"), ("--preset", "nope"), ("--dtype", "float32"),
+                      ("--weights", "int8")]
 
 
 @pytest.mark.parametrize("flag,value", TUNE_BAD_ARGUMENTS, ids=[f"{f} {v}" for f, v in TUNE_BAD_ARGUMENTS])
@@ -341,6 +424,8 @@ def test_tune_defaults_parse():
     args = build_parser(["tune"]).parse_args(["tune"])
     assert args.tokens == list(tuner.DEFAULT_TOKENS) and args.rotations == 0
     assert args.rep == tuner.GRAPH_REPS and args.out is None and args.table is None
+    assert args.weights == "dtype"
+    assert build_parser(["tune"]).parse_args(["tune", "--weights", "fp8"]).weights == "fp8"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -371,10 +456,10 @@ def stub_gpu(monkeypatch):
                       "", "3.11", "0.1.0", "float16", 1000.0, 100.0)
     real = tuner.tune_tokens
 
-    def on_cpu(shape, tokens, dtype, rotations, log, *, device, timer, seed, switches):
+    def on_cpu(shape, tokens, dtype, rotations, log, *, device, timer, seed, switches, fp8):
         assert device.type == "cuda" and seed == 7 and switches
         return real(shape, tokens, torch.float32, rotations, log, device="cpu", timer=fake_timer([]),
-                    seed=seed, switches=switches)
+                    seed=seed, switches=switches, fp8=fp8)
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuner, "measure_provenance", lambda *a, **k: (None, prov))
@@ -397,6 +482,7 @@ def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, cap
     rows = STUDY.read(out / "results.csv")
     chosen = {r.tokens: r for r in rows if r.chosen}
     assert sorted(chosen) == [4, 48] and chosen[48].block_m == 32 and chosen[4].block_m == 16
+    assert {r.weights for r in rows} == {"float16"}          # dense weights: the dtype's name
     key = shape_key(PRESETS["tiny"], torch.float16)
     assert {t: c.block_m for t, c in parse_table(table)[key].items()} == {4: 16, 48: 32}
     report = (out / "report.md").read_text()
@@ -486,3 +572,71 @@ def test_tune_with_a_shape(tmp_path, stub_gpu):
     assert {r.preset for r in STUDY.read(out / "results.csv")} == {"shape:E=8,H=64,I=48,K=2"}
     assert (out / "tune_shape_E8_H64_I48_K2.png").exists()
     assert shape_key(PRESETS["tiny"], torch.bfloat16) in parse_table(tmp_path / "t.json")
+
+
+FP8_ARGS = ["tune", "--shape", "E=8,H=128,I=128,K=2", "--weights", "fp8", "--seed", "7"]
+
+
+def test_tune_on_fp8_weights_writes_the_fp8_key(tmp_path, stub_gpu):
+    """--weights fp8 (activations in --dtype float16): the winners under the FP8 key, each a config
+    the FP8 kernels run, merged beside the dense entry of the same shape; the rows say "fp8"."""
+    from moekit.bench.tune_report import STUDY
+
+    out, table = tmp_path / "run", tmp_path / "t.json"
+    dense = shape_key(FP8_SHAPE, torch.float16)
+    tuner.write_table(table, dense, {4: ExpertsConfig(block_m=16)})
+    assert main([*FP8_ARGS, "--dtype", "float16", "--tokens", "4,48", "--out", str(out),
+                 "--table", str(table)]) == 0
+    got = parse_table(table)
+    key = shape_key(FP8_SHAPE, torch.float8_e4m3fn)
+    assert set(got) == {dense, key} and got[dense] == {4: ExpertsConfig(block_m=16)}
+    assert sorted(got[key]) == [4, 48]
+    for cfg in got[key].values():
+        check_fp8_config(cfg)
+    rows = STUDY.read(out / "results.csv")
+    assert rows and {r.weights for r in rows} == {"fp8"} and {r.dtype for r in rows} == {"float16"}
+    chosen = {r.tokens: r for r in rows if r.chosen}
+    assert {t: r.block_m for t, r in chosen.items()} == {t: c.block_m for t, c in got[key].items()}
+    assert "fp8 weights, float16 activations" in (out / "report.md").read_text()
+
+
+def test_tune_weights_fp8_refuses_a_layer_without_fp8_blocks(tmp_path, monkeypatch, capsys, stub_gpu):
+    monkeypatch.setattr(tuner, "tune_tokens", lambda *a, **k: pytest.fail("started tuning"))
+    assert main(["tune", "--preset", "tiny", "--weights", "fp8", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("moekit tune: error: --weights fp8: layer 'tiny' has H=64, I=48")
+    assert not (tmp_path / "run").exists()
+
+
+def test_tune_rows_before_the_weights_column_read_as_dense(tmp_path):
+    """A results.csv written before the weights column reads, its rows the dense weights in their
+    dtype (the same report as rows that say so); a weights value other than fp8 or the dtype is
+    refused, naming the column."""
+    import csv
+
+    from moekit.bench.results import Provenance
+    from moekit.bench.tune_report import STUDY, output_files, tune_rows
+
+    prov = Provenance("20260101T000000Z", "2026-01-01T00:00:00+00:00", "abc", "cuda", "Stub GPU", "2", "3",
+                      "", "3.11", "0.1.0", "bfloat16", 1000.0, 100.0)
+    best, records = tuner.tune_tokens(PRESETS["tiny"], 4, torch.float32, rotations=1, log=lambda m: None,
+                                      device="cpu", timer=fake_timer([]), switches=False)
+    rows = tune_rows(prov, "tiny", PRESETS["tiny"], 1, records, best)
+    assert {r.weights for r in rows} == {"bfloat16"}
+    STUDY.write(rows, tmp_path)
+    with open(tmp_path / "results.csv", newline="") as f:
+        table = list(csv.reader(f))
+    col = table[0].index("weights")
+
+    def rewrite(cells):
+        with open(tmp_path / "results.csv", "w", newline="") as f:
+            csv.writer(f).writerows(cells(r) for r in table)
+
+    rewrite(lambda r: r[:col] + r[col + 1:])
+    old = STUDY.read(tmp_path / "results.csv")
+    assert {r.weights for r in old} == {""}
+    assert output_files(old)["report.md"] == output_files(rows)["report.md"]
+    rewrite(lambda r: r[:col] + ["int4" if r is not table[0] else "weights"] + r[col + 1:])
+    with pytest.raises(ValueError, match="'weights' must be 'fp8' or the dtype 'bfloat16', got 'int4'"):
+        STUDY.read(tmp_path / "results.csv")

@@ -10,6 +10,7 @@ A flag means the same thing in every study that has it, and is added by the one 
     --backends    experts backends, comma-separated (`add_backends`)
     --graph       time CUDA-graph replays; --no-graph: eager calls only (`add_graph`)
     --dtype       weights and activations dtype (`add_dtype`)
+    --weights     the expert weights: dense in --dtype, or block-scaled FP8 (`add_weights`)
     --device      cpu, cuda or cuda:N (`add_device`)
     --seed        seed of the weights, tokens and routing (`add_seed`)
     --rep         timed calls (or iterations) per case; --warmup: untimed ones first (`add_timing`)
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 
 from moekit.bench.layers import SHAPE_SYNTAX, Layer, parse_shape, preset_layer, read_config
+from moekit.bench.results import FP8
 from moekit.shapes import PRESETS
 
 GPU_PRESET = "qwen3-30b-a3b"     # every study's layer on a GPU
@@ -50,6 +52,7 @@ CPU_PRESET = "tiny"              # on a CPU-only machine (Triton interpreted)
 RESULTS_ROOT = Path("moekit-results")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+WEIGHTS = ("dtype", FP8)         # --weights: dense in --dtype, or block-scaled e4m3 (`moekit.bench.fp8`)
 SEED_MAX = 2**63 - 2  # torch generators take up to 2**64 - 1; studies derive seed + 1
 
 
@@ -358,6 +361,10 @@ def add_dtype(p: argparse.ArgumentParser, choices: Collection[str] = tuple(sorte
     when = f"default: {default}" if default else "default: bfloat16 on a GPU, float32 on the CPU"
     p.add_argument("--dtype", choices=choices, default=default,
                    help=f"weights and activations dtype ({when})")
+
+
+def add_weights(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--weights", choices=WEIGHTS, default="dtype", help=help)
 
 
 def add_device(p: argparse.ArgumentParser,

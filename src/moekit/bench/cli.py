@@ -75,7 +75,6 @@ BACKWARD_GPU_TOKENS = (1024, 4096, 16384)   # training batches
 BACKWARD_CPU_TOKENS = (1, 4, 16)            # an interpreted triton step takes about 0.5 s
 QUICK_BACKWARD_GPU_TOKENS = (1024, 4096)
 QUICK = Options(warmup=1, rep=5, routing_draws=16)
-WEIGHTS = ("dtype", FP8)   # --weights
 # The CPU run demonstrates the flow: interpreted Triton takes 0.1 to 1 s a call, so at least 5
 # timed calls there instead of the article's 15 (still about 0.4 s of calls for fast backends).
 CPU_DEFAULT = Options(warmup=1, min_rep=5)
@@ -127,13 +126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first) for each backend with a backward on the "
                         f"device; default tokens {','.join(map(str, BACKWARD_GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, BACKWARD_CPU_TOKENS))} on the CPU")
-    p.add_argument("--weights", choices=WEIGHTS, default="dtype",
-                   help="the experts' weights: dtype (default: dense, in --dtype), or fp8: also each "
-                        f"backend that takes FP8 weights ({','.join(fp8_backends())}) on the weights "
-                        "block-quantized to e4m3 (one fp32 scale per 128x128 block), beside the same "
-                        "backend on the dense weights; floors from the FP8 bytes and the FP8 matmul "
-                        "ceiling (torch._scaled_mm, CUDA). H and I must be multiples of 128 (default "
-                        f"layer on the CPU: --shape {CPU_SHAPE}); forward only")
+    arg_types.add_weights(p, "the experts' weights: dtype (default: dense, in --dtype), or fp8: also each "
+                             f"backend that takes FP8 weights ({','.join(fp8_backends())}) on the weights "
+                             "block-quantized to e4m3 (one fp32 scale per 128x128 block), beside the same "
+                             "backend on the dense weights; floors from the FP8 bytes and the FP8 matmul "
+                             "ceiling (torch._scaled_mm, CUDA). H and I must be multiples of 128 (default "
+                             f"layer on the CPU: --shape {CPU_SHAPE}); forward only")
 
 
 def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, bool]:

@@ -3,8 +3,10 @@ ablation): the layer's weights quantized once, the call timed on them, and the o
 checked against before it is timed.
 
     quantize_layer   the dense weights -> `moekit.quant.Fp8Weight`s (`quantize_experts`: e4m3, one
-                     fp32 scale per 128 x 128 block), once per layer. On the CPU the data are held as
-                     float16 stand-ins of the same values: Triton's interpreter has no e4m3 dot
+                     fp32 scale per 128 x 128 block), once per layer (`quantize_projections`: any
+                     pair of projections, e.g. `moekit tune --weights fp8`'s). On the CPU the data
+                     are held as float16 stand-ins of the same values: Triton's interpreter has no
+                     e4m3 dot
     fp8_factory      backend b on them: `moe_experts(x, gate_up, down, ..., backend=b)` on CUDA, as a
                      user calls it; on the CPU the backend's `run_fp8` on the stand-ins (moe_experts
                      takes e4m3 data only)
@@ -80,8 +82,14 @@ class Fp8Experts:
 
 
 def quantize_layer(weights: Weights) -> Fp8Experts:
-    """Both projections of `weights` quantized (`quantize_experts`); stand-ins off CUDA."""
-    gate_up, down = quantize_experts(weights.gate_up_proj), quantize_experts(weights.down_proj)
+    """Both projections of `weights` quantized (`quantize_projections`)."""
+    return quantize_projections(weights.gate_up_proj, weights.down_proj)
+
+
+def quantize_projections(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> Fp8Experts:
+    """gate_up_proj (E, 2I, H) and down_proj (E, H, I) quantized (`quantize_experts`); stand-ins off
+    CUDA."""
+    gate_up, down = quantize_experts(gate_up_proj), quantize_experts(down_proj)
     if gate_up.device.type == "cuda":
         return Fp8Experts(gate_up, down)
     gate_up, down = (Fp8Weight(w.data.to(STANDIN_DTYPE), w.scale) for w in (gate_up, down))

@@ -12,6 +12,14 @@ reads more distinct experts than L2 holds and the weights come from HBM as in a 
 Candidate tiles are those whose pipelined operands fit in the device's shared memory
 (`moekit.tuning.shared_memory_limit`).
 
+--weights fp8 runs the same search on block-scaled FP8 weights (`SearchWeights`): the layer's weights
+quantized once (`moekit.quant.quantize_experts`), GEMM1 timed on x quantized per row
+(`moekit.quant.quantize_rows`), GEMM2 on GEMM1's quantized h, the whole path through
+`moekit.experts.fp8.experts_triton_fp8`; the candidates are the tiles the FP8 kernels run
+(`moekit.tuning.check_fp8_config`: GEMM1's block_n 128, block_k 64 or 128), their shared memory
+counted at e4m3's byte an operand (x and h are e4m3 too). The activations stay in --dtype; the
+winners go under the key dtype=float8_e4m3fn, which every call on FP8 weights reads.
+
 A study on the scaffold (`moekit.bench.study`): every timing is a row (`moekit.bench.tune_report.
 TuneRow`, with provenance) in --out's results.csv, with report.md and a plot drawn from them. The
 winners are merged into a JSON table in the format `moekit.tuning` loads, `<device>.json` in
@@ -33,7 +41,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,12 +50,16 @@ from rich.console import Console
 from moekit.align import align_block_size
 from moekit.bench import args as arg_types
 from moekit.bench.args import GPU_PRESET, RESULTS_ROOT, usage_error
-from moekit.bench.results import atomic_write_text
+from moekit.bench.fp8 import quantize_projections, shape_problem
+from moekit.bench.results import FP8, atomic_write_text
 from moekit.bench.study import measure_provenance, warn_to
 from moekit.bench.timing import capture_graph, sync
 from moekit.bench.tune_report import STUDY, SWITCH_SPAN, tune_rows, variant_label
+from moekit.experts.fp8 import experts_triton_fp8
 from moekit.experts.triton import experts_triton, gemm1_swiglu, gemm2_weighted
 from moekit.grouped_gemm import resolve_tma
+from moekit.grouped_gemm.fp8 import gemm1_swiglu_fp8, gemm2_weighted_fp8
+from moekit.quant import FP8_DTYPE, Fp8Weight, quantize_rows
 from moekit.shapes import MoEShape
 from moekit.tuning import (
     META_KEY,
@@ -55,8 +67,10 @@ from moekit.tuning import (
     SHARED_MEMORY_LIMIT,
     ExpertsConfig,
     TuningTable,
+    check_fp8_config,
     default_config,
     device_slug,
+    fp8_tiles,
     parse_table,
     pipeline_bytes,
     running_versions,
@@ -103,23 +117,35 @@ def block_m_candidates(shape: MoEShape, num_tokens: int) -> list[int]:
     return [64, 128]
 
 
-def gemm_candidates(block_m: int, itemsize: int, swiglu: bool,
-                    limit: int = SHARED_MEMORY_LIMIT) -> list[dict[str, int]]:
+def gemm_candidates(block_m: int, itemsize: int, swiglu: bool, limit: int = SHARED_MEMORY_LIMIT, *,
+                    fp8: bool = False) -> list[dict[str, int]]:
     """Tiles (block_n, block_k, warps, stages) whose pipelined operands fit in `limit` bytes of
-    shared memory (`moekit.tuning.shared_memory_limit` of the device)."""
+    shared memory (`moekit.tuning.shared_memory_limit` of the device) at `itemsize` bytes an operand
+    element. fp8: only the tiles the block-scaled FP8 kernels run (`moekit.tuning.check_fp8_config`);
+    their operands, x and h included, are e4m3 (itemsize 1)."""
     if block_m <= 32:
         # Few rows: the kernel streams weights; narrow tiles give more programs per SM in flight.
         space = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4, 5))
     else:
         space = itertools.product((64, 128, 256) if not swiglu else (64, 128), (64, 128), (4, 8), (3, 4))
     which = 1 if swiglu else 2
-    base = ExpertsConfig(block_m=block_m)
+    # FP8: the other GEMM's tiles made fit, so the check judges this GEMM's alone.
+    base = fp8_tiles(ExpertsConfig(block_m=block_m)) if fp8 else ExpertsConfig(block_m=block_m)
     out = []
     for bn, bk, warps, stages in space:
         p = dict(block_n=bn, block_k=bk, warps=warps, stages=stages)
-        if pipeline_bytes(_with(base, which, p), itemsize, which) <= limit:
+        cfg = _with(base, which, p)
+        if pipeline_bytes(cfg, itemsize, which) <= limit and (not fp8 or _runs_fp8(cfg)):
             out.append(p)
     return out
+
+
+def _runs_fp8(cfg: ExpertsConfig) -> bool:
+    try:
+        check_fp8_config(cfg)
+    except ValueError:
+        return False
+    return True
 
 
 def switch_variants(cfg: ExpertsConfig, gate_up_proj: torch.Tensor,
@@ -156,23 +182,83 @@ def _with(cfg: ExpertsConfig, which: int, p: dict[str, int]) -> ExpertsConfig:
                            f"warps{which}": p["warps"], f"stages{which}": p["stages"]})
 
 
-def _gemm1_all(xs, gate_up, aligns, top_k, cfg):
-    return [gemm1_swiglu(x, gate_up, a, top_k, cfg) for x, a in zip(xs, aligns)]
+@dataclass(frozen=True)
+class SearchWeights:
+    """The expert weights a search runs on, and the kernels that run them: dense gate_up (E, 2I, H)
+    and down (E, H, I) (`gemm1_swiglu`, `gemm2_weighted`, `experts_triton`), or block-scaled FP8
+    `Fp8Weight`s (`gemm1_swiglu_fp8` on x quantized per row, `gemm2_weighted_fp8` on GEMM1's
+    quantized h, `experts_triton_fp8`). out_dtype: the activations' dtype, GEMM2's output."""
+
+    gate_up: torch.Tensor | Fp8Weight
+    down: torch.Tensor | Fp8Weight
+    out_dtype: torch.dtype
+
+    @property
+    def fp8(self) -> bool:
+        return isinstance(self.gate_up, Fp8Weight)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights' data, which the plan reads for TMA (`resolve_tma`)."""
+        return (self.gate_up.data, self.down.data) if self.fp8 else (self.gate_up, self.down)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of a GEMM operand's element in shared memory: e4m3's on FP8 weights (the kernels
+        quantize x and h too; the CPU's float16 stand-ins do not count), else the weights' dtype's."""
+        return FP8_DTYPE.itemsize if self.fp8 else self.gate_up.element_size()
+
+    def gemm1_input(self, x: torch.Tensor):
+        """GEMM1's x operand: x, or (xq, xs) as the FP8 path quantizes it before GEMM1."""
+        return quantize_rows(x, dtype=self.gate_up.data.dtype) if self.fp8 else x
+
+    def gemm1(self, x_in, align, top_k: int, cfg: ExpertsConfig):
+        """GEMM2's h operand: h, or (hq, hs)."""
+        if self.fp8:
+            return gemm1_swiglu_fp8(*x_in, self.gate_up, align, top_k, cfg)
+        return gemm1_swiglu(x_in, self.gate_up, align, top_k, cfg)
+
+    def gemm2(self, h_in, topk_weights: torch.Tensor, align, cfg: ExpertsConfig) -> torch.Tensor:
+        if self.fp8:
+            return gemm2_weighted_fp8(*h_in, self.down, topk_weights, align, cfg, self.out_dtype)
+        return gemm2_weighted(h_in, self.down, topk_weights, align, cfg)
+
+    def path(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             cfg: ExpertsConfig) -> torch.Tensor:
+        run = experts_triton_fp8 if self.fp8 else experts_triton
+        return run(x, self.gate_up, self.down, topk_weights, topk_ids, config=cfg)
 
 
-def _gemm2_all(hs, down, ws, aligns, cfg):
-    return [gemm2_weighted(h, down, w, a, cfg) for h, w, a in zip(hs, ws, aligns)]
+def search_weights(shape: MoEShape, dtype: torch.dtype, device: torch.device, fp8: bool) -> SearchWeights:
+    """Random weights of the shape in dtype (scaled by 1 / sqrt of their fan-in); with fp8 quantized
+    once (`moekit.bench.fp8.quantize_projections`: float16 stand-ins off CUDA)."""
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    gate_up = (torch.randn(e, 2 * i, h, device=device, dtype=dtype) / h**0.5)
+    down = (torch.randn(e, h, i, device=device, dtype=dtype) / i**0.5)
+    if fp8:
+        quantized = quantize_projections(gate_up, down)
+        gate_up, down = quantized.gate_up, quantized.down
+    return SearchWeights(gate_up, down, dtype)
 
 
-def _path_all(xs, gate_up, down, ws, ids, cfg):
-    return [experts_triton(x, gate_up, down, w, t, config=cfg) for x, w, t in zip(xs, ws, ids)]
+def _gemm1_all(xs, weights, aligns, top_k, cfg):
+    return [weights.gemm1(x, a, top_k, cfg) for x, a in zip(xs, aligns)]
+
+
+def _gemm2_all(hs, weights, ws, aligns, cfg):
+    return [weights.gemm2(h, w, a, cfg) for h, w, a in zip(hs, ws, aligns)]
+
+
+def _path_all(xs, weights, ws, ids, cfg):
+    return [weights.path(x, w, t, cfg) for x, w, t in zip(xs, ws, ids)]
 
 
 def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations: int,
                 log: Callable[[str], None] = print, *, device: torch.device | str = "cuda",
-                timer: Timer = graph_time_ms, seed: int = 0,
-                switches: bool = True) -> tuple[ExpertsConfig, list[dict]]:
-    """The fastest config for `num_tokens`, and one record per timing.
+                timer: Timer = graph_time_ms, seed: int = 0, switches: bool = True,
+                fp8: bool = False) -> tuple[ExpertsConfig, list[dict]]:
+    """The fastest config for `num_tokens`, and one record per timing; with fp8, of the FP8 kernels
+    on the weights quantized once (`search_weights`; activations in dtype).
 
     Records (JSON-ready dicts): per GEMM candidate {tokens, block_m, gemm (1 or 2), ms, block_n,
     block_k, warps, stages}; per whole path {tokens, gemm: 0, ms, **ExpertsConfig fields}: each
@@ -183,21 +269,21 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     `timer(fn)` returns ms of one call of fn (a CUDA-graph replay by default; tests stub it).
     """
     dev = torch.device(device)
-    e, h, i, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
+    e, h, k = shape.num_experts, shape.hidden_size, shape.top_k
     smem = shared_memory_limit(dev)
     gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + num_tokens)
-    gate_up = (torch.randn(e, 2 * i, h, device=dev, dtype=dtype) / h**0.5)
-    down = (torch.randn(e, h, i, device=dev, dtype=dtype) / i**0.5)
+    weights = search_weights(shape, dtype, dev, fp8)
     xs, ws, ids = [], [], []
     for _ in range(rotations):
         xs.append(torch.randn(num_tokens, h, generator=gen).to(dev, dtype))
         ids.append(torch.rand(num_tokens, e, generator=gen).argsort(1)[:, :k].to(dev, torch.int32))
         ws.append(torch.softmax(torch.randn(num_tokens, k, generator=gen), -1).to(dev))
+    x_ins = [weights.gemm1_input(x) for x in xs]     # GEMM1 alone is timed without the quantization
     records: list[dict] = []
     winners_by_bm: list[tuple[float, ExpertsConfig]] = []    # each block_m's whole path
     for bm in block_m_candidates(shape, num_tokens):
         # Plain tiles (the default config may set switches: they are tried after, on the winners).
-        base = replace(default_config(shape, num_tokens, dtype.itemsize, dev), block_m=bm,
+        base = replace(default_config(shape, num_tokens, weights.itemsize, dev), block_m=bm,
                        group_m=8, pair_blocks=1, tma_weights=False, persistent=False)
         aligns = [align_block_size(t, e, bm) for t in ids]
         winners = {}
@@ -205,13 +291,13 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             timed = []
             hs = None
             if which == 2:
-                hs = [gemm1_swiglu(x, gate_up, a, k, base) for x, a in zip(xs, aligns)]
-            for p in gemm_candidates(bm, gate_up.element_size(), swiglu=which == 1, limit=smem):
+                hs = _gemm1_all(x_ins, weights, aligns, k, base)
+            for p in gemm_candidates(bm, weights.itemsize, swiglu=which == 1, limit=smem, fp8=weights.fp8):
                 cfg = _with(base, which, p)
                 if which == 1:
-                    fn = functools.partial(_gemm1_all, xs, gate_up, aligns, k, cfg)
+                    fn = functools.partial(_gemm1_all, x_ins, weights, aligns, k, cfg)
                 else:
-                    fn = functools.partial(_gemm2_all, hs, down, ws, aligns, cfg)
+                    fn = functools.partial(_gemm2_all, hs, weights, ws, aligns, cfg)
                 try:
                     ms = timer(fn) / rotations
                 except Exception as exc:  # a tile the compiler cannot fit: skip it, say why
@@ -225,7 +311,7 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
             log(f"T={num_tokens:>6} bm={bm:>3}: no GEMM{1 if 1 not in winners else 2} tile ran; skipped")
             continue
         cfg = _with(_with(base, 1, winners[1]), 2, winners[2])
-        total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
+        total = timer(functools.partial(_path_all, xs, weights, ws, ids, cfg)) / rotations
         records.append(dict(tokens=num_tokens, gemm=0, ms=total, **asdict(cfg)))
         log(f"T={num_tokens:>6} bm={bm:>3}: {total * 1e3:8.1f} us  {cfg}")
         winners_by_bm.append((total, cfg))
@@ -241,11 +327,11 @@ def tune_tokens(shape: MoEShape, num_tokens: int, dtype: torch.dtype, rotations:
     by_bm = {c.block_m: c for _, c in winners_by_bm}
     near = [c for t, c in winners_by_bm if t <= SWITCH_SPAN * best_total]
     variants = list(dict.fromkeys(paired_tiles(v, by_bm) for c in near
-                                  for v in switch_variants(c, gate_up, down)[1:])) if switches else []
+                                  for v in switch_variants(c, *weights.tensors)[1:])) if switches else []
     for cfg in variants:
         label = variant_label(cfg)
         try:
-            total = timer(functools.partial(_path_all, xs, gate_up, down, ws, ids, cfg)) / rotations
+            total = timer(functools.partial(_path_all, xs, weights, ws, ids, cfg)) / rotations
         except Exception as exc:  # a switch this Triton or device cannot run: skip it, say why
             log(f"  skip T={num_tokens} bm={cfg.block_m} {label}: {type(exc).__name__}")
             continue
@@ -281,6 +367,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=arg_types.int_list(1), default=list(DEFAULT_TOKENS),
                    help=f"comma-separated token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
     arg_types.add_dtype(p, choices=("bfloat16", "float16"), default="bfloat16")
+    arg_types.add_weights(p, "the expert weights the tiles are tuned for: dtype (default: dense, in "
+                             "--dtype), or fp8: block-quantized to e4m3 once (one fp32 scale per 128x128 "
+                             "block) and searched on the FP8 kernels' tiles, activations in --dtype; the "
+                             "winners go under the key dtype=float8_e4m3fn, which calls on FP8 weights "
+                             "read. H and I must be multiples of 128")
     p.add_argument("--rotations", type=arg_types.int_range(0), default=0,
                    help="routings per timed graph (default 0: enough to read past L2 at small T)")
     p.add_argument("--rep", type=arg_types.int_range(1), default=GRAPH_REPS,
@@ -344,7 +435,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return usage_error(PROG, exc)
     shape = layer.shape
+    fp8 = args.weights == FP8
+    problem = shape_problem(layer.name, shape) if fp8 else ""
+    if problem:
+        return usage_error(PROG, f"--weights fp8: {problem}")
     dtype = getattr(torch, args.dtype)
+    key = shape_key(shape, FP8_DTYPE if fp8 else dtype)
     out, table = _paths(args, device)
     problem = _check_table(table, explicit=args.table is not None or out != args.out)
     if problem:
@@ -367,14 +463,15 @@ def run(args: argparse.Namespace) -> int:
         rot = args.rotations or (8 if t <= 16 else 2 if t <= 256 else 1)
         try:
             best, rec = tune_tokens(shape, t, dtype, rot, lambda m: console.print(m, highlight=False),
-                                    device=device, timer=timer, seed=args.seed, switches=args.switches)
+                                    device=device, timer=timer, seed=args.seed, switches=args.switches,
+                                    fp8=fp8)
         except RuntimeError as exc:   # every tile failed: the tokens tuned so far are kept
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             status = 1
             break
         records += rec
-        rows += tune_rows(prov, layer.name, shape, rot, rec, best)
-        write_table(table, shape_key(shape, dtype), {t: best}, meta)
+        rows += tune_rows(prov, layer.name, shape, rot, rec, best, fp8=fp8)
+        write_table(table, key, {t: best}, meta)
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
     if rows:   # the token counts tuned before a failure are kept, in the table and in the results

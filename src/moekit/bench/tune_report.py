@@ -2,7 +2,8 @@
 
 `moekit.bench.tune` times GEMM1 and GEMM2 candidate tiles alone, then the whole path with each
 block_m's winners, then the fastest of those with the opt-in switches (paired tiles, TMA weights,
-persistent GEMMs); every timing becomes a `TuneRow` (long format, provenance in every row). The
+persistent GEMMs), on dense or block-scaled FP8 expert weights; every timing becomes a `TuneRow`
+(long format, provenance in every row, the weights in its `weights` column). The
 report (the chosen config per token count, the whole-path time of every block_m and every switch
 variant tried) and the plot are drawn from rows read back from the CSV, so `moekit report DIR`
 redraws them.
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import plain_log_y, png_bytes, token_axis
 from moekit.bench.results import (
+    FP8,
     LayerRow,
     Provenance,
     check_provenance,
@@ -42,7 +44,9 @@ class TuneRow(LayerRow):
     path (align, both GEMMs, sum). ms: one routing's time (a graph replay of `rotations` different
     routings, divided by rotations). chosen: 1 on the whole-path row whose config went into the
     table. The tile columns are `moekit.tuning.ExpertsConfig`'s tile fields; a GEMM row fills its own
-    GEMM's four (and block_m), the other GEMM's are empty.
+    GEMM's four (and block_m), the other GEMM's are empty. weights: the expert weights the kernels
+    ran on, the dtype's name (dense) or "fp8" (block-scaled e4m3, `moekit tune --weights fp8`; the
+    activations in `dtype`); empty in CSVs written before the column (dense: `weights_of`).
     """
 
     rotations: int
@@ -62,6 +66,7 @@ class TuneRow(LayerRow):
     pair_blocks: int | None = None
     tma_weights: int | None = None   # whole-path rows: 0 / 1 (empty in CSVs written before the switches)
     persistent: int | None = None
+    weights: str = ""
 
 
 CONFIG_FIELDS = TILE_FIELDS + SWITCH_FIELDS
@@ -78,9 +83,17 @@ def variant_label(cfg: ExpertsConfig | TuneRow) -> str:
     return "+".join(on)
 
 
+def weights_of(row: TuneRow) -> str:
+    """The expert weights a row was tuned on: its `weights`, or in rows written before that column
+    the dense weights, named by the dtype."""
+    return row.weights or row.dtype
+
+
 def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, records: Sequence[dict],
-              chosen: ExpertsConfig) -> list[TuneRow]:
-    """Rows of one token count's records (`moekit.bench.tune.tune_tokens`), `chosen` marked."""
+              chosen: ExpertsConfig, *, fp8: bool = False) -> list[TuneRow]:
+    """Rows of one token count's records (`moekit.bench.tune.tune_tokens`), `chosen` marked; their
+    weights "fp8" with fp8, else the provenance's dtype."""
+    weights = FP8 if fp8 else prov.dtype
     rows = []
     for r in records:
         tiles = dict.fromkeys(CONFIG_FIELDS[1:])
@@ -95,7 +108,8 @@ def tune_rows(prov: Provenance, preset: str, shape: MoEShape, rotations: int, re
         rows.append(TuneRow(**asdict(prov), preset=preset, num_experts=shape.num_experts,
                             hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                             top_k=shape.top_k, tokens=r["tokens"], rotations=rotations, gemm=r["gemm"],
-                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"], **tiles))
+                            ms=r["ms"], chosen=int(is_chosen), block_m=r["block_m"], **tiles,
+                            weights=weights))
     return rows
 
 
@@ -107,6 +121,8 @@ def check_row(row: TuneRow) -> str:
         problem = f"column 'gemm' must be 0 (whole path), 1 or 2, got {row.gemm}"
     if not problem and row.chosen not in (0, 1):
         problem = f"column 'chosen' must be 0 or 1, got {row.chosen}"
+    if not problem and row.weights not in ("", FP8, row.dtype):
+        problem = f"column 'weights' must be {FP8!r} or the dtype {row.dtype!r}, got {row.weights!r}"
     return problem
 
 
@@ -137,8 +153,14 @@ def plot(rows: Sequence[TuneRow]) -> tuple[str, bytes]:
     ax.set_ylabel("whole path, µs per routing")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(f"moekit tune: {shape_label(r0)}, {r0.dtype}, {r0.device_name}", fontsize=9)
+    ax.set_title(f"moekit tune: {shape_label(r0)}, {_weights_label(r0)}, {r0.device_name}", fontsize=9)
     return f"tune_{file_stem(r0.preset)}.png", png_bytes(fig)
+
+
+def _weights_label(r: TuneRow) -> str:
+    """"bfloat16", or "fp8 weights, bfloat16 activations"."""
+    weights = weights_of(r)
+    return r.dtype if weights == r.dtype else f"{weights} weights, {r.dtype} activations"
 
 
 def _path_us(r: TuneRow | None, chosen: TuneRow | None) -> str:
@@ -158,7 +180,8 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
         f"- torch {r0.torch_version}, triton {r0.triton_version}, python {r0.python_version}, "
         f"moekit {r0.moekit_version}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
         f"{r0.matmul_tflops:,.3g} TFLOP/s",
-        f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; {r0.dtype}",
+        f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; "
+        f"{_weights_label(r0)}",
         "",
         "For each T and block_m, GEMM1's and GEMM2's tiles were timed alone (CUDA-graph replays of "
         "`rotations` different routings, per routing), then the whole path with each block_m's winners, "
