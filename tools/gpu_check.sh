@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, install check, GPU tests, then (optionally) tuning and timings.
-# Usage: bash tools/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|backward|imbalance|ablate|breakdown|transformers|finetune]...
+# Usage: bash tools/gpu_check.sh [tests|memcheck|racecheck|tune|compare|bench|fp8|backward|imbalance|ablate|breakdown|transformers|finetune]...
 # (default: tests compare). TESTS selects test files (default: all). Logs and results go under
 # $OUT (or ./gpu-out when OUT is unset) and are bundled into $OUT/bundle.tgz at the end.
 set -uo pipefail
@@ -41,13 +41,16 @@ for step in $steps; do
             timeout ${RACECHECK_TIMEOUT:-300} compute-sanitizer --tool racecheck --racecheck-report hazard \
                 --print-limit 20 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/runtime/test_gpu_sanitizer.py \
                 2>&1 | tee "$OUT/racecheck.log" | tail -4 ;;
-        tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
+        tune)    timeout ${TUNE_TIMEOUT:-420} python3 -m moekit tune ${TUNE_ARGS:-} --table "$OUT/nvidia_h200.json" --out "$OUT/tune" --records "$OUT/tune_records.jsonl" \
                      2>&1 | tee "$OUT/tune.log" | grep -v skip ;;
         compare) MOEKIT_CONFIG_DIR=$OUT timeout ${COMPARE_TIMEOUT:-300} python3 -m moekit sweep --set tiles ${COMPARE_ARGS:-} \
                      --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" | tail -40 ;;
         bench)   timeout ${BENCH_TIMEOUT:-450} python3 -m moekit bench --peers ${BENCH_ARGS:-} \
                      --tokens 1,4,16,64,256,1024,2048,4096,8192,16384 --out "$OUT/bench" 2>&1 \
                      | tee "$OUT/bench.log" | tail -60 ;;
+        fp8)     timeout ${FP8_TIMEOUT:-450} python3 -m moekit bench --weights fp8 --graph ${FP8_ARGS:---backends triton} \
+                     --tokens 1,4,16,64,256,1024,2048,4096,8192,16384 --out "$OUT/fp8" 2>&1 \
+                     | tee "$OUT/fp8.log" | tail -40 ;;
         backward) timeout ${BACKWARD_TIMEOUT:-300} python3 -m moekit bench --backward ${BACKWARD_ARGS:-} --out "$OUT/backward" 2>&1 \
                      | tee "$OUT/backward.log" | tail -40 ;;
         imbalance) timeout ${IMBALANCE_TIMEOUT:-300} python3 -m moekit imbalance ${IMBALANCE_ARGS:-} --out "$OUT/imbalance" 2>&1 \
