@@ -57,11 +57,34 @@ def _gemv_acc(acc, w_ptrs, v_ptrs, n_in, k0, K, stride_wk, stride_vk,
             v = v.to(tl.float32) * tl.load(s_ptr + (rk // SCALE_BLOCK) * stride_sk, mask=k_in, other=0.0)
         w = tl.load(w_ptrs + rk[None, :] * stride_wk, mask=n_in[:, None] & k_in[None, :], other=0.0,
                     eviction_policy=W_EVICT)
-    prod = w.to(tl.float32) * v.to(tl.float32)[None, :]
+    return _step_add(acc, w.to(tl.float32) * v.to(tl.float32)[None, :], STEP_SUM)
+
+
+@triton.jit
+def _step_zeros(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_SUM: tl.constexpr):
+    """One row's accumulator: [BN] with STEP_SUM, else [BN, BK]."""
     if STEP_SUM:
-        acc = acc + tl.sum(prod, axis=1)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _step_add(acc, prod, STEP_SUM: tl.constexpr):
+    """acc + a step's products (last axis BK): summed over that axis first with STEP_SUM."""
+    if STEP_SUM:
+        acc = acc + tl.sum(prod, axis=-1)
     else:
         acc = acc + prod
+    return acc
+
+
+@triton.jit
+def _step_total(acc, STEP_SUM: tl.constexpr):
+    """The accumulator reduced over its BK axis (with STEP_SUM already reduced, as it is)."""
+    if not STEP_SUM:
+        acc = tl.sum(acc, axis=-1)
     return acc
 
 
@@ -94,23 +117,15 @@ def decode_gemm1_swiglu_kernel(
         else:
             gs_row = ws_ptr
             us_row = ws_ptr
-        if STEP_SUM:
-            acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_g = _step_zeros(BLOCK_N, BLOCK_K, STEP_SUM)
+        acc_u = _step_zeros(BLOCK_N, BLOCK_K, STEP_SUM)
         for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             acc_g = _gemv_acc(acc_g, g_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
                               W_EVICT, gs_row, stride_wsk, W_SCALED, STEP_SUM)
             acc_u = _gemv_acc(acc_u, u_ptrs, x_row, n_in, k0, K, stride_wk, stride_xk, BLOCK_K, EVEN_K,
                               W_EVICT, us_row, stride_wsk, W_SCALED, STEP_SUM)
-        if STEP_SUM:
-            gate = acc_g
-            up = acc_u
-        else:
-            gate = tl.sum(acc_g, axis=1)
-            up = tl.sum(acc_u, axis=1)
+        gate = _step_total(acc_g, STEP_SUM)
+        up = _step_total(acc_u, STEP_SUM)
         h = gate * tl.sigmoid(gate) * up                                    # silu(gate) * up, fp32
     h_ptrs = h_ptr + pair.to(tl.int64) * stride_hm + rn * stride_hn
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_in)
@@ -158,14 +173,8 @@ def _slot_group(out, tok, s0, h_ptr, w_ptr, topk_weights_ptr, ids_ptr, E, N, K, 
             s_ptrs = ws_row + e[:, None] * stride_wse
             v = v * tl.load(s_ptrs + (rk // SCALE_BLOCK)[None, :] * stride_wsk, mask=valid[:, None],
                             other=0.0)
-        if STEP_SUM:
-            acc += tl.sum(w.to(tl.float32) * v[:, None, :], axis=2)
-        else:
-            acc += w.to(tl.float32) * v[:, None, :]
-    if STEP_SUM:
-        part = acc * wt[:, None]                                                           # [S, BN]
-    else:
-        part = tl.sum(acc, axis=2) * wt[:, None]
+        acc = _step_add(acc, w.to(tl.float32) * v[:, None, :], STEP_SUM)
+    part = _step_total(acc, STEP_SUM) * wt[:, None]                                        # [S, BN]
     for j in tl.static_range(SLOTS):     # ascending: each row extracted exactly (a sum with zeros)
         out += tl.sum(tl.where(rs[:, None] == j, part, 0.0), axis=0)
     return out
@@ -211,16 +220,10 @@ def decode_gemm2_sum_kernel(
                              + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn)
                 else:
                     s_row = ws_ptr
-                if STEP_SUM:
-                    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                else:
-                    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+                acc = _step_zeros(BLOCK_N, BLOCK_K, STEP_SUM)
                 for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
                     acc = _gemv_acc(acc, d_ptrs, h_row, n_in, k0, K, stride_wk, stride_hk, BLOCK_K, EVEN_K,
                                     W_EVICT, s_row, stride_wsk, W_SCALED, STEP_SUM)
-                if STEP_SUM:
-                    out += acc * wt
-                else:
-                    out += tl.sum(acc, axis=1) * wt
+                out += _step_total(acc, STEP_SUM) * wt
     o_ptrs = out_ptr + tok * stride_ot + rn * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_in)
