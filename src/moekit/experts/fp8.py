@@ -25,7 +25,6 @@ from moekit._validation import (
     check_routing_args,
     check_tensor,
     check_triton_device,
-    needs_grad,
 )
 from moekit.align import align_block_size
 from moekit.decode import experts_decode
@@ -39,7 +38,7 @@ from moekit.experts.registry import (
 )
 from moekit.grouped_gemm import moe_sum
 from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
-from moekit.quant import Fp8Weight, check_fp8_scales, check_fp8_weight, quantize_rows
+from moekit.quant import Fp8Weight, check_fp8_scales, check_fp8_weight, check_inference, quantize_rows
 from moekit.tuning import ExpertsConfig
 
 
@@ -60,13 +59,6 @@ def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_
     check_routing_args(topk_weights, topk_ids, num_tokens, num_experts, x.device,
                        top_k_at_most_experts=top_k_at_most_experts)
     return num_experts
-
-
-def check_inference(x: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    """RuntimeError unless the call needs no gradients: the FP8 experts have no backward."""
-    if needs_grad(x, topk_weights):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
 
 
 def fp8_backend(backend: str, device: torch.device) -> str:

@@ -24,10 +24,9 @@ import torch
 
 from moekit._memory import fits
 from moekit._validation import check_triton_device
-from moekit.experts.fp8 import check_inference
 from moekit.experts.padded import PaddedWorkspaceTooLarge, capacity
 from moekit.masked import check_masked_fp8_config, masked_fp8_tiles, masked_layout, masked_moe
-from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight
+from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, check_inference
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, get_config
 

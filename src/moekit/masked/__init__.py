@@ -62,6 +62,7 @@ from moekit.quant import (
     STANDIN_DTYPE,
     Fp8Weight,
     check_fp8_weight,
+    check_inference,
     dequantize_rows,
     quantize_rows_torch,
 )
@@ -73,6 +74,7 @@ from moekit.tuning import (
     fp8_tiles,
     pipeline_bytes,
     shared_memory_budget,
+    shrink_to_fit,
 )
 
 MAX_GRID = 2**31 - 1     # CUDA's limit on a grid's x dimension
@@ -229,11 +231,8 @@ def masked_fp8_tiles(cfg: ExpertsConfig, device: torch.device | str | None = Non
     if cfg.block_m >= 32:
         cfg = replace(cfg, warps1=max(cfg.warps1, 8))
     budget = shared_memory_budget(device)
-    while cfg.stages1 > 1 and pipeline_bytes(cfg, 2, 1) > budget:
-        cfg = replace(cfg, stages1=cfg.stages1 - 1)
-    while cfg.stages2 > 1 and pipeline_bytes(cfg, 2, 2) > budget:
-        cfg = replace(cfg, stages2=cfg.stages2 - 1)
-    return cfg
+    cfg = shrink_to_fit(cfg, lambda c: pipeline_bytes(c, 2, 1), budget, [("stages1", 1)])
+    return shrink_to_fit(cfg, lambda c: pipeline_bytes(c, 2, 2), budget, [("stages2", 1)])
 
 
 def check_masked_fp8_config(cfg: ExpertsConfig) -> ExpertsConfig:
@@ -440,10 +439,8 @@ def masked_experts(
     num_experts, capacity, hidden = x_masked.shape
     inter = gate_up_proj.shape[1] // 2
     fp8 = isinstance(gate_up_proj, Fp8Weight)
-    if fp8 and torch.is_grad_enabled() and (x_masked.requires_grad or (
-            row_weights is not None and row_weights.requires_grad)):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
+    if fp8:
+        check_inference(x_masked, row_weights)
     if out is not None:
         inputs = {"x_masked": x_masked, "counts": counts,
                   "gate_up_proj": gate_up_proj.data if fp8 else gate_up_proj,

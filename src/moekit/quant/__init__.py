@@ -30,7 +30,7 @@ import torch
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._validation import interpreting
+from moekit._validation import interpreting, needs_grad
 from moekit.quant.kernels import quantize_rows_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -140,6 +140,14 @@ def check_scale_values(name: str, scale: torch.Tensor, keys: Sequence[Sequence[s
         rows = scale.shape[1] // len(keys)
         name, idx = keys[i // rows][e], (i % rows, j)
     raise ValueError(f"{name} must be finite and positive, got {value} at {idx}")
+
+
+def check_inference(*tensors: torch.Tensor | None) -> None:
+    """RuntimeError if autograd would record the call (grad mode on and a given tensor requiring
+    grad): the FP8 experts have no backward."""
+    if needs_grad(*(t for t in tensors if t is not None)):
+        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
+                           "or torch.inference_mode()")
 
 
 def check_fp8_scales(name: str, w: Fp8Weight) -> None:
