@@ -61,6 +61,7 @@ from moekit.quant import (
     FP8_DTYPE,
     STANDIN_DTYPE,
     Fp8Weight,
+    check_fp8_scales,
     check_fp8_weight,
     check_inference,
     dequantize_rows,
@@ -427,7 +428,8 @@ def masked_experts(
             combine applies the weights itself).
         config: tiles (block_m, block_n1, block_k1, ... of `ExpertsConfig`; group_m is unused).
             Default: `masked_config` for C (FP8: `masked_fp8_config`, rules `check_masked_fp8_config`).
-        validate: check 0 <= counts <= C (a host sync on CUDA). Default: True on CPU, False on CUDA.
+        validate: check 0 <= counts <= C, and FP8 weights' scales finite and positive (a host sync
+            on CUDA). Default: True on CPU, False on CUDA.
         out: optional (E, C, H) buffer of x_masked's dtype, overlapping neither itself nor an input.
         ue8m0_scales: FP8 weights: the activations' and h's scales are powers of two.
 
@@ -452,6 +454,9 @@ def masked_experts(
         validate = x_masked.device.type == "cpu" and not torch.compiler.is_compiling()
     if validate:
         check_counts_in_range(counts, capacity)
+        if fp8:     # reads the scales, as the FP8 calls of moe_experts validate them
+            check_fp8_scales("gate_up_proj", gate_up_proj)
+            check_fp8_scales("down_proj", down_proj)
     if fp8:
         config = masked_fp8_config(capacity, hidden, inter, x_masked.device) if config is None else config
         hq, hs = masked_gemm1_swiglu_fp8(x_masked, counts, gate_up_proj, config, ue8m0=ue8m0_scales)

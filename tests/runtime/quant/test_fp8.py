@@ -422,6 +422,9 @@ def test_masked_fp8_contract():
         masked_experts(x, torch.tensor([5, 0, 0]), gu, dn)
     with pytest.raises(RuntimeError, match="inference only"):
         masked_experts(x.clone().requires_grad_(), counts, gu, dn)
+    inf_scales = Fp8Weight(dn.data, dn.scale.clone().fill_(float("inf")))
+    with pytest.raises(ValueError, match="down_proj.scale must be finite"):
+        masked_experts(x, counts, gu, inf_scales)
     w, ids = routing(3, 3, 2)
     with pytest.raises(ValueError, match="capacity_factor: not available with FP8"):
         moe_experts(x[0, :3], gu, dn, w, ids, backend="masked", capacity_factor=1.0)
