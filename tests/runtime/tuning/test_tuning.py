@@ -239,6 +239,18 @@ def test_packaged_h200_table_parses_and_fits_shared_memory():
     assert [int(t) for t in raw[key]] == sorted(table[key])          # written in increasing order
 
 
+def test_packaged_h200_table_has_fp8_tiles_the_fp8_kernels_run():
+    """The FP8 entries (`moekit tune --weights fp8`, key dtype=float8_e4m3fn): Qwen3-30B-A3B's from 16
+    to 16,384 tokens, every one a config the block-scaled kernels accept (`check_fp8_config`)."""
+    table = parse_table(PACKAGED_DIR / "nvidia_h200.json")
+    key = shape_key(QWEN, torch.float8_e4m3fn)
+    assert sorted(table[key]) == [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+    for k, entry in table.items():
+        if k.endswith("dtype=float8_e4m3fn"):
+            for tokens, cfg in entry.items():
+                assert tuning.check_fp8_config(cfg) == cfg, (k, tokens)
+
+
 # Bad table files: ValueError naming the file and the problem.
 
 
