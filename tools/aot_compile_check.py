@@ -612,9 +612,11 @@ def check_gluon_wgrad(target, dump: Path | None, regs: bool) -> int:
     for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
         a, b = torch.empty(rows, n, dtype=dtype), torch.empty(rows, c, dtype=dtype)
         out = torch.empty(e, n, c, dtype=dtype)
+        dout_tok = torch.empty(rows // top_k, n, dtype=dtype)       # as d down's dout, by token
         for t in (GLUON_PP_WGRAD, GLUON_COOP_WGRAD):
-            call = functools.partial(gluon_wgrad, a, b, row_starts, out, t)
-            checks[t.label() + suffix] = (call, kernels.gluon_wgrad_kernel)
+            for name, args, gather in (("", (a, b), None), (".gather-a", (dout_tok, b), (align, top_k))):
+                call = functools.partial(gluon_wgrad, *args, row_starts, out, t, gather_a=gather)
+                checks[t.label() + suffix + name] = (call, kernels.gluon_wgrad_kernel)
     checks["gather_rows"] = (lambda: sorted_rows(x, align, top_k), moe_gather_rows_kernel)
     return run_gluon_checks("gluon-wgrad", "gluon wgrad kernels", checks, target, dump, regs,
                             allow_local=False)
@@ -672,17 +674,17 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
     w = torch.empty(rows // top_k, top_k)
     checks = {}
     for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
-        dout = torch.empty(rows, hidden, dtype=dtype)
+        dout = torch.empty(rows // top_k, hidden, dtype=dtype)      # by token: the producer gathers rows
         down = torch.empty(e, hidden, inter, dtype=dtype)
         pre, dpre = torch.empty(rows, 2 * inter, dtype=dtype), torch.empty(rows, 2 * inter, dtype=dtype)
         h = torch.empty(rows, inter, dtype=dtype)
         for t in (GLUON_SWIGLU_128, GLUON_SWIGLU_64):
             part = torch.empty(rows, inter // t.block_n)
             checks[t.label() + suffix] = functools.partial(
-                gluon_swiglu_backward, dout, down, pre, w, align, t, dpre=dpre, h=h, part=part)
+                gluon_swiglu_backward, dout, down, pre, w, align, t, top_k, dpre=dpre, h=h, part=part)
         if dtype == torch.bfloat16:
             checks[GLUON_SWIGLU_128.label() + ".dpre-only"] = functools.partial(
-                gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, dpre=dpre, h=None,
+                gluon_swiglu_backward, dout, down, pre, w, align, GLUON_SWIGLU_128, top_k, dpre=dpre, h=None,
                 part=None)
     kernel = kernels.gluon_swiglu_bwd_kernel
     return run_gluon_checks("gluon-swiglu", "gluon swiglu kernels",

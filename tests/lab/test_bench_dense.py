@@ -68,13 +68,15 @@ def test_kernel_flops_match_a_hand_count():
     for kernel in alternatives[:2]:                                   # the same two launches
         assert [k.flops for k in triton_kernel_flops(shape, 10, backward=True) if k.kernel == kernel] \
             == [2 * 10 * 96 * 64, 2 * 10 * 64 * 48]
-    # At H = 2048 the training step's Gluon d down runs four times, on four column chunks of its own
-    # sorted copy of dout, each a quarter of the FLOPs.
+    # On Hopper the training step's Gluon d down gathers dout's rows itself up to 64 rows an expert
+    # (800 Qwen3 tokens: 50), one launch; above (4,000 tokens: 250) it runs four times, on four column
+    # chunks of its own sorted copy of dout, each a quarter of the FLOPs.
     qwen = MoEShape(128, 2048, 768, 8)
-    gluon = [(k.role, k.flops) for k in triton_kernel_flops(qwen, 800, backward=True)
-             if k.kernel == "gluon_wgrad_kernel"]
-    quarter = ("d down_proj, 1 of 4 column chunks", 800 * 2048 * 768 // 2)
-    assert gluon == [("d gate_up_proj", 2 * 800 * 1536 * 2048), *[quarter] * 4]
+    quarter = ("d down_proj, 1 of 4 column chunks", 2 * 4000 * 8 * 2048 * 768 // 4)
+    for tokens, launches in ((800, [("d down_proj", 2 * 800 * 8 * 2048 * 768)]), (4000, [quarter] * 4)):
+        gluon = [(k.role, k.flops) for k in triton_kernel_flops(qwen, tokens * 8, backward=True)
+                 if k.kernel == "gluon_wgrad_kernel"]
+        assert gluon == [("d gate_up_proj", 2 * tokens * 8 * 1536 * 2048), *launches], tokens
     # The normal path's GEMMs of a training step: the roofline's 3x the forward (a, b saved).
     total = sum(k.flops for k in step if not k.kernel.startswith("decode_"))
     train = training_traffic(shape, 5, torch.zeros(5, 2, dtype=torch.int32), torch.float32).flops

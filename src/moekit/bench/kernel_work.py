@@ -7,12 +7,14 @@ the padding rows; H hidden, I intermediate:
     forward   moe_gemm1_swiglu_kernel  GEMM1  x rows (S, H) @ gate_up_e^T (H, 2I)        2 S H 2I
               moe_gemm2_kernel         GEMM2  h (S, I) @ down_e^T (I, H)                  2 S I H
     backward  moe_swiglu_bwd_kernel    g = dout @ down_e (a, b saved by the forward)      2 S H I
-              (on Hopper gluon_swiglu_bwd_kernel after moe_gather_rows_kernel's dout copy: the same)
+              (on Hopper gluon_swiglu_bwd_kernel, which gathers dout's rows itself: the same)
               moe_gemm2_kernel         dx = dpre (S, 2I) @ gate_up_e (2I, H)              2 S 2I H
               moe_wgrad_kernel         d gate_up_e = dpre^T @ x                           2 S 2I H
               moe_wgrad_kernel         d down_e = dout^T @ h                              2 S H I
               (moe_wgrad_range_kernel in their place below 128 rows an expert, or on Hopper
-              gluon_wgrad_kernel after moe_gather_rows_kernel's copies: the same two)
+              gluon_wgrad_kernel: d gate_up after moe_gather_rows_kernel's copy of x, d down
+              gathering dout's rows itself up to GATHER_A_ROWS rows an expert, else a launch for
+              each column chunk of its copy of dout)
 
 (the direct decode path's two kernels do GEMM1's and GEMM2's FLOPs on unsorted pairs). The
 forward is the roofline's 2 S 3HI; a training step is 18 S H I, the roofline's 3x the forward (the
@@ -35,7 +37,7 @@ import torch
 
 from moekit.experts.plan import auto_config, takes_decode_path
 from moekit.experts.triton import align_pairs
-from moekit.grouped_gemm.backward import gluon_a_chunks
+from moekit.grouped_gemm.backward import GATHER_A_ROWS, gluon_a_chunks
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, gluon_wgrad_tiles
 
@@ -70,8 +72,10 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
                 KernelFlops("moe_wgrad_range_kernel", "d gate_up_proj", 2 * s * 2 * i * h),
                 KernelFlops("moe_wgrad_range_kernel", "d down_proj", 2 * s * h * i),
                 KernelFlops("gluon_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h)]
-        # d down copies dout into sorted rows a column chunk at a time: a launch a chunk
-        chunks = gluon_a_chunks(h, gluon_wgrad_tiles(s / shape.num_experts))
+        # d down gathers dout's rows itself up to GATHER_A_ROWS rows an expert, else reads its copy a
+        # column chunk at a time: a launch a chunk
+        gathers = s <= GATHER_A_ROWS * shape.num_experts
+        chunks = 1 if gathers else gluon_a_chunks(h, gluon_wgrad_tiles(s / shape.num_experts))
         role = "d down_proj" if chunks == 1 else f"d down_proj, 1 of {chunks} column chunks"
         out += [KernelFlops("gluon_wgrad_kernel", role, 2 * s * h * i // chunks)] * chunks
     return out

@@ -31,9 +31,10 @@ dpre_w and h_w carry the routing weight (`moekit.grouped_gemm.backward`), so dx 
 gradients need none; d down from the recomputed h applies it in the weight-gradient kernel.
 Backward workspace: dpre_w (L, 2I), h_w (L, I), (L, cdiv(I, block_n)) fp32 partial sums, (S, H)
 per-pair dx (4I + 2I + 2H bytes per pair in bf16, plus the partial sums). On Hopper (the Gluon
-SwiGLU backward, `moekit.grouped_gemm.backward`) also dout copied into sorted rows (L, H) for the
-SwiGLU backward alone, freed once it has run; the weight gradients' copies of x (whole) and of dout
-(a column chunk at a time, `GLUON_A_CHUNKS`) are made inside `wgrad`. Deterministic (no
+kernels, `moekit.grouped_gemm.backward`) the SwiGLU backward reads dout's token rows itself; inside
+`wgrad`, d gate_up reads x copied into sorted rows (L, H), and d down reads dout's token rows itself
+up to `GATHER_A_ROWS` rows an expert, else a copy made a column chunk at a time (`GLUON_A_CHUNKS`),
+freed on return. Deterministic (no
 atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
 `moekit::experts_train` custom op (`experts_triton_train`): it saves the same things as the eager
 autograd (the alignment, packed into one buffer, and the pre-activations under the same rule), and
@@ -126,9 +127,8 @@ def experts_triton_backward(
     top_k = topk_ids.shape[1]
     dx = d_gu = d_down = d_w = None
     if need_x or need_gu or need_w:
-        # On Hopper the SwiGLU backward copies dout into sorted rows for itself and frees the copy on
-        # return; d down, the last weight gradient, makes its own a column chunk at a time: the step's
-        # peak then holds h_w and half a copy beside the gradients, not a whole one (2-3% more time).
+        # d down, the last weight gradient, comes after d gate_up has freed its copy of x: the step's
+        # peak then holds h_w and at most a column chunk of a copy of dout beside the gradients.
         grads = swiglu_backward(x, gate_up_proj, down_proj, dout, topk_weights, align, top_k, config, pre=pre,
                                 want_dpre=need_x or need_gu, want_h=need_down, want_topk_weights=need_w)
         if release_pre and pre is not None and _owns_storage(pre):

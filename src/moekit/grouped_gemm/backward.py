@@ -31,16 +31,16 @@ Launchers, in the order the autograd Function (`moekit.experts.triton`) calls th
 
 On Hopper (compute capability 9.x, Gluon available) the training step's weight gradients (unscaled,
 padding_zero, bf16 / fp16, an align block size that is a multiple of 64) run the persistent warp-
-specialized Gluon kernel instead (`moekit.grouped_gemm.gluon_wgrad`, `gluon_wgrad`), after copying the
-gathered operand (x or dout) into sorted-row order (`sorted_rows`: TMA needs contiguous rows, and
-the copy costs less than the gather it saves). $MOEKIT_GLUON_WGRAD=0 turns it off;
-`_gluon_wgrad_tiles` lists every condition. So does the SwiGLU backward reading the saved
-pre-activations (`moekit.grouped_gemm.gluon_swiglu_bwd`, `gluon_swiglu_backward`: dout copied into
-sorted rows, then a persistent warp-specialized TMA + wgmma kernel with ping-pong consumers);
-$MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions. That copy of dout
-is the SwiGLU backward's own, freed on return; d down makes another a column chunk at a time
-(`GLUON_A_CHUNKS`), so no whole copy is alive beside the weight gradients (a lower peak, for one
-more gather and launch).
+specialized Gluon kernel instead (`moekit.grouped_gemm.gluon_wgrad`, `gluon_wgrad`). d gate_up reads
+x copied into sorted-row order (`sorted_rows`: TMA needs contiguous rows, and the copy costs less
+than a gather in the kernel). d down, up to `GATHER_A_ROWS` rows an expert, reads dout's token rows
+itself (its producer gathers them by cp.async: no copy); with more rows it reads a copy of dout
+made a column chunk at a time (`GLUON_A_CHUNKS`), so no whole copy is alive beside the weight
+gradients. $MOEKIT_GLUON_WGRAD=0 turns the kernel off; `_gluon_wgrad_tiles` lists every condition.
+So does the SwiGLU backward reading the saved pre-activations (`moekit.grouped_gemm.gluon_swiglu_bwd`,
+`gluon_swiglu_backward`: a persistent warp-specialized wgmma kernel with ping-pong consumers whose
+producer gathers dout's token rows by cp.async, down_proj's by TMA: no copy of dout);
+$MOEKIT_GLUON_SWIGLU=0 turns it off, `_gluon_swiglu_tiles` lists the conditions.
 
 Metadata: the forward's `Alignment` (sorted_ids (L,), expert_ids (L / block_m,), num_padded, and
 `Alignment.row_starts()` (E + 1,) for the weight gradients). Every grid is sized from
@@ -201,8 +201,8 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     None, recomputed from x and gate_up_proj in the same loop over H. dpre_w and h_w are scaled by
     the routing weight (topk_weights (T, K), the forward's); d topk_weights is <g, h>. `tiles`
     (default `BackwardTiles.fit`) must match: recompute exactly when pre is None. On Hopper, reading
-    pre with no tiles named, the Gluon kernel runs instead (`_gluon_swiglu_tiles` says when) on dout
-    copied into sorted-row order here (`sorted_rows`), the copy freed on return."""
+    pre with no tiles named, the Gluon kernel runs instead (`_gluon_swiglu_tiles` says when), its
+    producer reading dout's token rows itself (no copy)."""
     num_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     rows = align.sorted_ids.numel()
@@ -218,8 +218,8 @@ def swiglu_backward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     h = _workspace.empty(rows, inter, dtype=dtype, device=dev) if want_h else None
     part = _workspace.empty(rows, n_tiles, dtype=torch.float32, device=dev) if want_topk_weights else None
     if gluon_tiles is not None:
-        gluon_swiglu_backward(sorted_rows(dout, align, top_k), down_proj, pre, topk_weights, align,
-                              gluon_tiles, dpre=dpre, h=h, part=part)
+        gluon_swiglu_backward(dout, down_proj, pre, topk_weights, align, gluon_tiles, top_k, dpre=dpre, h=h,
+                              part=part)
     else:
         _triton_swiglu_backward(x, gate_up_proj, down_proj, dout, pre, topk_weights, align, top_k, cfg, tiles,
                                 dpre, h, part, n_tiles)
@@ -289,9 +289,10 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
     its padding rows), one holding zeros on them, the kernel reads no index at all.
     row_starts: `align.row_starts()`, when the caller has it (a backward's two launches share one).
     On Hopper the training step's launches take the Gluon kernel instead (`_gluon_wgrad_tiles` says
-    when; $MOEKIT_GLUON_WGRAD=0 turns it off): the gathered operand copied into sorted-row order
-    (`sorted_rows`), then `gluon_wgrad`; a gathered A (d down's dout) a column chunk at a time
-    through one buffer (`gluon_a_chunks`), one launch a chunk, for a lower peak."""
+    when; $MOEKIT_GLUON_WGRAD=0 turns it off): a gathered B (d gate_up's x) copied into sorted-row
+    order (`sorted_rows`), then `gluon_wgrad`; a gathered A (d down's dout) read by the kernel from
+    its token rows up to GATHER_A_ROWS rows an expert, else copied a column chunk at a time through
+    one buffer (`gluon_a_chunks`), one launch a chunk, for a lower peak."""
     if padding_zero and a_by_token and b_by_token:
         raise ValueError("padding_zero needs an operand in sorted-row order (not gathered by token)")
     gluon_tiles = _gluon_wgrad_tiles(a, b, topk_weights, align, shape, dtype, a_by_token=a_by_token,
@@ -302,6 +303,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
         if not a_by_token:
             b = sorted_rows(b, align, top_k) if b_by_token else b
             return gluon_wgrad(a, b, row_starts, grad, gluon_tiles)
+        if align.num_pairs <= GATHER_A_ROWS * shape[0]:
+            return gluon_wgrad(a, b, row_starts, grad, gluon_tiles, gather_a=(align, top_k))
         # A by token (d down's dout): copied and reduced a column chunk at a time through one
         # buffer, so the copy held beside both weight gradients is 1 / chunks of dout's rows.
         width = shape[1] // gluon_a_chunks(shape[1], gluon_tiles)
@@ -364,6 +367,11 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
 # many column chunks, one buffer reused: the copy alive beside every weight gradient sets the step's
 # peak; each further chunk costs a gather and a kernel launch.
 GLUON_A_CHUNKS = 4
+# Up to this many rows an expert (on average) the kernel gathers dout's token rows itself instead: each
+# work item is a step or two and bound by its stores, so the gather costs nothing and no copy is made.
+# With more rows the cp.async producer feeds the wgmma slower than TMA reads a copy (1.6x the kernel
+# time at 256 rows an expert, H200).
+GATHER_A_ROWS = 64
 
 
 def gluon_a_chunks(n: int, tiles: GluonWgradTiles) -> int:
@@ -443,39 +451,57 @@ def _gluon_descriptor(t: torch.Tensor, block: tuple[int, int]):
 
 
 def gluon_wgrad(a: torch.Tensor, b: torch.Tensor, row_starts: torch.Tensor, out: torch.Tensor,
-                tiles: GluonWgradTiles, *, n_base: int = 0) -> torch.Tensor:
+                tiles: GluonWgradTiles, *, n_base: int = 0,
+                gather_a: tuple[Alignment, int] | None = None) -> torch.Tensor:
     """out (E, N, C) = per expert e, a[rows_e]^T @ b[rows_e] in out's dtype (fp32 accumulation),
     rows_e = [row_starts[e], row_starts[e + 1]) (`gluon_wgrad_kernel`, persistent: one program an
     SM). a (L, Na) and b (L, C) in sorted-row order, bf16 or fp16, TMA-readable; zeros on every
     padding row in one, finite values in the other; row_starts int32 (E + 1,), multiples of
     tiles.block_m; out contiguous. a's columns are out's N rows [n_base, n_base + Na) (a column
     chunk of the whole A; Na = N and n_base 0 for all of it); tiles.block_n divides Na and n_base,
-    tiles.block_c divides C. `wgrad` checks all this first (`_gluon_wgrad_tiles`); experts with no
-    rows get exact zeros."""
+    tiles.block_c divides C. gather_a (align, top_k): a is by token instead, (T, N), its rows read
+    through align.sorted_ids // top_k by the kernel's producer (zeros on the padding rows; n_base
+    0). `wgrad` checks all this first (`_gluon_wgrad_tiles`); experts with no rows get exact zeros."""
     num_experts, n, c = out.shape
     n_a = a.shape[1]
     if (b.shape[1] != c or n_a % tiles.block_n or n_base % tiles.block_n or c % tiles.block_c
-            or not 0 <= n_base <= n - n_a):
+            or not 0 <= n_base <= n - n_a or (gather_a is not None and n_a != n)):
         raise ValueError(f"gluon_wgrad: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}, "
                          f"n_base {n_base} with {tiles.label()} tiles: need a (L, Na), b (L, C), "
-                         f"0 <= n_base <= N - Na, tiles dividing Na, n_base and C")
+                         f"0 <= n_base <= N - Na, tiles dividing Na, n_base and C; a gathered A whole")
     if not (a.dtype == b.dtype == out.dtype and a.dtype in GLUON_WGRAD_DTYPES and out.is_contiguous()):
         raise ValueError(f"gluon_wgrad: a, b, out must share a 16-bit dtype ({a.dtype}, {b.dtype}, "
                          f"{out.dtype}), out contiguous")
     acc_n = tiles.block_n if tiles.pingpong else tiles.block_n // 2    # a warpgroup's rows (A box width)
-    a_desc = _gluon_descriptor(a, (tiles.block_m, acc_n))
-    b_desc = _gluon_descriptor(b, (tiles.block_m, tiles.block_c))
+    a_box, b_box = (tiles.block_m, acc_n), (tiles.block_m, tiles.block_c)
+    gather = gather_a is not None
+    align, top_k = gather_a if gather else (None, 1)
+    a = _gather_operand(a) if gather else a
     # The store rows e * N + n (n < Na) of a view starting n_base rows in: out's rows e * N + n_base + n.
     c_desc = _gluon_descriptor(out.view(num_experts * n, c)[n_base:], (acc_n, tiles.block_c))
     c_tiles = c // tiles.block_c
     tiles_per_expert = (n_a // tiles.block_n) * c_tiles
     num_items = num_experts * tiles_per_expert
+    regs = ((_gluon.GATHER_PRODUCER_REGS, _gluon.GATHER_CONSUMER_REGS) if gather
+            else (_gluon.PRODUCER_REGS, _gluon.CONSUMER_REGS))
     _gluon.gluon_wgrad_kernel[(min(num_sms(a.device), num_items),)](
-        a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n,
-        STAGES=tiles.stages, PINGPONG=tiles.pingpong, PRODUCER_REGS=_gluon.PRODUCER_REGS,
-        CONSUMER_REGS=_gluon.CONSUMER_REGS, num_warps=4, maxnreg=_gluon.MAX_REGS,
+        None if gather else _gluon_descriptor(a, a_box), _gluon_descriptor(b, b_box),
+        c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n,
+        a, a.stride(0), align.sorted_ids if gather else row_starts, align.num_pairs if gather else 0,
+        A_LAYOUT=_gluon_layout(a_box, a.dtype), B_LAYOUT=_gluon_layout(b_box, b.dtype), A_W=acc_n,
+        BK=tiles.block_m, STAGES=tiles.stages, PINGPONG=tiles.pingpong, PRODUCER_REGS=regs[0],
+        CONSUMER_REGS=regs[1], GATHER_A=gather, TOP_K=top_k, num_warps=4, maxnreg=_gluon.MAX_REGS,
     )
     return out
+
+
+def _gather_operand(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernel's row gather reads it (16-byte copies: unit column stride, row stride and
+    base 16-byte aligned), else a contiguous copy (e.g. an expanded dout)."""
+    aligned = (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
+    if t.stride(1) == 1 and aligned:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 GLUON_SWIGLU_ENV = "MOEKIT_GLUON_SWIGLU"   # "0": `swiglu_backward` never takes the Gluon kernel (each call)
@@ -517,36 +543,37 @@ def _gluon_swiglu_tiles(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.
     return tiles
 
 
-def gluon_swiglu_backward(dout_sorted: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor,
-                          topk_weights: torch.Tensor, align: Alignment, tiles: GluonSwigluTiles, *,
-                          dpre: torch.Tensor | None, h: torch.Tensor | None,
+def gluon_swiglu_backward(dout: torch.Tensor, down_proj: torch.Tensor, pre: torch.Tensor,
+                          topk_weights: torch.Tensor, align: Alignment, tiles: GluonSwigluTiles,
+                          top_k: int, *, dpre: torch.Tensor | None, h: torch.Tensor | None,
                           part: torch.Tensor | None) -> None:
     """dpre (L, 2I), h (L, I), part (L, I / tiles.block_n) fp32 of the rows < num_padded, each None
-    when not wanted (`gluon_swiglu_bwd_kernel`, persistent: one program an SM): dout_sorted (L, H)
-    dout in sorted-row order with zeros on the padding rows (`sorted_rows`), pre the saved (>= L, 2I)
-    pre-activations, topk_weights (T, K) contiguous. `swiglu_backward` checks the rest first
-    (`_gluon_swiglu_tiles`)."""
+    when not wanted (`gluon_swiglu_bwd_kernel`, persistent: one program an SM): dout (T, H) by token,
+    its rows read by the kernel's producer at sorted_ids // top_k (no sorted copy); pre the saved
+    (>= L, 2I) pre-activations, topk_weights (T, K) contiguous. `swiglu_backward` checks the rest
+    first (`_gluon_swiglu_tiles`)."""
     num_experts, hidden, inter = down_proj.shape
     rows = align.sorted_ids.numel()
     n_tiles = inter // tiles.block_n
-    if dout_sorted.shape != (rows, hidden) or (part is not None and part.shape != (rows, n_tiles)):
-        raise ValueError(f"gluon_swiglu_backward: dout_sorted {tuple(dout_sorted.shape)} and part "
-                         f"{None if part is None else tuple(part.shape)} must be ({rows}, {hidden}) and "
+    if dout.dim() != 2 or dout.shape[1] != hidden or (part is not None and part.shape != (rows, n_tiles)):
+        raise ValueError(f"gluon_swiglu_backward: dout {tuple(dout.shape)} and part "
+                         f"{None if part is None else tuple(part.shape)} must be (T, {hidden}) and "
                          f"({rows}, {n_tiles})")
-    bm, bn = tiles.block_m, tiles.block_n
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    dout = _gather_operand(dout)
     pre_desc = _gluon_descriptor(pre, (bm, bn))
     items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
     _gluon_swiglu.gluon_swiglu_bwd_kernel[(max(1, min(num_sms(pre.device), items)),)](
-        _gluon_descriptor(dout_sorted, (bm, tiles.block_k)),
-        _gluon_descriptor(down_proj.view(num_experts * hidden, inter), (tiles.block_k, bn)),
+        _gluon_descriptor(down_proj.view(num_experts * hidden, inter), (bk, bn)),
         pre_desc,
         pre_desc if dpre is None else _gluon_descriptor(dpre, (bm, bn)),     # not stored when None
         pre_desc if h is None else _gluon_descriptor(h, (bm, bn)),
         pre if part is None else part, topk_weights.reshape(-1), align.sorted_ids, align.expert_ids,
-        align.num_padded, align.num_pairs, hidden, inter, n_tiles,
-        ALIGN_M=align.block_m, STAGES=tiles.stages, PRE_STEP_=_gluon_swiglu.PRE_STEP,
-        STORE_DPRE=dpre is not None, STORE_H=h is not None, STORE_PART=part is not None,
-        PRODUCER_REGS=tiles.producer_regs, CONSUMER_REGS=tiles.consumer_regs, num_warps=4,
+        align.num_padded, align.num_pairs, hidden, inter, n_tiles, dout, dout.stride(0),
+        A_LAYOUT=_gluon_layout((bm, bk), dout.dtype), BK=bk, ALIGN_M=align.block_m, STAGES=tiles.stages,
+        PRE_STEP_=_gluon_swiglu.PRE_STEP, STORE_DPRE=dpre is not None, STORE_H=h is not None,
+        STORE_PART=part is not None, PRODUCER_REGS=tiles.producer_regs, CONSUMER_REGS=tiles.consumer_regs,
+        TOP_K=top_k, num_warps=4,
         maxnreg=_gluon.MAX_REGS,     # the same register cap as the weight gradient's launch
     )
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 from moekit.grouped_gemm.gluon_wgrad import (
     GLUON_AVAILABLE,
+    cp_async_arrive,
     fence_async_shared,
+    gather_rows,
     gl,
     gluon,
     mbarrier,
@@ -54,6 +56,7 @@ from moekit.grouped_gemm.gluon_wgrad import (
     tma,
     tma_load,
     tma_store,
+    token_rows,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -75,17 +78,18 @@ def _num_items(num_padded_ptr, n_tiles, BM: gl.constexpr):
 
 
 @gluon.jit
-def _swiglu_producer(a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready,
-                     pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, ALIGN_M: gl.constexpr,
-                     PRE_STEP_: gl.constexpr):
-    """1 warp: for every item of this program, its H / BK steps (dout_sorted [64, BK], down [BK, BN])
-    into the ring, and at step PRE_STEP_ the item's a, b tiles into its consumer's epilogue slots."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+def _swiglu_producer(b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready,
+                     pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, dout_ptr, dout_stride,
+                     sorted_ids_ptr, S, ALIGN_M: gl.constexpr, PRE_STEP_: gl.constexpr, TOP_K: gl.constexpr):
+    """4 warps: for every item of this program, its H / BK steps (dout's rows [64, BK], gathered from
+    its token rows by cp.async; down [BK, BN] by TMA) into the ring, and at step PRE_STEP_ the item's
+    a, b tiles into its consumer's epilogue slots (TMA)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     SLOTS: gl.constexpr = epi_bufs.type.shape[0] // 2
-    NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    NBYTES: gl.constexpr = b_desc.block_type.nbytes       # the TMA bytes a stage (dout's rows: cp.async)
     PRE_BYTES: gl.constexpr = 2 * pre_desc.block_type.nbytes
     num_items = _num_items(num_padded_ptr, n_tiles, BM)
     k_steps = H // BK
@@ -98,6 +102,7 @@ def _swiglu_producer(a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_b
         b_row = e * H
         c = j % 2                   # the item's consumer
         u = j // 2                  # that consumer's items before this one
+        tok, placed = token_rows(sorted_ids_ptr, S, row0, row0 + BM, BM, BK, TOP_K)     # the item's rows
         for ki in range(k_steps):
             s = it % STAGES
             # pass it // STAGES over the ring: the first finds the stages empty (parity 1 of a fresh
@@ -105,8 +110,9 @@ def _swiglu_producer(a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_b
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)
             ready = ready_bars.index(s)
             mbarrier.expect(ready, NBYTES)
-            tma_load(a_desc, [row0, ki * BK], ready, a_bufs.index(s))
+            gather_rows(dout_ptr, dout_stride, tok, placed, ki * BK, a_bufs.index(s))
             tma_load(b_desc, [b_row + ki * BK, n0], ready, b_bufs.index(s))
+            cp_async_arrive(ready, increment_count=False)      # once this thread's copies landed
             it += 1
             if ki == PRE_STEP_:
                 # the consumer released its slots (its previous item's epilogue is done)
@@ -193,6 +199,7 @@ def _swiglu_consumer(a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, order_bar
                 k = it + ki
                 s = k % STAGES
                 mbarrier.wait(ready_bars.index(s), (k // STAGES) & 1)
+                fence_async_shared()    # cp.async wrote dout's rows through the generic proxy
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
                 # <= 1 in flight: the previous step's wgmma retired, release its stage
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -212,23 +219,24 @@ def _swiglu_consumer(a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, order_bar
 
 
 @gluon.jit
-def gluon_swiglu_bwd_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr,
-                            expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles, ALIGN_M: gl.constexpr,
+def gluon_swiglu_bwd_kernel(b_desc, pre_desc, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr,
+                            expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles, dout_ptr, dout_stride,
+                            A_LAYOUT: gl.constexpr, BK: gl.constexpr, ALIGN_M: gl.constexpr,
                             STAGES: gl.constexpr, PRE_STEP_: gl.constexpr, STORE_DPRE: gl.constexpr,
                             STORE_H: gl.constexpr, STORE_PART: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, TOP_K: gl.constexpr):
     """dpre_w, h_w, part of the rows < num_padded (see the module docstring).
 
-    a_desc: dout_sorted (L, H) in boxes [64, BK]; b_desc: down_proj as (E * H, I) in boxes [BK, BN];
-    pre_desc, dpre_desc: (L, 2I) and h_desc (L, I) in boxes [64, BN]; part (L, n_tiles) fp32
-    contiguous, n_tiles = I / BN; w (S,) the routing weights; the alignment's int32 sorted_ids,
+    dout (T, H) by token (row stride dout_stride), its rows read at sorted_ids // TOP_K (zeros on the
+    padding rows) into [64, BK] tiles of layout A_LAYOUT; b_desc: down_proj as (E * H, I) in boxes
+    [BK, BN]; pre_desc, dpre_desc: (L, 2I) and h_desc (L, I) in boxes [64, BN]; part (L, n_tiles)
+    fp32 contiguous, n_tiles = I / BN; w (S,) the routing weights; the alignment's int32 sorted_ids,
     expert_ids and num_padded (0-d, on the device); ALIGN_M its block size, a multiple of 64.
     H / BK > PRE_STEP_; BN divides I."""
-    dtype: gl.constexpr = a_desc.dtype
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
+    dtype: gl.constexpr = b_desc.dtype
+    BM: gl.constexpr = pre_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_N], b_desc.layout)
     # consumer c's slots [3 c, 3 c + 3): a, b (then d_gate, d_up), h_w
     epi_bufs = gl.allocate_shared_memory(dtype, [6, BM, BLOCK_N], pre_desc.layout)
@@ -238,7 +246,8 @@ def gluon_swiglu_bwd_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_pt
     pre_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pre_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)          # the producer's expect()
+        # the producer's expect(), and each of its 128 threads once its copies land
+        mbarrier.init(ready_bars.index(i), count=1 + 4 * 32)
         mbarrier.init(empty_bars.index(i), count=1)          # the stage's one consumer
     for i in gl.static_range(2):
         mbarrier.init(order_bars.index(i), count=1)
@@ -247,7 +256,7 @@ def gluon_swiglu_bwd_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_pt
     fence_async_shared()
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
-    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), producer (1 warp).
+    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), the producer.
     gl.warp_specialize([
         (_swiglu_consumer, (a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, order_bars, pre_ready,
                             pre_empty, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr, num_padded_ptr, S,
@@ -255,10 +264,10 @@ def gluon_swiglu_bwd_kernel(a_desc, b_desc, pre_desc, dpre_desc, h_desc, part_pt
         (_swiglu_consumer, (a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, order_bars, pre_ready,
                             pre_empty, dpre_desc, h_desc, part_ptr, w_ptr, sorted_ids_ptr, num_padded_ptr, S,
                             H, inter, n_tiles, C1, STORE_DPRE, STORE_H, STORE_PART)),
-        (_swiglu_producer, (a_desc, b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars,
-                            pre_ready, pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, ALIGN_M,
-                            PRE_STEP_)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (_swiglu_producer, (b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars,
+                            pre_ready, pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, dout_ptr,
+                            dout_stride, sorted_ids_ptr, S, ALIGN_M, PRE_STEP_, TOP_K)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 if not GLUON_AVAILABLE:

@@ -64,6 +64,7 @@ import moekit.kernels  # noqa: F401  (first: the interpreter switch, before trit
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -76,6 +77,8 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared      # 3.6 names
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier                   # 3.9: barrier
+    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # 3.6 name
+    cp_async_arrive = async_copy.mbarrier_arrive
     GLUON_AVAILABLE = True
     GLUON_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:   # the kernels below are defined on stubs, then dropped
@@ -84,7 +87,7 @@ except (ImportError, AttributeError) as exc:   # the kernels below are defined o
     gluon = types.SimpleNamespace(jit=lambda fn=None, **_: fn, constexpr_function=lambda fn: fn)
     gl = None
     fence_async_shared = mbarrier = tma = tma_load = tma_store = warpgroup_mma = warpgroup_mma_wait = None
-    thread_barrier = None
+    thread_barrier = cp_async = cp_async_arrive = None
     GluonTensorDescriptor = None
 
 # setmaxnreg: the launch caps every thread at MAX_REGS (2 consumer warpgroups and the producer's padded
@@ -92,6 +95,9 @@ except (ImportError, AttributeError) as exc:   # the kernels below are defined o
 MAX_REGS = 168
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+# A producer that gathers rows (4 warps issuing cp.async) needs more: the consumers give up 8 each.
+GATHER_PRODUCER_REGS = 56
+GATHER_CONSUMER_REGS = 224
 
 
 @gluon.constexpr_function
@@ -113,35 +119,75 @@ def _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N: gl.constexpr, B
     return e, off_n, off_c, start, end
 
 
+@gluon.constexpr_function
+def _gather_layout(W):
+    # A gathered [BK, W] tile over the producer's 4 warps: 16 bytes (8 elements) a copy, a row's
+    # W / 8 copies in adjacent lanes, the warps stacked along the rows.
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (W // 8), W // 8],
+                            warps_per_cta=[4, 1], order=[1, 0])
+
+
+@gluon.jit
+def token_rows(sorted_ids_ptr, num_pairs, r, end, BK: gl.constexpr, W: gl.constexpr, TOP_K: gl.constexpr):
+    """The token rows of sorted rows [r, r + BK), in `gather_rows`'s layout for a [BK, W] tile:
+    (sorted_ids // TOP_K (0 on a padding row), whether the row holds a pair (id < num_pairs)); rows
+    at or past `end` are not read and count as padding."""
+    rows = r + gl.arange(0, BK, gl.SliceLayout(1, _gather_layout(W)))
+    ids = gl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_pairs)
+    placed = ids < num_pairs
+    return gl.where(placed, ids // TOP_K, 0), placed
+
+
+@gluon.jit
+def gather_rows(src_ptr, src_stride, tok, placed, col, dst):
+    """cp.async of a [BK, W] tile into dst: row i from src (T, *) row tok[i], columns [col, col + W);
+    zeros where placed[i] is False (`token_rows` gives both). The producer's 4 warps each issue their
+    share; each thread then arrives on the stage's barrier once its own copies land."""
+    W: gl.constexpr = dst.type.shape[1]
+    cols = col + gl.arange(0, W, gl.SliceLayout(0, _gather_layout(W)))
+    cp_async(dst, src_ptr + tok.to(gl.int64)[:, None] * src_stride + cols[None, :], mask=placed[:, None])
+
+
 @gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_starts_ptr, num_items,
-                    tiles_per_expert, c_tiles, BLOCK_N: gl.constexpr):
-    """1 warp: for every item of this program and every BK-row step of its expert, the A tile(s)
-    [BK, A_W] (A_PARTS of them side by side along N) and the B tile [BK, BC] into the next stage."""
-    BK: gl.constexpr = b_desc.block_type.shape[0]
-    BLOCK_C: gl.constexpr = b_desc.block_type.shape[1]
-    A_W: gl.constexpr = a_desc.block_type.shape[1]
+                    tiles_per_expert, c_tiles, g_ptr, g_stride, sorted_ids_ptr, num_pairs,
+                    BLOCK_N: gl.constexpr, GATHER_A: gl.constexpr, TOP_K: gl.constexpr):
+    """For every item of this program and every BK-row step of its expert, the A tile(s) [BK, A_W]
+    (A_PARTS of them side by side along N) and the B tile [BK, BC] into the next stage: by TMA (1
+    warp), or with GATHER_A the A tiles copied from A's token rows by cp.async (4 warps; B by TMA)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
+    BK: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_C: gl.constexpr = b_bufs.type.shape[2]
+    A_W: gl.constexpr = a_bufs.type.shape[2]
     A_PARTS: gl.constexpr = a_bufs.type.shape[0] // STAGES
-    NBYTES: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    ITEM: gl.constexpr = b_bufs.dtype.primitive_bitwidth // 8
+    TMA_BYTES: gl.constexpr = (0 if GATHER_A else A_PARTS * BK * A_W * ITEM) + BK * BLOCK_C * ITEM
     it = 0                          # stage uses so far, across this program's items
     for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
         e, off_n, off_c, start, end = _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N, BLOCK_C)
         for r in range(start, end, BK):
+            if GATHER_A:
+                tok, placed = token_rows(sorted_ids_ptr, num_pairs, r, end, BK, A_W, TOP_K)
             s = it % STAGES
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1)   # pass 0: free at once
             ready = ready_bars.index(s)
-            mbarrier.expect(ready, NBYTES)
+            mbarrier.expect(ready, TMA_BYTES)
             for i in gl.static_range(A_PARTS):
-                tma_load(a_desc, [r, off_n + i * A_W], ready, a_bufs.index(s * A_PARTS + i))
+                if GATHER_A:
+                    gather_rows(g_ptr, g_stride, tok, placed, off_n + i * A_W, a_bufs.index(s * A_PARTS + i))
+                else:
+                    tma_load(a_desc, [r, off_n + i * A_W], ready, a_bufs.index(s * A_PARTS + i))
             tma_load(b_desc, [r, off_c], ready, b_bufs.index(s))
+            if GATHER_A:
+                cp_async_arrive(ready, increment_count=False)    # once this thread's copies landed
             it += 1
 
 
 @gluon.jit
 def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem, row_starts_ptr,
                     num_items, tiles_per_expert, c_tiles, N, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
-                    A_PART: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_N: gl.constexpr):
+                    A_PART: gl.constexpr, ROW_OFF: gl.constexpr, BLOCK_N: gl.constexpr,
+                    GATHER_A: gl.constexpr):
     """One warpgroup. Cooperative (PINGPONG False): every item, its accumulator the N rows [ROW_OFF,
     ROW_OFF + ACC_N) of the tile, from A sub-tile A_PART. Ping-pong: the items j (counting this
     program's) with j % 2 == CONSUMER, the whole tile."""
@@ -172,6 +218,8 @@ def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, 
                 k = it + ki
                 s = k % STAGES
                 mbarrier.wait(ready_bars.index(s), (k // STAGES) & 1)
+                if GATHER_A:
+                    fence_async_shared()    # cp.async wrote through the generic proxy; wgmma reads async
                 a = a_bufs.index(s * A_PARTS + A_PART).permute((1, 0))    # [A_W, BK], MN-major
                 acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
                 # <= 1 in flight: the previous step's wgmma retired, so its stage is free.
@@ -195,32 +243,39 @@ def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, 
 
 @gluon.jit
 def gluon_wgrad_kernel(a_desc, b_desc, c_desc, row_starts_ptr, num_items, tiles_per_expert, c_tiles, N,
-                       STAGES: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       g_ptr, g_stride, sorted_ids_ptr, num_pairs, A_LAYOUT: gl.constexpr,
+                       B_LAYOUT: gl.constexpr, A_W: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       GATHER_A: gl.constexpr, TOP_K: gl.constexpr):
     """C (E * N, C) viewed as E gradients, C[e] = A[rows_e]^T @ B[rows_e] (see the module docstring).
 
     a_desc: A (L, N) in boxes [BK, A_W] (A_W = ACC_N); b_desc: B (L, C) in boxes [BK, BLOCK_C];
-    c_desc: C in boxes [ACC_N, BLOCK_C]. row_starts (E + 1,) int32, each a multiple of BK. Items:
-    num_items = E * tiles_per_expert, tiles_per_expert = (N / BLOCK_N) * c_tiles; BLOCK_N and
-    BLOCK_C divide N and C (a tile never crosses experts in the (E * N, C) view).
+    c_desc: C in boxes [ACC_N, BLOCK_C]; A_LAYOUT, B_LAYOUT their shared-memory layouts. row_starts
+    (E + 1,) int32, each a multiple of BK. Items: num_items = E * tiles_per_expert, tiles_per_expert
+    = (N / BLOCK_N) * c_tiles; BLOCK_N and BLOCK_C divide N and C (a tile never crosses experts in
+    the (E * N, C) view). GATHER_A: A is read from its token rows instead, g_ptr (T, *) with row
+    stride g_stride (its columns from the tile's N offset), sorted row r holding row
+    sorted_ids[r] // TOP_K and zeros where sorted_ids[r] >= num_pairs; a_desc is not read.
     """
-    dtype: gl.constexpr = a_desc.dtype
-    BK: gl.constexpr = a_desc.block_type.shape[0]
-    A_W: gl.constexpr = a_desc.block_type.shape[1]
+    dtype: gl.constexpr = c_desc.dtype
     ACC_N: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_C: gl.constexpr = c_desc.block_type.shape[1]
     # cooperative: two A sub-tiles of ACC_N (= A_W) rows, one a warpgroup; ping-pong: one, the item's.
     A_PARTS: gl.constexpr = 1 if PINGPONG else 2
     BLOCK_N: gl.constexpr = ACC_N if PINGPONG else 2 * ACC_N
+    # The ready barrier's arrivals: the producer's expect, and with a gathered operand each of the
+    # producer's 128 threads once its copies land (cp.async.mbarrier.arrive.noinc).
+    READY_COUNT: gl.constexpr = 1 + 4 * 32 if GATHER_A else 1
+    PRODUCER_WARPS: gl.constexpr = 4 if GATHER_A else 1
 
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * A_PARTS, BK, A_W], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_C], b_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * A_PARTS, BK, A_W], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_C], B_LAYOUT)
     c_smem = gl.allocate_shared_memory(dtype, [2, ACC_N, BLOCK_C], c_desc.layout)   # one a warpgroup
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)                        # the producer's expect()
+        mbarrier.init(ready_bars.index(i), count=READY_COUNT)
         mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)     # the stage's consumer(s)
     for i in gl.static_range(2):
         mbarrier.init(order_bars.index(i), count=1)
@@ -234,13 +289,14 @@ def gluon_wgrad_kernel(a_desc, b_desc, c_desc, row_starts_ptr, num_items, tiles_
     gl.warp_specialize([
         (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem,
                            row_starts_ptr, num_items, tiles_per_expert, c_tiles, N, C0, PINGPONG, C0, R0,
-                           BLOCK_N)),
+                           BLOCK_N, GATHER_A)),
         (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_desc, c_smem,
                            row_starts_ptr, num_items, tiles_per_expert, c_tiles, N, C1, PINGPONG, P1, R1,
-                           BLOCK_N)),
+                           BLOCK_N, GATHER_A)),
         (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_starts_ptr,
-                           num_items, tiles_per_expert, c_tiles, BLOCK_N)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                           num_items, tiles_per_expert, c_tiles, g_ptr, g_stride, sorted_ids_ptr, num_pairs,
+                           BLOCK_N, GATHER_A, TOP_K)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 if not GLUON_AVAILABLE:

@@ -288,8 +288,9 @@ class GluonSwigluTiles:
     Attributes:
         block_n: columns of I a work item (one wgmma accumulator a warpgroup); must divide I.
         stages: the shared-memory ring's depth (dout rows [block_m, block_k], down [block_k, block_n]).
-        producer_regs, consumer_regs: registers a thread after setmaxnreg (the producer's warp and the
-            two consumer warpgroups; producer + 2 consumers <= 512).
+        producer_regs, consumer_regs: registers a thread after setmaxnreg (the producer's four warps,
+            which gather dout's rows, and the two consumer warpgroups; producer + 2 consumers <= 3 x
+            168, the launch's cap).
         block_m, block_k: rows a work item (one warpgroup's m64: the align block size must be a
             multiple) and H a ring step.
     """
@@ -310,9 +311,10 @@ class GluonSwigluTiles:
         return f"pp_{self.block_m}x{self.block_n}_s{self.stages}"
 
 
-# Ping-pong 64 x 128, 5 stages: the fastest Hopper tiles at Qwen3-30B-A3B (bf16, dout copied into
-# sorted rows first). 64 x 64 (8 stages) serves an I that 128 does not divide.
-GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=24, consumer_regs=240)
+# Ping-pong 64 x 128, 5 stages: the fastest Hopper tiles at Qwen3-30B-A3B (bf16, measured on dout
+# copied into sorted rows; the producer now gathers dout's rows itself, 4 warps at 40 registers).
+# 64 x 64 (8 stages) serves an I that 128 does not divide.
+GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=40, consumer_regs=232)
 GLUON_SWIGLU_64 = GluonSwigluTiles(block_n=64, stages=8, producer_regs=40, consumer_regs=232)
 
 

@@ -149,12 +149,15 @@ def swiglu_case(num_tokens=24, num_experts=4, hidden=H, inter=I, top_k=K, dtype=
 
 @pytest.mark.parametrize("wants", [(True, True, True), (True, False, True), (False, True, False),
                                    (True, True, False)], ids=["all", "no-h", "h-only", "no-weights"])
-def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants):
-    """`swiglu_backward`'s Gluon branch on the CPU, the kernel launch recorded instead of run: dout
-    copied into sorted rows (the interpreted gather), the descriptors over the right tensors and
-    boxes, the outputs not wanted neither allocated nor stored, one program an SM at most."""
+def test_gluon_branch_launches_on_dout_by_token(on_hopper, monkeypatch, wants):
+    """`swiglu_backward`'s Gluon branch on the CPU, the kernel launch recorded instead of run: no copy
+    of dout (the kernel's producer gathers its token rows: dout as it lies, its row stride, TOP_K, no
+    descriptor over it), the descriptors over the right tensors and boxes, the outputs not wanted
+    neither allocated nor stored, one program an SM at most, the tiles' registers (within the launch's
+    cap)."""
     rec = Recorder()
     monkeypatch.setattr(swiglu_kernels, "gluon_swiglu_bwd_kernel", rec)
+    monkeypatch.setattr(gb, "sorted_rows", lambda *a, **k: pytest.fail("dout copied into sorted rows"))
     want_dpre, want_h, want_w = wants
     x, gate_up, down, w, ids, dout, pre, align = swiglu_case()
     cfg = default_config(PRESETS["qwen3-30b-a3b"], 64)
@@ -163,14 +166,13 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants):
     assert len(rec.launches) == 1
     grid, args, kwargs = rec.launches[0]
     tiles = GLUON_SWIGLU_128
-    (a_desc, b_desc, pre_desc, dpre_desc, h_desc, part, w_arg, sid, eid, npad, num_pairs, hidden, inter,
-     n_tiles) = args
+    (b_desc, pre_desc, dpre_desc, h_desc, part, w_arg, sid, eid, npad, num_pairs, hidden, inter,
+     n_tiles, dout_ptr, dout_stride) = args
     rows = align.sorted_ids.numel()
-    npad_v = int(align.num_padded)
     assert (hidden, inter, n_tiles, num_pairs) == (H, I, I // tiles.block_n, align.num_pairs)
     assert grid == (min(gb.num_sms(x.device), (rows // tiles.block_m) * n_tiles),)
-    assert torch.equal(a_desc.base[:npad_v], gb.sorted_rows_torch(dout, align, K)[:npad_v])
-    assert a_desc.block_shape == [64, 64]
+    assert dout_ptr is dout and dout_stride == H
+    assert (kwargs["TOP_K"], kwargs["BK"]) == (K, 64)
     assert b_desc.base.data_ptr() == down.data_ptr() and list(b_desc.shape) == [E * H, I]
     assert b_desc.block_shape == [64, tiles.block_n]
     assert pre_desc.base is pre and pre_desc.block_shape == [64, tiles.block_n]
@@ -185,6 +187,7 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, wants):
     assert (kwargs["STAGES"], kwargs["ALIGN_M"]) == (tiles.stages, 64)
     assert kwargs["PRE_STEP_"] == swiglu_kernels.PRE_STEP
     assert (kwargs["PRODUCER_REGS"], kwargs["CONSUMER_REGS"]) == (tiles.producer_regs, tiles.consumer_regs)
+    assert 2 * kwargs["CONSUMER_REGS"] + kwargs["PRODUCER_REGS"] <= 3 * gluon_kernels.MAX_REGS
     assert kwargs["num_warps"] == 4 and kwargs["maxnreg"] == gluon_kernels.MAX_REGS
 
 
@@ -214,22 +217,25 @@ def test_explicit_tiles_and_the_cpu_run_the_triton_kernel(on_hopper, monkeypatch
 
 
 def test_gluon_swiglu_backward_refuses_mismatched_buffers():
+    """dout of the wrong width or rank and a part buffer of the wrong shape are refused, naming them,
+    before any launch."""
     x, gate_up, down, w, ids, dout, pre, align = swiglu_case()
     rows = align.sorted_ids.numel()
-    with pytest.raises(ValueError, match="gluon_swiglu_backward: dout_sorted"):
-        gb.gluon_swiglu_backward(torch.empty(rows, H + 64, dtype=torch.bfloat16), down, pre, w, align,
-                                 GLUON_SWIGLU_128, dpre=None, h=None, part=None)
-    with pytest.raises(ValueError, match="gluon_swiglu_backward: dout_sorted"):
-        gb.gluon_swiglu_backward(torch.empty(rows, H, dtype=torch.bfloat16), down, pre, w, align,
-                                 GLUON_SWIGLU_128, dpre=None, h=None, part=torch.empty(rows, 3))
+    for bad_dout, part in ((torch.empty(24, H + 64, dtype=torch.bfloat16), None),
+                           (torch.empty(24, H, 1, dtype=torch.bfloat16), None),
+                           (dout, torch.empty(rows, 3))):
+        with pytest.raises(ValueError, match="gluon_swiglu_backward: dout"):
+            gb.gluon_swiglu_backward(bad_dout, down, pre, w, align, GLUON_SWIGLU_128, K, dpre=None, h=None,
+                                     part=part)
 
 
 # ---- the sm_90 compile check (tools/aot_compile_check.py) ----------------------------------------
 
 def test_gluon_swiglu_kernel_compiles_for_sm90():
-    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16) and a launch storing dpre_w alone,
-    through ptxas for sm_90, within the shared-memory limit (skipped where this Triton has no Gluon,
-    CUDA backend or ptxas). The 128-column tiles spill loop counters (reported, allowed)."""
+    """The Hopper Gluon SwiGLU backward's two tiles (bf16 and fp16; dout's rows gathered by the
+    producer) and a launch storing dpre_w alone, through ptxas for sm_90, within
+    the shared-memory limit (skipped where this Triton has no Gluon, CUDA backend or ptxas). The
+    128-column tiles spill loop counters (reported, allowed)."""
     out = aot_compile_check("--gluon-swiglu", "--regs")
     assert "5/5 gluon swiglu kernels compile" in out
     lines = [line for line in out.splitlines() if line.startswith("gluon-swiglu ")]
@@ -252,10 +258,11 @@ GPU_CASES = [  # (name, (E, H, I, K), T, routing, align block size)
     ("i832-T700-bn64", (16, 1024, 832, 4), 700, "softmax", 64),       # only 64 divides I: GLUON_SWIGLU_64
     ("qwen-T1000-one-expert", QWEN, 1000, "one-expert", 64),
     ("qwen-T1000-sentinels", QWEN, 1000, "sentinels", 64),
+    ("qwen-T333-strided", QWEN, 333, "softmax", 64),         # dout: a column half of (T, 2H) rows
 ]
 
 
-def gpu_case(shape, num_tokens, kind, block_m, seed=0):
+def gpu_case(shape, num_tokens, kind, block_m, seed=0, strided=False):
     """The SwiGLU backward's inputs as the training step makes them; the last expert gets no pairs;
     the pre-activations' padding rows NaN (never read into a result)."""
     num_experts, hidden, inter, top_k = shape
@@ -269,6 +276,8 @@ def gpu_case(shape, num_tokens, kind, block_m, seed=0):
 
     down = randn(num_experts, hidden, inter, scale=inter ** -0.5)
     pre, dout = randn(rows, 2 * inter), randn(num_tokens, hidden)
+    if strided:                    # the kernel gathers dout's rows as they lie, row stride 2H
+        dout = randn(num_tokens, 2 * hidden)[:, hidden:]
     pre[align.sorted_ids >= align.num_pairs] = float("nan")
     x = torch.zeros(1, device="cuda", dtype=torch.bfloat16).expand(num_tokens, hidden)        # shapes only
     gate_up = torch.zeros(1, device="cuda", dtype=torch.bfloat16).expand(num_experts, 2 * inter, hidden)
@@ -295,7 +304,8 @@ def gluon_spy(monkeypatch):
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gluon_swiglu_within_twice_plain_pytorch_gpu(case, gluon_spy):
     name, shape, num_tokens, kind, block_m = case
-    ids, align, x, gate_up, down, w, dout, pre = gpu_case(shape, num_tokens, kind, block_m)
+    ids, align, x, gate_up, down, w, dout, pre = gpu_case(shape, num_tokens, kind, block_m,
+                                                          strided=name.endswith("-strided"))
     top_k, inter = shape[3], shape[2]
     cfg = default_config(PRESETS["qwen3-30b-a3b"], num_tokens)
     npad = int(align.num_padded)
@@ -370,10 +380,10 @@ def test_gluon_swiglu_through_moe_experts_autograd_gpu(gluon_spy):
                          ids=["all", "frozen-down", "frozen-router"])
 def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
     """Where the Gluon SwiGLU backward runs (its launch stood in for here by the fp32 twin writing the
-    same buffers), the training step copies dout into sorted rows once for it and passes that copy
-    and the saved pre-activations; d down reads dout by token, not that copy (which is freed before
-    the weight gradients: a lower peak). dx and the weight gradients computed from its outputs match
-    torch autograd through the fp32 reference; an expert without pairs gets exact zeros."""
+    same buffers), the training step passes it dout by token (its producer gathers the rows: no
+    sorted copy is made), top_k and the saved pre-activations; d down reads dout by token too. dx
+    and the weight gradients computed from its outputs match torch autograd through the fp32
+    reference; an expert without pairs gets exact zeros."""
     import moekit.experts.triton as triton_experts
     from helpers import check_exact_zeros
     from moekit import ExpertsConfig, moe_experts
@@ -404,11 +414,10 @@ def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
         down_reads.append(a)
         return real_down(a, *args, **kwargs)
 
-    def twin_launch(dout_sorted, down_proj, pre, topk_weights, align, tiles, *, dpre, h, part):
+    def twin_launch(dout_arg, down_proj, pre, topk_weights, align, tiles, top_k, *, dpre, h, part):
         launches.append((dpre is not None, h is not None, part is not None))
-        kernel_reads.append(dout_sorted)
+        kernel_reads.append((dout_arg, top_k))
         placed, pair, _ = _placed_rows(align)
-        assert torch.equal(dout_sorted[placed], dout[pair // top_k])       # the copy the kernel reads
         assert pre.shape[1] == 2 * inter and tiles is GLUON_SWIGLU_128
         tw = gb.swiglu_backward_torch(x, gate_up, down, dout, topk_weights, align, top_k, pre=pre)
         for buf, val in ((dpre, tw.dpre_w), (h, tw.h_w)):
@@ -428,12 +437,12 @@ def test_training_backward_through_the_gluon_branch(monkeypatch, frozen):
         out = moe_experts(*leaves, ids, backend="triton", config=cfg, ignore_invalid_ids=True)
         got = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dout)
     assert launches == [(True, frozen != "down_proj", frozen != "topk_weights")]
-    assert len(copies) == 1 and kernel_reads[0] is copies[0]
+    assert copies == [] and len(kernel_reads) == 1
+    assert torch.equal(kernel_reads[0][0], dout) and kernel_reads[0][1] == top_k     # by token, gathered
     if frozen == "down_proj":
         assert down_reads == []
     else:
-        assert len(down_reads) == 1 and down_reads[0] is not copies[0]
-        assert torch.equal(down_reads[0], dout)                              # by token, not sorted
+        assert len(down_reads) == 1 and torch.equal(down_reads[0], dout)             # by token, not sorted
     ref_leaves = [t.detach().clone().requires_grad_(True) for t in (x, gate_up, down, w)]
     moe_experts_ref(*ref_leaves, ids).backward(dout)
     want = [r.grad for r, t in zip(ref_leaves, leaves) if t.requires_grad]

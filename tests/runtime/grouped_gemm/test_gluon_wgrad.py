@@ -212,11 +212,14 @@ def test_wgrad_never_takes_the_gluon_path_on_the_cpu(monkeypatch):
     assert rel_err(d_down, gb.down_proj_grad_torch(dout, h, None, align, top_k)) < 1e-5
 
 
-@pytest.mark.parametrize("launch", ["gate_up", "down"])
-def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
-    """`wgrad`'s Gluon branch on the CPU, the kernel launch recorded instead of run: the by-token
-    operand copied into sorted rows (the interpreted gather), the descriptors over the right tensors
-    and boxes, one program an SM at most (OFF_GPU_SMS here), the tiles' constexprs."""
+@pytest.mark.parametrize("launch", ["gate_up", "down-gathered", "down-chunked"])
+def test_gluon_branch_copies_or_gathers_then_launches(on_hopper, monkeypatch, launch):
+    """`wgrad`'s Gluon branch on the CPU, the kernel launch recorded instead of run. d gate_up: x
+    copied into sorted rows (the interpreted gather), one launch. d down at up to GATHER_A_ROWS rows
+    an expert: no copy, one launch with dout as it lies (its row stride, the sorted ids and pair count
+    to gather its rows by, no descriptor over it); above: dout copied a column chunk at a time
+    through one buffer, a launch a chunk. Descriptors over the right tensors and boxes, one program
+    an SM at most (OFF_GPU_SMS here), the tiles' constexprs."""
     launches = []
 
     class Recorder:
@@ -224,58 +227,94 @@ def test_gluon_branch_gathers_then_launches(on_hopper, monkeypatch, launch):
             return lambda *args, **kwargs: launches.append((grid, args, kwargs))
 
     monkeypatch.setattr(gluon_kernels, "gluon_wgrad_kernel", Recorder())
+    copies = []
+    real_sorted_rows = gb.sorted_rows
+
+    def counting_sorted_rows(t, *args, **kwargs):
+        copies.append(t)
+        return real_sorted_rows(t, *args, **kwargs)
+
+    monkeypatch.setattr(gb, "sorted_rows", counting_sorted_rows)
+    if launch == "down-chunked":
+        monkeypatch.setattr(gb, "GATHER_A_ROWS", 2)          # 8 rows an expert here: above it
     num_tokens, num_experts, top_k, hidden, inter = 16, 4, 2, 512, 128
     ids = distinct_topk_ids(num_tokens, num_experts, top_k)
     align = align_block_size(ids, num_experts, 64, backend="torch")
     rows = align.sorted_ids.numel()
-    x, dout = torch.randn(num_tokens, hidden).bfloat16(), torch.randn(num_tokens, hidden).bfloat16()
+    wide = torch.randn(num_tokens, 2 * hidden).bfloat16()
+    x, dout = torch.randn(num_tokens, hidden).bfloat16(), wide[:, hidden:]      # dout: row stride 2H
     dpre, h = torch.randn(rows, 2 * inter).bfloat16(), torch.randn(rows, inter).bfloat16()
     bf16 = torch.bfloat16
     if launch == "gate_up":
         grad = gb.gate_up_proj_grad(dpre, x, None, align, top_k, bf16, padding_zero=True)
-        sorted_op, gathered, token_major = dpre, 1, x
+        sorted_op, token_major = dpre, x
     else:
         grad = gb.down_proj_grad(dout, h, None, align, top_k, bf16, padding_zero=True)
-        sorted_op, gathered, token_major = h, 0, dout
+        sorted_op, token_major = h, dout
     tiles = GLUON_PP_WGRAD                                   # 8 rows an expert
     e, n, c = grad.shape
     assert (n, c) == ((2 * inter, hidden) if launch == "gate_up" else (hidden, inter))
-    # d down's dout (A by token) in column chunks through one buffer; d gate_up's x (B) whole.
-    chunks = gb.gluon_a_chunks(n, tiles) if launch == "down" else 1
-    assert chunks == (4 if launch == "down" else 1)
+    chunks = {"gate_up": 1, "down-gathered": 1, "down-chunked": gb.gluon_a_chunks(n, tiles)}[launch]
+    assert chunks == (4 if launch == "down-chunked" else 1)
     assert len(launches) == chunks
+    assert len(copies) == (0 if launch == "down-gathered" else chunks)
     width = n // chunks
     npad = int(align.num_padded)
     for i, (grid, args, kwargs) in enumerate(launches):
-        a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n_arg = args
-        assert n_arg == n
-        assert (kwargs["STAGES"], kwargs["PINGPONG"]) == (tiles.stages, tiles.pingpong)
+        (a_desc, b_desc, c_desc, row_starts, num_items, tiles_per_expert, c_tiles, n_arg, g_ptr, g_stride,
+         sorted_ids, num_pairs) = args
+        gathered = launch == "down-gathered"
+        assert n_arg == n and kwargs["GATHER_A"] is gathered and kwargs["BK"] == 64
+        assert (kwargs["STAGES"], kwargs["PINGPONG"], kwargs["A_W"]) == (tiles.stages, tiles.pingpong, 128)
+        regs = (gluon_kernels.GATHER_PRODUCER_REGS, gluon_kernels.GATHER_CONSUMER_REGS) if gathered \
+            else (gluon_kernels.PRODUCER_REGS, gluon_kernels.CONSUMER_REGS)
+        assert (kwargs["PRODUCER_REGS"], kwargs["CONSUMER_REGS"]) == regs
         assert tiles_per_expert == (width // tiles.block_n) * (c // tiles.block_c)
         assert c_tiles == c // tiles.block_c
         assert num_items == e * tiles_per_expert and grid == (min(gb.num_sms(x.device), num_items),)
         assert torch.equal(row_starts, align.row_starts())
-        descs = (a_desc, b_desc)
-        assert descs[1 - gathered].base is sorted_op
-        copy = descs[gathered].base
-        cols = slice(i * width, (i + 1) * width) if launch == "down" else slice(None)
-        # The buffer holds the last chunk once all launches are made: check the recorded last one.
-        if i == len(launches) - 1:
-            assert torch.equal(copy[:npad], gb.sorted_rows_torch(token_major[:, cols], align, top_k)[:npad])
-        assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
-        # The store view starts i * width rows into the (E * N, C) gradient: rows e * N + n land on
-        # the gradient's rows e * N + i * width + n.
+        if gathered:
+            assert a_desc is None and g_ptr is dout and g_stride == 2 * hidden and kwargs["TOP_K"] == top_k
+            assert sorted_ids is align.sorted_ids and num_pairs == align.num_pairs
+            assert b_desc.base is sorted_op and b_desc.block_shape == [64, tiles.block_c]
+        else:
+            descs = (a_desc, b_desc)
+            by_token = 1 if launch == "gate_up" else 0
+            assert descs[1 - by_token].base is sorted_op
+            cols = slice(i * width, (i + 1) * width) if launch == "down-chunked" else slice(None)
+            if i == len(launches) - 1:       # the buffer holds the last chunk once all are made
+                want = gb.sorted_rows_torch(token_major[:, cols], align, top_k)[:npad]
+                assert torch.equal(descs[by_token].base[:npad], want)
+            assert [d.block_shape for d in descs] == [[64, tiles.block_n], [64, tiles.block_c]]
+        # The store view starts i * width rows into the (E * N, C) gradient.
         row0 = i * width
         assert c_desc.base.data_ptr() == grad.data_ptr() + row0 * c * grad.element_size()
         assert list(c_desc.shape) == [e * n - row0, c]
         assert c_desc.block_shape == [tiles.block_n, tiles.block_c]
-    if launch == "down":
+    if launch == "down-chunked":
         assert all(args[0].base is launches[0][1][0].base for _, args, _ in launches)   # one buffer
+
+
+def test_gluon_wgrad_gathers_operands_as_they_lie_or_a_copy():
+    """The by-token operand reaches the kernel as it lies when its rows are 16-byte copies (unit
+    column stride, row stride and base 16-byte aligned: a contiguous tensor, a column slice of wider
+    rows, one row broadcast to all), else as a contiguous copy of the same values (a column
+    broadcast, a transposed view, a view starting off a 16-byte boundary)."""
+    wide = torch.randn(6, 128).bfloat16()
+    for ok in (torch.randn(6, 64).bfloat16(), wide[:, 64:], torch.randn(1, 64).bfloat16().expand(6, 64)):
+        assert gb._gather_operand(ok) is ok
+    flat = torch.randn(6 * 64 + 1).bfloat16()
+    for bad in (torch.randn(6, 1).bfloat16().expand(6, 64), torch.randn(64, 6).bfloat16().t(),
+                flat[1:].view(6, 64)):
+        got = gb._gather_operand(bad)
+        assert got.is_contiguous() and got.data_ptr() % 16 == 0 and torch.equal(got, bad)
 
 
 def test_gluon_a_chunks_and_launch_arguments_refused():
     """d down's dout is copied in GLUON_A_CHUNKS column chunks when each is a whole number of the
-    tiles' rows, else whole; `gluon_wgrad` refuses a chunk that does not fit the gradient, and
-    `sorted_rows` an out buffer of another shape or dtype, naming them, before any launch."""
+    tiles' rows, else whole; `gluon_wgrad` refuses a chunk that does not fit the gradient, a gathered
+    A that is not all of it, and mixed dtypes, and `sorted_rows` an out buffer of another shape or
+    dtype, naming them, before any launch."""
     pp = GLUON_PP_WGRAD
     assert gb.gluon_a_chunks(2048, pp) == gb.gluon_a_chunks(512, pp) == gb.GLUON_A_CHUNKS == 4
     assert [gb.gluon_a_chunks(n, pp) for n in (128, 384, 768)] == [1, 1, 1]
@@ -287,6 +326,10 @@ def test_gluon_a_chunks_and_launch_arguments_refused():
             gb.gluon_wgrad(a, b, row_starts, out, pp, n_base=n_base)
     ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
     align = align_block_size(ids, 2, 64, backend="torch")
+    with pytest.raises(ValueError, match="a gathered A whole"):
+        gb.gluon_wgrad(a, b, row_starts, out, pp, gather_a=(align, 2))          # 128 of N = 256 columns
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        gb.gluon_wgrad(a.half(), b, row_starts, out, pp)
     t = torch.randn(2, 8)
     for bad in (torch.empty(align.sorted_ids.numel(), 9), torch.empty(align.sorted_ids.numel(), 8,
                                                                        dtype=torch.float16)):
@@ -316,12 +359,14 @@ def test_moekit_imports_without_gluon():
 # ---- the sm_90 compile check (tools/aot_compile_check.py) ----------------------------------------
 
 def test_gluon_wgrad_kernel_compiles_for_sm90_without_spills():
-    """The Hopper Gluon weight gradient's two tiles (bf16 and fp16) and its row gather, through ptxas
+    """The Hopper Gluon weight gradient's two tiles (bf16 and fp16; sorted operands, and A or B
+    gathered from its token rows by the producer) and the row gather kernel, through ptxas
     for sm_90 (skipped where this Triton has no Gluon, CUDA backend or ptxas)."""
     out = aot_compile_check("--gluon-wgrad", "--regs")
-    assert "5/5 gluon wgrad kernels compile" in out
+    assert "9/9 gluon wgrad kernels compile" in out
     lines = [line for line in out.splitlines() if line.startswith("gluon-wgrad ")]
-    assert len(lines) == 5 and all(" OK " in line and "r " in line and " local " not in line
+    assert sum(".gather-a" in line for line in lines) == 4
+    assert len(lines) == 9 and all(" OK " in line and "r " in line and " local " not in line
                                    for line in lines), lines
 
 
@@ -342,12 +387,14 @@ GPU_CASES = [  # (name, (E, H, I, K), T, routing, align block size)
     ("olmoe-T4096-coop", OLMOE, 4096, "softmax", 64),      # 512 rows an expert: cooperative tiles
     ("qwen-T1000-one-expert", QWEN, 1000, "one-expert", 64),
     ("qwen-T1000-sentinels", QWEN, 1000, "sentinels", 64),
+    ("qwen-T333-strided", QWEN, 333, "softmax", 64),        # x and dout: column halves of (T, 2H) rows
 ]
 
 
-def gpu_case(shape, num_tokens, kind, block_m, seed=0):
+def gpu_case(shape, num_tokens, kind, block_m, seed=0, strided=False):
     """Inputs of the two weight-gradient launches as the backward makes them: dpre_w and h_w random,
-    zero on every padding row (`swiglu_backward` writes them so); the last expert gets no pairs."""
+    zero on every padding row (`swiglu_backward` writes them so); the last expert gets no pairs.
+    strided: x and dout are views with a row stride of 2H (the kernel gathers their rows as they lie)."""
     num_experts, hidden, inter, top_k = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     _, ids = softmax_routing(num_tokens, num_experts, top_k, generator=gen, kind=kind)
@@ -357,7 +404,10 @@ def gpu_case(shape, num_tokens, kind, block_m, seed=0):
     def randn(*size):
         return torch.randn(*size, device="cuda", generator=gen).to(torch.bfloat16)
 
-    x, dout = randn(num_tokens, hidden), randn(num_tokens, hidden)
+    if strided:
+        x, dout = randn(num_tokens, 2 * hidden)[:, hidden:], randn(num_tokens, 2 * hidden)[:, :hidden]
+    else:
+        x, dout = randn(num_tokens, hidden), randn(num_tokens, hidden)
     dpre_w, h_w = randn(rows, 2 * inter), randn(rows, inter)
     pad = align.sorted_ids >= align.num_pairs
     dpre_w[pad], h_w[pad] = 0, 0
@@ -385,7 +435,8 @@ def gluon_spy(monkeypatch):
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
     name, shape, num_tokens, kind, block_m = case
-    ids, align, x, dout, dpre_w, h_w = gpu_case(shape, num_tokens, kind, block_m)
+    ids, align, x, dout, dpre_w, h_w = gpu_case(shape, num_tokens, kind, block_m,
+                                                strided=name.endswith("-strided"))
     top_k = shape[3]
     starts = align.row_starts()
     bf16 = torch.bfloat16
@@ -405,8 +456,11 @@ def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
              gb.wgrad_torch(dout, h_w, None, align, top_k, a_by_token=True, b_by_token=False,
                             compute_dtype=bf16))
     wanted_tiles = gluon_wgrad_tiles(align.num_pairs / shape[0])
-    # d gate_up once, d down once a column chunk of dout
-    assert gluon_spy == [wanted_tiles] * (1 + gb.gluon_a_chunks(shape[1], wanted_tiles)), gluon_spy
+    # d gate_up once; d down once (gathering dout's rows) up to GATHER_A_ROWS rows an expert, else once
+    # a column chunk of its copy of dout
+    rows_per_expert = align.num_pairs / shape[0]
+    down_launches = 1 if rows_per_expert <= gb.GATHER_A_ROWS else gb.gluon_a_chunks(shape[1], wanted_tiles)
+    assert gluon_spy == [wanted_tiles] * (1 + down_launches), gluon_spy
     assert (wanted_tiles == GLUON_COOP_WGRAD) is name.endswith("-coop")
     valid = (ids >= 0) & (ids < shape[0])
     empty = torch.ones(shape[0], dtype=torch.bool, device="cuda")
@@ -426,7 +480,7 @@ def test_gluon_wgrad_switch_off_runs_the_triton_kernels_gpu(gluon_spy, monkeypat
     ids, align, x, dout, dpre_w, h_w = gpu_case(QWEN, 1000, "softmax", 64)
     on = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
     launched = len(gluon_spy)
-    assert launched == gb.gluon_a_chunks(QWEN[1], GLUON_PP_WGRAD)
+    assert launched == 1                                      # 62.5 rows an expert: dout gathered
     monkeypatch.setenv(gb.GLUON_WGRAD_ENV, "0")
     off = gb.down_proj_grad(dout, h_w, None, align, QWEN[3], torch.bfloat16, padding_zero=True)
     assert len(gluon_spy) == launched
@@ -444,6 +498,6 @@ def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
     config = dataclasses.replace(get_config(PRESETS["qwen3-30b-a3b"], num_tokens, torch.bfloat16, "cuda"),
                                  block_m=64)
     check_training_step(lambda *a: moe_experts(*a, backend="triton", config=config), QWEN, num_tokens)
-    # two backwards (the second one checked bitwise, with no host sync): d gate_up once each, d down
-    # once a column chunk of its own copy of dout (GLUON_A_CHUNKS) each
-    assert gluon_spy == [GLUON_PP_WGRAD] * 2 * (1 + gb.gluon_a_chunks(QWEN[1], GLUON_PP_WGRAD)), gluon_spy
+    # two backwards (the second one checked bitwise, with no host sync): d gate_up and d down (62.5 rows
+    # an expert: dout's rows gathered, no copy) once each
+    assert gluon_spy == [GLUON_PP_WGRAD] * 4, gluon_spy
