@@ -367,10 +367,9 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
 # many column chunks, one buffer reused: the copy alive beside every weight gradient sets the step's
 # peak; each further chunk costs a gather and a kernel launch.
 GLUON_A_CHUNKS = 4
-# Up to this many rows an expert (on average) the kernel gathers dout's token rows itself instead: each
-# work item is a step or two and bound by its stores, so the gather costs nothing and no copy is made.
-# With more rows the cp.async producer feeds the wgmma slower than TMA reads a copy (1.6x the kernel
-# time at 256 rows an expert, H200).
+# Up to this many rows an expert (on average) the kernel gathers dout's token rows itself instead: a
+# work item is then about one step, bound by its stores, so gathering costs what copying does and no
+# copy is made. With more rows the cp.async producer feeds the wgmma more slowly than TMA reads a copy.
 GATHER_A_ROWS = 64
 
 
