@@ -37,7 +37,7 @@ import torch
 
 from moekit.experts.plan import auto_config, takes_decode_path
 from moekit.experts.triton import align_pairs
-from moekit.grouped_gemm.backward import GATHER_A_ROWS, gluon_a_chunks
+from moekit.grouped_gemm.backward import gathers_a, gluon_a_chunks
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, gluon_wgrad_tiles
 
@@ -74,8 +74,8 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
                 KernelFlops("gluon_wgrad_kernel", "d gate_up_proj", 2 * s * 2 * i * h)]
         # d down gathers dout's rows itself up to GATHER_A_ROWS rows an expert, else reads its copy a
         # column chunk at a time: a launch a chunk
-        gathers = s <= GATHER_A_ROWS * shape.num_experts
-        chunks = 1 if gathers else gluon_a_chunks(h, gluon_wgrad_tiles(s / shape.num_experts))
+        e = shape.num_experts
+        chunks = 1 if gathers_a(s, e) else gluon_a_chunks(h, gluon_wgrad_tiles(s / e))
         role = "d down_proj" if chunks == 1 else f"d down_proj, 1 of {chunks} column chunks"
         out += [KernelFlops("gluon_wgrad_kernel", role, 2 * s * h * i // chunks)] * chunks
     return out

@@ -303,7 +303,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Tensor | None, a
         if not a_by_token:
             b = sorted_rows(b, align, top_k) if b_by_token else b
             return gluon_wgrad(a, b, row_starts, grad, gluon_tiles)
-        if align.num_pairs <= GATHER_A_ROWS * shape[0]:
+        if gathers_a(align.num_pairs, shape[0]):
             return gluon_wgrad(a, b, row_starts, grad, gluon_tiles, gather_a=(align, top_k))
         # A by token (d down's dout): copied and reduced a column chunk at a time through one
         # buffer, so the copy held beside both weight gradients is 1 / chunks of dout's rows.
@@ -371,6 +371,12 @@ GLUON_A_CHUNKS = 4
 # work item is then about one step, bound by its stores, so gathering costs what copying does and no
 # copy is made. With more rows the cp.async producer feeds the wgmma more slowly than TMA reads a copy.
 GATHER_A_ROWS = 64
+
+
+def gathers_a(num_pairs: int, num_experts: int) -> bool:
+    """Whether the Gluon weight gradient reads a by-token A operand (d down's dout) from its token rows
+    itself, rather than from a copy: up to GATHER_A_ROWS rows an expert."""
+    return num_pairs <= GATHER_A_ROWS * num_experts
 
 
 def gluon_a_chunks(n: int, tiles: GluonWgradTiles) -> int:

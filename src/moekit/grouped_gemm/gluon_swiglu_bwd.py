@@ -1,4 +1,5 @@
-"""Fused SwiGLU backward for Hopper (sm_90) in Gluon: persistent, warp-specialized, TMA and wgmma.
+"""Fused SwiGLU backward for Hopper (sm_90) in Gluon: persistent, warp-specialized, cp.async + TMA and
+wgmma.
 
 Legend as in `moekit.grouped_gemm.backward_kernels`: S pairs, L sorted rows (num_padded of them in
 use), r a sorted row of expert e, t its token, w_p its pair's routing weight. Per row, in fp32:
@@ -11,10 +12,12 @@ use), r a sorted row of expert e, t its token, w_p its pair's routing weight. Pe
     part[r, n_tile] = sum over the tile's BN columns of g h  (L, I / BN) fp32 -> d topk_weights
     padding rows (pair >= S): dpre_w and h_w rows 0, part 0.
 
-dout is first copied into sorted-row order (`moekit.grouped_gemm.backward.sorted_rows`: zeros on the
-padding rows), so the GEMM's A operand is plain rows loaded by TMA:
+dout stays by token: the producer reads each item's sorted ids once and copies the rows' [64, BK]
+pieces by cp.async (`moekit.grouped_gemm.gluon_wgrad.token_rows`, `gather_rows`), padding rows
+zero-filled, each producer thread arriving on the stage's ready barrier once its copies land; the
+consumers fence the generic proxy's writes before wgmma reads them:
 
-    A = dout_sorted (L, H) in [64, BK] boxes (K-major, as wgmma's A wants it)
+    A = dout's rows [t of each sorted row] in [64, BK] tiles (K-major, as wgmma's A wants it)
     B = down_proj viewed as (E * H, I) in [BK, BN] boxes at row e * H + k (N contiguous: an
         MN-major B, which wgmma reads for 16-bit types)
 
@@ -23,7 +26,7 @@ flight share the sub-block's dout rows and the expert's down columns in L2), pro
 p, p + P, ...; a 64-row sub-block lies in one align block (block_m a multiple of 64), so in one
 expert: expert_ids[row0 // ALIGN_M]. Items stop at num_padded, read on the device. Partitions:
 
-    producer   1 warp: per item, H / BK steps into a ring of STAGES shared-memory stages (ready /
+    producer   GATHER_WARPS: per item, H / BK steps into a ring of STAGES shared-memory stages (ready /
                empty mbarriers, running across items), and at step PRE_STEP of the item the a and b
                tiles [64, BN] of pre into the item's consumer's epilogue slots (pre_ready /
                pre_empty, one pair a consumer): they land while the main loop runs.
@@ -45,6 +48,7 @@ Deterministic: every output element is one program's, in a fixed order; no atomi
 from __future__ import annotations
 
 from moekit.grouped_gemm.gluon_wgrad import (
+    GATHER_WARPS,
     GLUON_AVAILABLE,
     cp_async_arrive,
     fence_async_shared,
@@ -81,7 +85,7 @@ def _num_items(num_padded_ptr, n_tiles, BM: gl.constexpr):
 def _swiglu_producer(b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars, pre_ready,
                      pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, dout_ptr, dout_stride,
                      sorted_ids_ptr, S, ALIGN_M: gl.constexpr, PRE_STEP_: gl.constexpr, TOP_K: gl.constexpr):
-    """4 warps: for every item of this program, its H / BK steps (dout's rows [64, BK], gathered from
+    """GATHER_WARPS: for every item of this program, its H / BK steps (dout's rows [64, BK], gathered from
     its token rows by cp.async; down [BK, BN] by TMA) into the ring, and at step PRE_STEP_ the item's
     a, b tiles into its consumer's epilogue slots (TMA)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
@@ -247,7 +251,7 @@ def gluon_swiglu_bwd_kernel(b_desc, pre_desc, dpre_desc, h_desc, part_ptr, w_ptr
     pre_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # the producer's expect(), and each of its 128 threads once its copies land
-        mbarrier.init(ready_bars.index(i), count=1 + 4 * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=1)          # the stage's one consumer
     for i in gl.static_range(2):
         mbarrier.init(order_bars.index(i), count=1)
@@ -267,7 +271,7 @@ def gluon_swiglu_bwd_kernel(b_desc, pre_desc, dpre_desc, h_desc, part_ptr, w_ptr
         (_swiglu_producer, (b_desc, pre_desc, a_bufs, b_bufs, epi_bufs, ready_bars, empty_bars,
                             pre_ready, pre_empty, expert_ids_ptr, num_padded_ptr, H, inter, n_tiles, dout_ptr,
                             dout_stride, sorted_ids_ptr, S, ALIGN_M, PRE_STEP_, TOP_K)),
-    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [4, GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 if not GLUON_AVAILABLE:

@@ -6,11 +6,14 @@ of the align block size, a multiple of BK):
 
     C[e] (N, C) = A[rows_e]^T @ B[rows_e]       A (L, N), B (L, C) sorted rows, 16-bit; fp32 acc
 
-Both operands are in sorted-row order (the launcher, `moekit.grouped_gemm.backward.wgrad`, first copies
-the one gathered by token there with `moe_gather_rows_kernel`), with zeros on every padding row of one
-of them and finite values on the other's, so TMA loads whole tiles and no index is read:
+Both operands are read in sorted-row order, with zeros on every padding row of one of them and finite
+values on the other's. By TMA, from operands already in that order (the launcher,
+`moekit.grouped_gemm.backward.wgrad`, copies the one gathered by token there with
+`moe_gather_rows_kernel`), so no index is read; or, GATHER_A, A straight from its token rows: the
+producer reads each step's sorted ids and copies the rows by cp.async (`token_rows`, `gather_rows`),
+padding rows zero-filled:
 
-    d gate_up_e = dpre_w[rows_e]^T @ x_sorted[rows_e]        d down_e = dout_sorted[rows_e]^T @ h_w[rows_e]
+    d gate_up_e = dpre_w[rows_e]^T @ x_sorted[rows_e]        d down_e = dout[rows_e]^T @ h_w[rows_e]
 
 The reduction runs over rows, so both wgmma operands are MN-major: a TMA tile of A is [BK rows, A_W]
 (N contiguous) and wgmma reads its permuted view [A_W, BK]; a tile of B is [BK, BC] as it lies.
@@ -18,9 +21,9 @@ The reduction runs over rows, so both wgmma operands are MN-major: a TMA tile of
 Schedule. One program an SM; work items t = (expert, N tile, C tile), expert slowest (the programs in
 flight share an expert's rows in L2), program p taking items p, p + P, p + 2P, ... Three partitions:
 
-    producer   1 warp: walks the program's items and each item's BK-row steps, filling a ring of
-               STAGES shared-memory stages by TMA (A tile(s) and B tile a stage). The ring runs
-               across item boundaries: it never drains between experts (with a few row steps an
+    producer   1 warp (GATHER_WARPS with GATHER_A): walks the program's items and each item's BK-row
+               steps, filling a ring of STAGES shared-memory stages (A tile(s) and B tile a stage).
+               The ring runs across item boundaries: it never drains between experts (with a few row steps an
                item, a pipeline filled per item would cost as much as the item's GEMM).
     consumers  2 warpgroups issuing async wgmma (at most one in flight), releasing each stage once
                the wgmma that read it retired, then the epilogue: the fp32 accumulator rounded to the
@@ -36,8 +39,11 @@ flight share an expert's rows in L2), program p taking items p, p + P, p + 2P, .
 Barriers (mbarriers in shared memory; a wait on phase parity q returns once the barrier completed a
 phase of that parity, and a fresh barrier counts as having completed the phase before phase 0):
 
-    ready[s]  count 1: the producer's expect(bytes) arms it, the TMA loads complete it. The u-th use
-              of stage s (u = use // STAGES) is waited on with parity u & 1.
+    ready[s]  count 1: the producer's expect(bytes) arms it, the TMA loads complete it; with GATHER_A
+              also one arrival from each producer thread once its cp.async copies land
+              (cp.async.mbarrier.arrive.noinc), and the consumers fence the generic proxy's writes
+              before wgmma reads them. The u-th use of stage s (u = use // STAGES) is waited on with
+              parity u & 1.
     empty[s]  count 1 (pp) or 2 (coop, one arrive a warpgroup): the consumer(s) release stage s. The
               producer's u-th fill waits with parity (u & 1) ^ 1, so the first pass finds it free.
     order[w]  pp only, count 1: warpgroup 1 - w arrives when it finished its item's main loop (all its
@@ -49,7 +55,8 @@ An expert with no rows has items with no steps: the consumers store the zero acc
 gradient is exactly 0. Results are deterministic: each output tile is one program's sum in row order.
 
 Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global, later
-versions async_load / async_store: `tma_load` and `tma_store` are whichever exists; likewise
+versions async_load / async_store: `tma_load` and `tma_store` are whichever exists (`cp_async`
+likewise for the pointer copies); likewise
 `thread_barrier` (the CTA barrier: gl.thread_barrier in 3.6, gl.barrier in 3.9). Without Gluon (an
 older Triton, or a build without it) GLUON_AVAILABLE is False and the kernel names are None; moekit's
 core imports everywhere.
@@ -95,7 +102,9 @@ except (ImportError, AttributeError) as exc:   # the kernels below are defined o
 MAX_REGS = 168
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-# A producer that gathers rows (4 warps issuing cp.async) needs more: the consumers give up 8 each.
+# The warps of a producer that gathers rows by cp.async (`gather_rows`): one warpgroup.
+GATHER_WARPS = gl.constexpr(4) if GLUON_AVAILABLE else 4
+# A producer that gathers rows (GATHER_WARPS issuing cp.async) needs more: the consumers give up 8 each.
 GATHER_PRODUCER_REGS = 56
 GATHER_CONSUMER_REGS = 224
 
@@ -121,10 +130,10 @@ def _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N: gl.constexpr, B
 
 @gluon.constexpr_function
 def _gather_layout(W):
-    # A gathered [BK, W] tile over the producer's 4 warps: 16 bytes (8 elements) a copy, a row's
+    # A gathered [BK, W] tile over the producer's GATHER_WARPS: 16 bytes (8 elements) a copy, a row's
     # W / 8 copies in adjacent lanes, the warps stacked along the rows.
     return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (W // 8), W // 8],
-                            warps_per_cta=[4, 1], order=[1, 0])
+                            warps_per_cta=[GATHER_WARPS, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -141,8 +150,8 @@ def token_rows(sorted_ids_ptr, num_pairs, r, end, BK: gl.constexpr, W: gl.conste
 @gluon.jit
 def gather_rows(src_ptr, src_stride, tok, placed, col, dst):
     """cp.async of a [BK, W] tile into dst: row i from src (T, *) row tok[i], columns [col, col + W);
-    zeros where placed[i] is False (`token_rows` gives both). The producer's 4 warps each issue their
-    share; each thread then arrives on the stage's barrier once its own copies land."""
+    zeros where placed[i] is False (`token_rows` gives both). The producer's GATHER_WARPS each issue
+    their share; each thread then arrives on the stage's barrier once its own copies land."""
     W: gl.constexpr = dst.type.shape[1]
     cols = col + gl.arange(0, W, gl.SliceLayout(0, _gather_layout(W)))
     cp_async(dst, src_ptr + tok.to(gl.int64)[:, None] * src_stride + cols[None, :], mask=placed[:, None])
@@ -154,7 +163,8 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_
                     BLOCK_N: gl.constexpr, GATHER_A: gl.constexpr, TOP_K: gl.constexpr):
     """For every item of this program and every BK-row step of its expert, the A tile(s) [BK, A_W]
     (A_PARTS of them side by side along N) and the B tile [BK, BC] into the next stage: by TMA (1
-    warp), or with GATHER_A the A tiles copied from A's token rows by cp.async (4 warps; B by TMA)."""
+    warp), or with GATHER_A the A tiles copied from A's token rows by cp.async (GATHER_WARPS; B by
+    TMA)."""
     STAGES: gl.constexpr = b_bufs.type.shape[0]
     BK: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_C: gl.constexpr = b_bufs.type.shape[2]
@@ -265,8 +275,8 @@ def gluon_wgrad_kernel(a_desc, b_desc, c_desc, row_starts_ptr, num_items, tiles_
     BLOCK_N: gl.constexpr = ACC_N if PINGPONG else 2 * ACC_N
     # The ready barrier's arrivals: the producer's expect, and with a gathered operand each of the
     # producer's 128 threads once its copies land (cp.async.mbarrier.arrive.noinc).
-    READY_COUNT: gl.constexpr = 1 + 4 * 32 if GATHER_A else 1
-    PRODUCER_WARPS: gl.constexpr = 4 if GATHER_A else 1
+    READY_COUNT: gl.constexpr = 1 + GATHER_WARPS * 32 if GATHER_A else 1
+    PRODUCER_WARPS: gl.constexpr = GATHER_WARPS if GATHER_A else 1
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES * A_PARTS, BK, A_W], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BK, BLOCK_C], B_LAYOUT)

@@ -311,8 +311,8 @@ class GluonSwigluTiles:
         return f"pp_{self.block_m}x{self.block_n}_s{self.stages}"
 
 
-# Ping-pong 64 x 128, 5 stages: the fastest Hopper tiles at Qwen3-30B-A3B (bf16, measured on dout
-# copied into sorted rows; the producer now gathers dout's rows itself, 4 warps at 40 registers).
+# Ping-pong 64 x 128, 5 stages: the fastest Hopper tiles at Qwen3-30B-A3B (bf16, chosen on dout copied
+# into sorted rows; the producer that gathers dout's rows itself takes 4 warps at 40 registers).
 # 64 x 64 (8 stages) serves an I that 128 does not divide.
 GLUON_SWIGLU_128 = GluonSwigluTiles(block_n=128, stages=5, producer_regs=40, consumer_regs=232)
 GLUON_SWIGLU_64 = GluonSwigluTiles(block_n=64, stages=8, producer_regs=40, consumer_regs=232)
