@@ -126,7 +126,8 @@ def dequantized(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def decode_path(backend: str, work: Workload) -> bool:
     """Whether the call runs w8a16: triton's decode kernels at few pairs (`use_decode_direct`)."""
-    return backend == TILED and use_decode_direct(work.tokens, work.topk_ids.shape[1], work.shape.num_experts)
+    return backend == TILED and use_decode_direct(work.tokens, work.topk_ids.shape[1], work.shape.num_experts,
+                                                  fp8=True)
 
 
 class Fp8Workloads:

@@ -9,7 +9,8 @@ no weight reuse, and the normal path's four dependent launches (align, GEMM1, GE
 pay launch and ramp latency. Pairs whose id is outside [0, E) read no weights and contribute 0, as
 in the normal path (which never places them). Inference only: the triton backend uses it for calls
 that need no gradients, plain SwiGLU without biases or interleaved rows, no explicit `config` (the
-normal path's tiles), T * K <= `DECODE_MAX_PAIRS` and at most `DECODE_MAX_REREAD` pairs per expert
+normal path's tiles), T * K <= `DECODE_MAX_PAIRS` (`DECODE_MAX_PAIRS_FP8` on block-scaled FP8
+weights) and at most `DECODE_MAX_REREAD` pairs per expert
 hit (expected under uniform routing: every pair reads its expert's weights, so an expert with two
 pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
 (read at each call). The call's plan (`moekit.experts.plan`) makes that decision and picks the tiles
@@ -17,7 +18,12 @@ pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
 
 Why 64 pairs: past that, sorting pairs by expert pays for itself (the normal path's tuned tiles
 read each expert's weights once for several pairs); below it, the direct path saves launches and
-host time (3 launches and 6 torch ops a layer call instead of 5 and 10).
+host time (3 launches and 6 torch ops a layer call instead of 5 and 10). Why 16 on FP8 weights:
+each program's loads are waited on step by step in registers, so the decode kernels move about as
+many loads at a time on one-byte weights as on two-byte ones, half the bytes; the normal path's
+tiles bring theirs through a shared-memory pipeline and read FP8 weights in about half the time. On
+the H200 the normal path ran FP8 weights 15-18% faster at 4 and 8 tokens of Qwen3-30B-A3B (32 and
+64 pairs) and level at 2 (`moekit sweep --set fp8`, benchmarks/results/h200/2026-12-04_a8ceac4).
 
 Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
 and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
@@ -37,6 +43,7 @@ from moekit.launch_hints import pdl_kwargs, weight_evict
 from moekit.tuning import FP8_SCALE_BLOCK, check_tile
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
+DECODE_MAX_PAIRS_FP8 = 16    # ... on block-scaled FP8 weights
 # ... and at most this many pairs per expert hit, expected under uniform routing (`expected_rereads`).
 # The direct path reads an expert's weights once per pair, so few experts (Mixtral 8x7B: E = 8,
 # K = 2) would re-read them several times a call; Qwen3-30B-A3B's largest direct call, T = 8, has 1.24.
@@ -142,11 +149,13 @@ def expected_rereads(num_tokens: int, top_k: int, num_experts: int) -> float:
     return num_tokens * top_k / hit
 
 
-def use_decode_direct(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def use_decode_direct(num_tokens: int, top_k: int, num_experts: int, *, fp8: bool = False) -> bool:
     """The triton backend's decision for a plain-SwiGLU inference call of T tokens, K slots, E experts:
-    at most `DECODE_MAX_PAIRS` pairs and `DECODE_MAX_REREAD` pairs per expert hit, and switched on."""
+    at most `DECODE_MAX_PAIRS` pairs (fp8: block-scaled FP8 weights, `DECODE_MAX_PAIRS_FP8`) and
+    `DECODE_MAX_REREAD` pairs per expert hit, and switched on."""
     num_pairs = num_tokens * top_k
-    if not 0 < num_pairs <= DECODE_MAX_PAIRS or num_experts < 1 or not decode_direct_enabled():
+    max_pairs = DECODE_MAX_PAIRS_FP8 if fp8 else DECODE_MAX_PAIRS
+    if not 0 < num_pairs <= max_pairs or num_experts < 1 or not decode_direct_enabled():
         return False
     return expected_rereads(num_tokens, top_k, num_experts) <= DECODE_MAX_REREAD
 

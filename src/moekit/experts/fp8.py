@@ -3,8 +3,8 @@
     triton, T * K above the decode bound     x quantized per token per 128 channels (one launch)
                                              -> align -> GEMM1 fp8 (SwiGLU, h quantized in its
                                              epilogue) -> GEMM2 fp8 (routing weight) -> slot sum
-    triton, few pairs (`moekit.decode`)      the two decode kernels on the e4m3 weights, scaled in
-                                             registers (w8a16: at decode sizes the weight bytes are
+    triton, few pairs (`moekit.decode`:      the two decode kernels on the e4m3 weights, scaled in
+    `DECODE_MAX_PAIRS_FP8`)                  registers (w8a16: at decode sizes the weight bytes are
                                              the cost, and bf16 activations lose nothing)
     loop                                     the fp32 twin (`experts_fp8_torch`), any device
 

@@ -8,7 +8,8 @@ is made here:
 
     path          "decode": the direct decode path (`moekit.decode`: two kernels, no align) for an
                   inference call of plain SwiGLU (no biases, not interleaved) with no config given,
-                  2-D ids and at most `DECODE_MAX_PAIRS` pairs, few of them per expert
+                  2-D ids and at most `DECODE_MAX_PAIRS` pairs (`DECODE_MAX_PAIRS_FP8` on FP8
+                  weights), few of them per expert
                   (`use_decode_direct`, which also reads $MOEKIT_DECODE_DIRECT); else "grouped"
                   (align, GEMM1, GEMM2, slot sum); `takes_decode_path`. First, because each path
                   has its own tiles: a given config names the grouped path's, so the tuner and
@@ -112,13 +113,15 @@ def align_backend(num_experts: int) -> str:
     return "triton" if num_experts <= MAX_TRITON_EXPERTS else "torch"
 
 
-def takes_decode_path(gate_up_proj: torch.Tensor, topk_ids: torch.Tensor, *, grad: bool = False,
+def takes_decode_path(gate_up_proj: torch.Tensor | Fp8Weight, topk_ids: torch.Tensor, *, grad: bool = False,
                       config: ExpertsConfig | None = None, plain: bool = True) -> bool:
-    """The plan's path: whether a call on these weights and ids runs the direct decode path (plain:
-    SwiGLU without biases or interleaved rows). The lab's row counts ask it too, so they follow the
-    call's path."""
-    return (config is None and not grad and plain and topk_ids.dim() == 2 and gate_up_proj.dim() == 3
-            and use_decode_direct(topk_ids.shape[0], topk_ids.shape[1], gate_up_proj.shape[0]))
+    """The plan's path: whether a call on these weights (dense or block-scaled FP8) and ids runs the
+    direct decode path (plain: SwiGLU without biases or interleaved rows). The lab's row counts ask
+    it too, so they follow the call's path."""
+    fp8 = isinstance(gate_up_proj, Fp8Weight)
+    shape = gate_up_proj.shape
+    return (config is None and not grad and plain and topk_ids.dim() == 2 and len(shape) == 3
+            and use_decode_direct(topk_ids.shape[0], topk_ids.shape[1], shape[0], fp8=fp8))
 
 
 def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -142,13 +145,13 @@ def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, do
     triton backward computes it."""
     device = hidden_states.device
     plain = not biases and activation.is_swiglu and not interleaved
-    fp8 = isinstance(gate_up_proj, Fp8Weight)
-    if fp8:         # block-scaled FP8 weights: their data's shape and layout; FP8 tiles
-        gate_up_proj, down_proj = gate_up_proj.data, down_proj.data
     if takes_decode_path(gate_up_proj, topk_ids, grad=grad, config=config, plain=plain):
         pairs = topk_ids.numel()
         return TritonPlan(DECODE, decode=decode_config(pairs), pdl=pdl_enabled(device),
                           weight_evict=weight_evict(device, pairs))
+    fp8 = isinstance(gate_up_proj, Fp8Weight)
+    if fp8:         # block-scaled FP8 weights: their data's shape and layout; FP8 tiles
+        gate_up_proj, down_proj = gate_up_proj.data, down_proj.data
     if config is None:
         config = auto_config(hidden_states.shape[0], gate_up_proj, topk_ids.shape[1],
                              FP8_DTYPE if fp8 else hidden_states.dtype, device)

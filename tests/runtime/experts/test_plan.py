@@ -108,6 +108,29 @@ def test_what_keeps_a_small_call_off_the_decode_path(monkeypatch, why, kwargs):
     assert plan.align == "triton" and plan.grad is kwargs.get("grad", False)
 
 
+def test_fp8_weights_take_the_decode_path_up_to_its_own_bound():
+    """Block-scaled FP8 weights: the direct decode path up to DECODE_MAX_PAIRS_FP8 pairs, the grouped
+    path with FP8 tiles past it, where dense weights of the same shape still take the decode path."""
+    from moekit.quant import quantize_experts
+
+    assert decode.DECODE_MAX_PAIRS_FP8 < decode.DECODE_MAX_PAIRS
+    num_experts, hidden, inter, top_k = 128, 128, 128, 8
+    gate_up = torch.randn(num_experts, 2 * inter, hidden) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter) / inter**0.5
+    fp8 = quantize_experts(gate_up), quantize_experts(down)
+    for tokens in (1, 2, 3, 4, 8):
+        x = torch.randn(tokens, hidden)
+        ids = distinct_topk_ids(tokens, num_experts, top_k, dtype=torch.int64)
+        pairs = tokens * top_k
+        dense = plan_triton_call(x, gate_up, down, ids)
+        plan = plan_triton_call(x, *fp8, ids)
+        assert dense.path == DECODE, tokens
+        assert plan.path == (DECODE if pairs <= decode.DECODE_MAX_PAIRS_FP8 else GROUPED), tokens
+        assert planning.takes_decode_path(fp8[0], ids) is (plan.path == DECODE)
+        if plan.path == GROUPED:
+            assert plan.config.block_k1 == plan.config.block_k2 == 128     # FP8 tiles: one scale block
+
+
 def test_many_pairs_take_the_grouped_path_with_the_tiles_for_their_rows():
     x, gate_up, down, _, ids = make(100)
     tiles = auto_config(100, gate_up, 2, x.dtype, x.device)

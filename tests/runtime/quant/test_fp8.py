@@ -266,7 +266,7 @@ def test_fp8_experts_within_twice_plain_pytorch(case):
         if tokens == 0:
             continue
         ref = experts_fp8_torch(x, gu, dn, w, ids)
-        if cfg is None and use_decode_direct(tokens, top_k, num_experts):     # the decode path: w8a16
+        if cfg is None and use_decode_direct(tokens, top_k, num_experts, fp8=True):    # decode: w8a16
             ref = decode_gemm2_sum_torch(decode_gemm1_swiglu_torch(x, gu.dequantize(), ids), dn.dequantize(),
                                          w, ids)
             assert rel_err(out, ref) < 2e-3                         # fp16 output rounding
@@ -445,7 +445,7 @@ def test_fp8_experts_gpu(tokens):
         forced = moe_experts(x, gu, dn, w, ids, config=CFGS["paired"])
     ref = experts_fp8_torch(x, gu, dn, w, ids)
     assert rel_err(forced, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
-    if use_decode_direct(tokens, top_k, num_experts):   # the decode path: w8a16, dequantized weights
+    if use_decode_direct(tokens, top_k, num_experts, fp8=True):   # the decode path: w8a16, dequantized
         h = decode_gemm1_swiglu_torch(x, gu.dequantize(), ids)
         assert rel_err(out, decode_gemm2_sum_torch(h, dn.dequantize(), w, ids)) < 1e-2
     else:
