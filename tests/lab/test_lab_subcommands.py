@@ -43,6 +43,35 @@ def test_profile_kernels_and_host_write_rows_and_report(tmp_path):
     assert run_cli(["report", str(out)]) == 0 and (out / "report.md").is_file()
 
 
+def test_profile_on_fp8_weights(tmp_path, monkeypatch):
+    """--weights fp8: the calls on the layer's weights in block-scaled FP8 (on the CPU the layer
+    CPU_SHAPE, float16 stand-ins), rows marked fp8, the host phases without the whole layer's."""
+    from moekit.bench.fp8 import CPU_SHAPE
+    from moekit.bench.layers import parse_shape
+    from moekit.quant import FP8_BLOCK, Fp8Weight
+
+    made = []
+    real = profile.fp8_factory
+    monkeypatch.setattr(profile, "fp8_factory", lambda backend, experts: made.append(experts) or real(backend,
+                                                                                                       experts))
+    out = tmp_path / "p"
+    argv = ["profile", "--weights", "fp8", "--what", "kernels,host", "--tokens", "2", "--rep", "2",
+            "--out", str(out)]
+    assert run_cli(argv) == 0
+    rows = _read(out, profile.STUDY)
+    assert rows and all(r.status == "ok" and r.weights == "fp8" for r in rows)
+    layer = parse_shape(CPU_SHAPE)
+    assert {(r.hidden_size, r.intermediate_size) for r in rows} == {(layer.shape.hidden_size,
+                                                                     layer.shape.intermediate_size)}
+    assert any(r.item.startswith("aten::") for r in rows if r.what == "kernels")
+    host = {r.item: r for r in rows if r.what == "host"}
+    assert set(host) == {"router", "experts"} and host["experts"].count >= 2     # the decode kernels, stubbed
+    assert f"## kernels: {layer.name} triton fp8 fwd, T = 2" in (out / "report.md").read_text()
+    e, i, h = layer.shape.num_experts, layer.shape.intermediate_size, layer.shape.hidden_size
+    assert len(made) == 2 and all(isinstance(x.gate_up, Fp8Weight) for x in made)   # one call per what
+    assert made[0].gate_up.scale.shape == (e, 2 * i // FP8_BLOCK, h // FP8_BLOCK)
+
+
 def test_stubbed_launches_run_no_kernel_and_count_each_launch():
     import torch
 
@@ -120,12 +149,15 @@ def test_e2e_smoke_times_every_implementation_and_compares_tokens(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["profile", "--what", "graph"], "--what graph needs a CUDA device"),
     (["profile", "--what", "flame"], "unknown profile 'flame'"),
+    (["profile", "--weights", "fp8", "--backward"], "FP8 experts are inference only"),
+    (["profile", "--weights", "fp8", "--backends", "triton,grouped_mm"], "--backends grouped_mm take no FP8"),
+    (["profile", "--weights", "fp8", "--preset", "tiny"], "FP8 block scaling needs both divisible by 128"),
     (["sweep", "--set", "align"], "unknown set 'align'"),
     (["sweep", "--graph"], "--graph needs a CUDA device"),
     (["e2e", "--what", "compiled"], "--what compiled needs a CUDA device"),
     (["e2e", "--new-tokens", "1"], "argument --new-tokens"),
-], ids=["profile-graph-cpu", "profile-what", "sweep-set", "sweep-graph-cpu", "e2e-compiled-cpu",
-        "e2e-new-tokens"])
+], ids=["profile-graph-cpu", "profile-what", "profile-fp8-backward", "profile-fp8-backends",
+        "profile-fp8-shape", "sweep-set", "sweep-graph-cpu", "e2e-compiled-cpu", "e2e-new-tokens"])
 def test_bad_arguments_get_one_error_line(argv, message, capsys, tmp_path):
     assert run_cli([*argv, "--out", str(tmp_path / "x")]) == 2
     assert message in error_line(capsys, f"moekit {argv[0]}")

@@ -56,13 +56,16 @@ class KernelFlops:
 def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> list[KernelFlops]:
     """The GEMM launches of one triton call on `pairs` valid pairs, in launch order (module doc);
     with `backward`, those of a forward + backward (the forward's first). Align and sum kernels do
-    no GEMM FLOPs and are not listed; the decode path's kernels are (a call runs one path or the other)."""
+    no GEMM FLOPs and are not listed; the decode path's kernels and the FP8 GEMMs are (a call runs
+    one path on one weight format)."""
     s, h, i = pairs, shape.hidden_size, shape.intermediate_size
     gemm1, gemm2 = 2 * s * h * 2 * i, 2 * s * i * h
     out = [KernelFlops("moe_gemm1_swiglu_kernel", "GEMM1: gate/up + SwiGLU", gemm1),
            KernelFlops("moe_gemm2_kernel", "GEMM2: down + weight", gemm2),
            KernelFlops("decode_gemm1_swiglu_kernel", "GEMM1, direct decode", gemm1),
-           KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2)]
+           KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2),
+           KernelFlops("moe_gemm1_fp8_kernel", "GEMM1 fp8: gate/up + SwiGLU + h quantized", gemm1),
+           KernelFlops("moe_gemm2_fp8_kernel", "GEMM2 fp8: down + weight", gemm2)]
     if backward:
         out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
                 KernelFlops("gluon_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),

@@ -15,6 +15,11 @@
 Programmatic dependent launch is off unless --pdl: under it a kernel starts while the one before it
 runs and waits inside, so its profiled duration would include that wait.
 
+--weights fp8 profiles the calls on the layer's expert weights quantized once to block-scaled e4m3
+(`moekit.bench.fp8`, as `moekit bench --weights fp8` times them; forward only, backends that take
+FP8 weights; on a CPU-only machine without a layer given, the layer `moekit.bench.fp8.CPU_SHAPE`):
+the same items, the host phases without the whole layer's.
+
 Every time is `moekit.bench.timing.time_fn`'s (host times: on the CPU clock, no flush). Rows follow
 `ProfileRow` (long format, provenance in every row); `moekit report DIR` redraws report.md.
 """
@@ -36,10 +41,12 @@ import torch
 from moekit.bench import args as arg_types
 from moekit.bench.args import usage_error
 from moekit.bench.backward import TrainingStep, training_workload
+from moekit.bench.fp8 import CPU_SHAPE, Fp8Experts, fp8_backends, fp8_factory, quantize_layer, shape_problem
 from moekit.bench.kernel_work import TILED, KernelFlops, label_launches, triton_kernel_flops, triton_rows
 from moekit.bench.lab import first_line, layer_head, report, run_study
 from moekit.bench.launches import patched_runs
-from moekit.bench.results import LayerRow
+from moekit.bench.layers import parse_shape
+from moekit.bench.results import FP8, LayerRow
 from moekit.bench.runner import LAYER, Workload, backend_factory, make_weights, make_workload
 from moekit.bench.study import FILES, Files, Study
 from moekit.bench.timing import capture_graph, sync, time_fn
@@ -71,6 +78,12 @@ class ProfileRow(LayerRow):
     count: int | None
     ms: float
     gflop: float
+    weights: str = ""
+
+
+def _case_name(r: ProfileRow) -> str:
+    fp8 = " fp8" if r.weights == FP8 else ""
+    return f"{r.what}: {r.preset} {r.backend}{fp8} {r.direction}, T = {r.tokens}"
 
 
 def render(rows: Sequence[ProfileRow], files: Files = FILES) -> dict[str, str]:
@@ -78,7 +91,7 @@ def render(rows: Sequence[ProfileRow], files: Files = FILES) -> dict[str, str]:
              for r in rows if r.status != "ok"]
     return {files.report: report(
         [r for r in rows if r.status == "ok"] or rows, "moekit profile",
-        lambda r: f"{r.what}: {r.preset} {r.backend} {r.direction}, T = {r.tokens}",
+        _case_name,
         ("item", "role", "count", "ms", "gflop"), notes)}
 
 
@@ -108,10 +121,11 @@ def stubbed_launches(sink: list) -> Iterator[None]:
         yield
 
 
-def _call(work: Workload, backend: str, backward: bool) -> Callable[[], object]:
+def _call(work: Workload, backend: str, backward: bool,
+          experts: Fp8Experts | None = None) -> Callable[[], object]:
     if backward:
         return TrainingStep(work, backend)
-    fn = backend_factory(backend)(work)
+    fn = (backend_factory(backend) if experts is None else fp8_factory(backend, experts))(work)
 
     def forward():
         with torch.no_grad():
@@ -158,8 +172,10 @@ def _kernel_rows(fn: Callable[[], object], device: torch.device,
             *kernels[:TOP], *tail]
 
 
-def _host_rows(work: Workload, backend: str, backward: bool, rep: int | None) -> list[dict]:
-    """Host ms a call of each phase, launches stubbed (and on CUDA launched, the device behind)."""
+def _host_rows(work: Workload, backend: str, backward: bool, rep: int | None,
+               experts: Fp8Experts | None = None) -> list[dict]:
+    """Host ms a call of each phase, launches stubbed (and on CUDA launched, the device behind).
+    experts: the calls on these FP8 weights (no whole-layer phase)."""
     from moekit.experts import moe_experts
     from moekit.routing import route
 
@@ -167,6 +183,8 @@ def _host_rows(work: Workload, backend: str, backward: bool, rep: int | None) ->
     calls = {"router": lambda: route(work.x, wt.router_weight, s.top_k, renormalize=s.norm_topk_prob)}
     if backward:
         calls["step"] = TrainingStep(work, backend)
+    elif experts is not None:
+        calls["experts"] = fp8_factory(backend, experts)(work)
     else:
         args = (work.x, wt.gate_up_proj, wt.down_proj, work.topk_weights, work.topk_ids)
         calls["experts"] = lambda: moe_experts(*args, backend=backend, validate=False)
@@ -205,11 +223,12 @@ def _graph_rows(fn: Callable[[], object], device: torch.device, rep: int | None)
     return [*rows, {"item": "host replay", "ms": host}]
 
 
-def case_rows(what: str, work: Workload, backend: str, backward: bool, rep: int | None) -> list[dict]:
-    """The items of one (what, T, backend) case."""
+def case_rows(what: str, work: Workload, backend: str, backward: bool, rep: int | None,
+              experts: Fp8Experts | None = None) -> list[dict]:
+    """The items of one (what, T, backend) case; experts: on these FP8 weights."""
     if what == "host":
-        return _host_rows(work, backend, backward, rep)
-    fn = _call(work, backend, backward)
+        return _host_rows(work, backend, backward, rep, experts)
+    fn = _call(work, backend, backward, experts)
     if what == "graph":
         return _graph_rows(fn, work.device, rep)
     flops = ()
@@ -231,11 +250,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward", action="store_true", help="profile one training step (forward + backward)")
     p.add_argument("--pdl", action="store_true", help="keep programmatic dependent launch on")
     arg_types.add_dtype(p)
+    arg_types.add_weights(p, "the expert weights: dense in --dtype (default), or fp8: block-scaled e4m3 "
+                             "(one fp32 scale per 128x128 block), forward only, backends that take them")
     arg_types.add_timing(p, "timed calls per host or graph timing (default: time_fn's)")
     arg_types.add_device(p)
     arg_types.add_seed(p)
     arg_types.add_out(p, "profile-<UTC timestamp>", STUDY.result_names)
     arg_types.add_threads(p)
+
+
+def _check_fp8(args: argparse.Namespace, layer) -> None:
+    """--weights fp8's conditions: forward only, backends that take FP8 weights, H and I multiples of
+    128 (ValueError naming what is wrong)."""
+    if args.backward:
+        raise ValueError("--weights fp8: FP8 experts are inference only; drop --backward")
+    others = [b for b in args.backends if b not in fp8_backends(args.backends)]
+    if others:
+        raise ValueError(f"--weights fp8: --backends {','.join(others)} take no FP8 weights; those that do: "
+                         f"{','.join(fp8_backends())}")
+    problem = shape_problem(layer.name, layer.shape)
+    if problem:
+        raise ValueError("--weights fp8: " + problem)
 
 
 def _known_backends() -> list[str]:
@@ -245,11 +280,17 @@ def _known_backends() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    fp8 = args.weights == FP8
     try:
         device = arg_types.resolve_device(args.device)
         if "graph" in args.what and device.type != "cuda":
             raise ValueError("--what graph needs a CUDA device")
-        layer = arg_types.resolve_layer(args, device)
+        if fp8 and not arg_types.layer_given(args) and device.type != "cuda":
+            layer = parse_shape(CPU_SHAPE)
+        else:
+            layer = arg_types.resolve_layer(args, device)
+        if fp8:
+            _check_fp8(args, layer)
     except ValueError as exc:
         return usage_error(PROG, exc)
     dtype = arg_types.resolve_dtype(args.dtype, device)
@@ -258,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(console, ceilings, prov) -> list[ProfileRow]:
         weights = make_weights(layer.shape, dtype, device, args.seed)
+        experts = quantize_layer(weights) if fp8 else None
+        tag = {"weights": FP8 if fp8 else str(dtype).removeprefix("torch.")}
         out = []
         for t in tokens:
             work = make_workload(layer.name, layer.shape, t, weights, dtype, device, seed=args.seed,
@@ -266,14 +309,16 @@ def run(args: argparse.Namespace) -> int:
             head = layer_head(prov, layer, tokens=t, direction=direction)
             for what in args.what:
                 for backend in args.backends:
-                    console.print(f"  {what} {layer.name} T={t} {backend} {direction}", highlight=False)
+                    console.print(f"  {what} {layer.name} T={t} {backend}{' fp8' if fp8 else ''} {direction}",
+                                  highlight=False)
                     try:
-                        items, status, reason = (case_rows(what, work, backend, args.backward, args.rep),
-                                                  "ok", "")
+                        items, status, reason = (case_rows(what, work, backend, args.backward, args.rep,
+                                                           experts), "ok", "")
                     except Exception as exc:  # one case lost, not the study
                         items, status, reason = [{"item": "(call)"}], "error", first_line(exc)
                     out += [ProfileRow(**head, what=what, backend=backend, status=status, reason=reason,
-                                       **{"role": "", "count": None, "ms": math.nan, "gflop": math.nan, **i})
+                                       **tag, **{"role": "", "count": None, "ms": math.nan, "gflop": math.nan,
+                                                 **i})
                             for i in items]
         return out
 
