@@ -18,6 +18,7 @@ from moekit.bench.kernel_work import (
     KernelFlops,
     RowsComputed,
     aligned_rows,
+    forward_gemm_bytes,
     label_launches,
     padded_rows,
     triton_kernel_flops,
@@ -86,6 +87,60 @@ def test_kernel_flops_match_a_hand_count():
     total = sum(k.flops for k in step if not k.kernel.startswith("decode_") and "fp8" not in k.kernel)
     train = training_traffic(shape, 5, torch.zeros(5, 2, dtype=torch.int32), torch.float32).flops
     assert total == 552_960 == train
+
+
+def test_forward_gemm_bytes_and_floors_match_a_hand_count():
+    """The least bytes of each forward GEMM launch: the weights of the experts hit (FP8: e4m3 data and
+    one fp32 scale per 128 x 128 block), x read, h written (GEMM1), h read, y written (GEMM2); a
+    launch's floor is the larger of its bytes over the copy ceiling and its FLOPs over the matmul
+    ceiling, the FP8 one for the FP8 GEMMs (`moekit profile`'s floor_ms)."""
+    from types import SimpleNamespace
+
+    from moekit.bench.profile import gemm_floors
+
+    shape = MoEShape(8, 128, 128, 2)
+    # 3 tokens, 5 valid pairs (one id outside [0, E)), experts 0, 1, 2 hit
+    ids = torch.tensor([[0, 1], [1, 2], [0, 9]])
+    dense = forward_gemm_bytes(shape, 3, 5, 3, 2)
+    gemm1 = 3 * 256 * 128 * 2 + (3 + 5) * 128 * 2           # weights of 3 experts, x (3 rows), h (5 rows)
+    assert dense["moe_gemm1_swiglu_kernel"] == dense["decode_gemm1_swiglu_kernel"] == gemm1
+    assert dense["moe_gemm2_kernel"] == dense["decode_gemm2_sum_kernel"] == 3 * 128 * 128 * 2 + 10 * 128 * 2
+    fp8 = forward_gemm_bytes(shape, 3, 5, 3, 2, fp8=True)
+    assert fp8["moe_gemm1_fp8_kernel"] == (3 * 256 * 128 + 3 * 2 * 4) + 8 * 128 * 2     # data + scales
+    assert fp8["moe_gemm2_fp8_kernel"] == (3 * 128 * 128 + 3 * 4) + 10 * 128 * 2
+    work = SimpleNamespace(topk_ids=ids, shape=shape, tokens=3, x=torch.zeros(3, 128, dtype=torch.bfloat16))
+    gemm1_flops = 2 * 5 * 128 * 256
+    by_bytes = gemm_floors(work, 5, Ceilings(copy_gbps=1000.0, matmul_tflops=100.0, fp8_tflops=200.0), True)
+    assert by_bytes["moe_gemm1_fp8_kernel"] == pytest.approx(fp8["moe_gemm1_fp8_kernel"] / 1e12 * 1e3)
+    by_flops = gemm_floors(work, 5, Ceilings(copy_gbps=1e9, matmul_tflops=100.0, fp8_tflops=200.0), True)
+    assert by_flops["moe_gemm1_fp8_kernel"] == pytest.approx(gemm1_flops / 200e12 * 1e3)
+    assert by_flops["moe_gemm1_swiglu_kernel"] == pytest.approx(gemm1_flops / 100e12 * 1e3)
+
+
+def test_device_rows_sum_launches_and_give_each_gemm_its_floor():
+    """`moekit profile`'s kernel rows from device intervals: launches and ms per kernel and role, the
+    device-busy union, useful GFLOP by launch order, and floor_ms / pct_floor for the kernels given
+    a floor (summed over their launches)."""
+    from moekit.bench.profile import device_rows
+
+    shape = MoEShape(8, 64, 48, 2)
+    flops = triton_kernel_flops(shape, 10)
+    events = [(0.0, 10.0, "align_hist_kernel"), (10.0, 110.0, "moe_gemm1_swiglu_kernel"),
+              (105.0, 155.0, "moe_gemm2_kernel"), (200.0, 210.0, "moe_sum_kernel")]
+    rows = device_rows(events, flops, {"moe_gemm1_swiglu_kernel": 0.05, "moe_gemm2_kernel": 0.01})
+    busy, *kernels = rows
+    assert busy == {"item": "(device busy)", "count": 4, "ms": pytest.approx(0.165)}   # 155 + 10 µs
+    by = {r["item"]: r for r in kernels}
+    assert [r["item"] for r in kernels][:2] == ["moe_gemm1_swiglu_kernel", "moe_gemm2_kernel"]
+    g1, g2 = by["moe_gemm1_swiglu_kernel"], by["moe_gemm2_kernel"]
+    assert (g1["count"], g1["ms"]) == (1, pytest.approx(0.1))
+    assert g1["gflop"] == pytest.approx(2 * 10 * 64 * 96 / 1e9)
+    assert (g1["floor_ms"], g1["pct_floor"]) == (0.05, pytest.approx(50.0))
+    assert (g2["floor_ms"], g2["pct_floor"]) == (0.01, pytest.approx(20.0))
+    assert "floor_ms" not in by["moe_sum_kernel"] and math.isnan(by["moe_sum_kernel"]["gflop"])
+    twice = device_rows([(0.0, 30.0, "moe_gemm2_fp8_kernel"), (40.0, 50.0, "moe_gemm2_fp8_kernel")], (),
+                        {"moe_gemm2_fp8_kernel": 0.01})[1]          # two launches: two floors, 40 µs
+    assert (twice["count"], twice["floor_ms"], twice["pct_floor"]) == (2, 0.02, pytest.approx(50.0))
 
 
 def test_launches_are_told_apart_by_their_order():

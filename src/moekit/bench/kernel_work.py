@@ -22,6 +22,12 @@ autograd path saves the pre-activations; only `experts_triton_grads`, the backwa
 alone, recomputes a and b: 4 S H I more, not counted here). A kernel launched for two roles (GEMM2
 and dx, the two weight gradients) is told apart by its launch order (`label_launches`).
 
+Bytes (`forward_gemm_bytes`): the least each forward GEMM launch moves, for its floor beside its
+time (`moekit profile`): the weights of the experts hit (block-scaled FP8: e4m3 data and fp32
+scales), its activations read once and its output written once, in the activations' dtype:
+
+    GEMM1   E_hit 2I H weights + T H (x) + S I (h)        GEMM2   E_hit H I weights + S I (h) + S H (y)
+
 Rows computed: every grouped GEMM runs each expert's pairs rounded up to the align block's
 block_m rows, num_padded rows in all (paired tiles compute the same rows: experts stay padded to
 block_m), so it does rows / S times the useful FLOPs (`RowsComputed`; `triton_rows` reads num_padded
@@ -38,6 +44,7 @@ import torch
 from moekit.experts.plan import auto_config, takes_decode_path
 from moekit.experts.triton import align_pairs
 from moekit.grouped_gemm.backward import gathers_a, gluon_a_chunks
+from moekit.quant import fp8_bytes
 from moekit.shapes import MoEShape
 from moekit.tuning import ExpertsConfig, gluon_wgrad_tiles
 
@@ -82,6 +89,23 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
         role = "d down_proj" if chunks == 1 else f"d down_proj, 1 of {chunks} column chunks"
         out += [KernelFlops("gluon_wgrad_kernel", role, 2 * s * h * i // chunks)] * chunks
     return out
+
+
+def forward_gemm_bytes(shape: MoEShape, tokens: int, pairs: int, experts_hit: int, itemsize: int,
+                       fp8: bool = False) -> dict[str, int]:
+    """The least bytes each forward GEMM kernel's launch moves (module doc), by kernel name: the
+    grouped path's, the decode path's and the FP8 GEMMs' (a call runs one pair of them); itemsize:
+    the activations'; fp8: the weights are block-scaled FP8."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    if fp8:
+        w1, w2 = fp8_bytes((experts_hit, 2 * i, h)), fp8_bytes((experts_hit, h, i))
+    else:
+        w1, w2 = experts_hit * 2 * i * h * itemsize, experts_hit * h * i * itemsize
+    gemm1 = w1 + (tokens * h + pairs * i) * itemsize
+    gemm2 = w2 + (pairs * i + pairs * h) * itemsize
+    names1 = ("moe_gemm1_swiglu_kernel", "decode_gemm1_swiglu_kernel", "moe_gemm1_fp8_kernel")
+    names2 = ("moe_gemm2_kernel", "decode_gemm2_sum_kernel", "moe_gemm2_fp8_kernel")
+    return {**dict.fromkeys(names1, gemm1), **dict.fromkeys(names2, gemm2)}
 
 
 def label_launches(names: Sequence[str], flops: Sequence[KernelFlops]) -> list[KernelFlops | None]:

@@ -2,8 +2,11 @@
 
     --what kernels   one call under torch.profiler: on CUDA every kernel (and copy) grouped by name,
                      with its launches, device ms and useful FLOPs (the triton path's GEMMs,
-                     `kernel_work.triton_kernel_flops`), and the call's wall and device-busy ms;
-                     on the CPU the aten ops' self time (no device timeline)
+                     `kernel_work.triton_kernel_flops`), for the forward's GEMMs their floor
+                     (the larger of `kernel_work.forward_gemm_bytes` over the copy ceiling and the
+                     FLOPs over the matmul ceiling, the FP8 one for the FP8 GEMMs) and the % of it
+                     their time reaches, and the call's wall and device-busy ms; on the CPU the
+                     aten ops' self time (no device timeline)
     --what host      the host work of a call with every moekit kernel's launch a no-op: the router,
                      the experts entry, the whole `MoELayer` (forward) or the training step
                      (--backward), ms a call and Triton launches a call; on CUDA also the same calls
@@ -41,8 +44,16 @@ import torch
 from moekit.bench import args as arg_types
 from moekit.bench.args import usage_error
 from moekit.bench.backward import TrainingStep, training_workload
+from moekit.bench.ceilings import Ceilings
 from moekit.bench.fp8 import CPU_SHAPE, Fp8Experts, fp8_backends, fp8_factory, quantize_layer, shape_problem
-from moekit.bench.kernel_work import TILED, KernelFlops, label_launches, triton_kernel_flops, triton_rows
+from moekit.bench.kernel_work import (
+    TILED,
+    KernelFlops,
+    forward_gemm_bytes,
+    label_launches,
+    triton_kernel_flops,
+    triton_rows,
+)
 from moekit.bench.lab import first_line, layer_head, report, run_study
 from moekit.bench.launches import patched_runs
 from moekit.bench.layers import parse_shape
@@ -79,6 +90,8 @@ class ProfileRow(LayerRow):
     ms: float
     gflop: float
     weights: str = ""
+    floor_ms: float = math.nan
+    pct_floor: float = math.nan
 
 
 def _case_name(r: ProfileRow) -> str:
@@ -92,7 +105,7 @@ def render(rows: Sequence[ProfileRow], files: Files = FILES) -> dict[str, str]:
     return {files.report: report(
         [r for r in rows if r.status == "ok"] or rows, "moekit profile",
         _case_name,
-        ("item", "role", "count", "ms", "gflop"), notes)}
+        ("item", "role", "count", "ms", "gflop", "floor_ms", "pct_floor"), notes)}
 
 
 STUDY = Study("profile", ProfileRow, render)
@@ -133,9 +146,10 @@ def _call(work: Workload, backend: str, backward: bool,
     return forward
 
 
-def _kernel_rows(fn: Callable[[], object], device: torch.device,
-                 flops: Sequence[KernelFlops]) -> list[dict]:
-    """One profiled call (after three untimed ones): its kernels (CUDA) or aten ops (CPU), largest first."""
+def _kernel_rows(fn: Callable[[], object], device: torch.device, flops: Sequence[KernelFlops],
+                 floors: dict[str, float] | None = None) -> list[dict]:
+    """One profiled call (after three untimed ones): its kernels (CUDA) or aten ops (CPU), largest
+    first; floors: a launch's floor in ms by kernel name (`device_rows`)."""
     for _ in range(3):
         fn()
     sync(device)
@@ -152,6 +166,16 @@ def _kernel_rows(fn: Callable[[], object], device: torch.device,
         return [{"item": "(wall)", "ms": wall}, *sorted(ops, key=lambda r: -r["ms"])]
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [{"item": "(wall)", "ms": wall}, *device_rows(events, flops, floors)]
+
+
+def device_rows(events: Sequence[tuple[float, float, str]], flops: Sequence[KernelFlops] = (),
+                floors: dict[str, float] | None = None) -> list[dict]:
+    """The device's launches (start and end in µs, kernel name; in launch order) as rows: "(device
+    busy)" (the union of their intervals), then one row per kernel and role, largest first (the
+    first TOP, the rest summed): launches, ms, useful GFLOP (`label_launches` on flops) and, for a
+    kernel in floors (a launch's floor in ms), floor_ms and pct_floor (its floor over its time)."""
+    floors = floors or {}
     by: dict[tuple[str, str], dict] = {}
     for (start, end, name), k in zip(events, label_launches([n for *_, n in events], flops)):
         row = by.setdefault((name, k.role if k else ""), {"item": name, "role": k.role if k else "",
@@ -160,16 +184,20 @@ def _kernel_rows(fn: Callable[[], object], device: torch.device,
         row["ms"] += (end - start) / 1e3
         if k is not None:
             row["gflop"] = (0.0 if math.isnan(row["gflop"]) else row["gflop"]) + k.flops / 1e9
+        if name in floors:
+            row["floor_ms"] = row.get("floor_ms", 0.0) + floors[name]
     busy, last = 0.0, -math.inf        # the union of the device intervals
     for start, end, _ in events:
         busy += max(0.0, end - max(start, last)) / 1e3
         last = max(last, end)
+    for row in by.values():
+        if "floor_ms" in row and row["ms"] > 0:
+            row["pct_floor"] = 100.0 * row["floor_ms"] / row["ms"]
     kernels = sorted(by.values(), key=lambda r: -r["ms"])
     rest = kernels[TOP:]
     tail = [{"item": f"({len(rest)} others)", "count": sum(r["count"] for r in rest),
              "ms": sum(r["ms"] for r in rest)}] if rest else []
-    return [{"item": "(wall)", "ms": wall}, {"item": "(device busy)", "count": len(events), "ms": busy},
-            *kernels[:TOP], *tail]
+    return [{"item": "(device busy)", "count": len(events), "ms": busy}, *kernels[:TOP], *tail]
 
 
 def _host_rows(work: Workload, backend: str, backward: bool, rep: int | None,
@@ -223,19 +251,34 @@ def _graph_rows(fn: Callable[[], object], device: torch.device, rep: int | None)
     return [*rows, {"item": "host replay", "ms": host}]
 
 
+def gemm_floors(work: Workload, pairs: int, ceilings: Ceilings, fp8: bool) -> dict[str, float]:
+    """The forward GEMM launches' floors in ms by kernel name (`kernel_work.forward_gemm_bytes` and
+    `triton_kernel_flops` against the ceilings; the FP8 GEMMs on the FP8 matmul ceiling)."""
+    ids = work.topk_ids.reshape(-1)
+    hit = int(torch.unique(ids[(ids >= 0) & (ids < work.shape.num_experts)]).numel())
+    moved = forward_gemm_bytes(work.shape, work.tokens, pairs, hit, work.x.element_size(), fp8)
+    flops = {k.kernel: k.flops for k in triton_kernel_flops(work.shape, pairs)}
+    return {name: max(b / (ceilings.copy_gbps * 1e9),
+                      flops[name] / (ceilings.compute_tflops("fp8" in name) * 1e12)) * 1e3
+            for name, b in moved.items()}
+
+
 def case_rows(what: str, work: Workload, backend: str, backward: bool, rep: int | None,
-              experts: Fp8Experts | None = None) -> list[dict]:
-    """The items of one (what, T, backend) case; experts: on these FP8 weights."""
+              experts: Fp8Experts | None = None, ceilings: Ceilings | None = None) -> list[dict]:
+    """The items of one (what, T, backend) case; experts: on these FP8 weights; ceilings: the
+    device's, for the forward GEMMs' floors."""
     if what == "host":
         return _host_rows(work, backend, backward, rep, experts)
     fn = _call(work, backend, backward, experts)
     if what == "graph":
         return _graph_rows(fn, work.device, rep)
-    flops = ()
+    flops, floors = (), {}
     if backend == TILED:
         rows = triton_rows(work.x, work.weights.gate_up_proj, work.topk_ids, grad=backward)
         flops = triton_kernel_flops(work.shape, rows.pairs, backward)
-    return _kernel_rows(fn, work.device, flops)
+        if not backward and ceilings is not None:
+            floors = gemm_floors(work, rows.pairs, ceilings, experts is not None)
+    return _kernel_rows(fn, work.device, flops, floors)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -313,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                                   highlight=False)
                     try:
                         items, status, reason = (case_rows(what, work, backend, args.backward, args.rep,
-                                                           experts), "ok", "")
+                                                           experts, ceilings), "ok", "")
                     except Exception as exc:  # one case lost, not the study
                         items, status, reason = [{"item": "(call)"}], "error", first_line(exc)
                     out += [ProfileRow(**head, what=what, backend=backend, status=status, reason=reason,
@@ -324,5 +367,6 @@ def run(args: argparse.Namespace) -> int:
 
     with mock.patch.dict(os.environ, {PDL_ENV: "1" if args.pdl else "0"}):     # read at each launch
         return run_study(PROG, args, STUDY, device, dtype, measure,
-                         lambda r: f"{r.what} T={r.tokens} {r.backend} ({r.direction})", rep=args.rep)
+                         lambda r: f"{r.what} T={r.tokens} {r.backend} ({r.direction})", rep=args.rep,
+                         fp8=fp8)
 
