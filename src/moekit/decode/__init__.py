@@ -19,11 +19,9 @@ pairs is read twice), unless switched off: `MOEKIT_DECODE_DIRECT=0`
 Why 64 pairs: past that, sorting pairs by expert pays for itself (the normal path's tuned tiles
 read each expert's weights once for several pairs); below it, the direct path saves launches and
 host time (3 launches and 6 torch ops a layer call instead of 5 and 10). Why 16 on FP8 weights:
-each program's loads are waited on step by step in registers, so the decode kernels move about as
-many loads at a time on one-byte weights as on two-byte ones, half the bytes; the normal path's
-tiles bring theirs through a shared-memory pipeline and read FP8 weights in about half the time. On
-the H200 the normal path ran FP8 weights 15-18% faster at 4 and 8 tokens of Qwen3-30B-A3B (32 and
-64 pairs) and level at 2 (`moekit sweep --set fp8`, benchmarks/results/h200/2026-12-04_a8ceac4).
+the decode kernels wait on each step's loads in registers, so one-byte weights halve their bytes
+but not their time, while the normal path's shared-memory pipeline reads them in about half the
+time and overtakes the decode kernels from about 32 pairs (measured: the CHANGELOG).
 
 Rounding: h is stored in the activation dtype (as the normal path's h); GEMV2 keeps each pair's row
 and the slot sum in fp32 and rounds once, at the store (the normal path rounds y per pair first).
