@@ -106,6 +106,10 @@ DEFAULT_DECODE = DecodeConfig()
 # tiles: more loads in flight when only one or two tokens' outputs are being produced.
 SMALL_DECODE = DecodeConfig(gemv2=GemvTiles(block_n=8, block_k=128), slots2=8)
 SMALL_DECODE_PAIRS = 16
+# On one-byte FP8 weights GEMV1 sums each step at once and GEMV2 runs 8 warps: fewer registers a
+# program for the accumulators, more loads in flight (the CHANGELOG has the comparison).
+SMALL_DECODE_FP8 = DecodeConfig(GemvTiles(block_n=16, block_k=256, step_sum=True),
+                                GemvTiles(block_n=8, block_k=128, warps=8), slots2=8)
 # Candidates for the GPU comparison (`moekit sweep --set decode`) and the sm_90 compile check
 # (tools/aot_compile_check.py --decode): narrower / wider column tiles, more warps and a longer
 # reduction step, the loops unrolled twice, GEMV2 over 8 slots at once, step sums (fewer registers
@@ -120,8 +124,7 @@ DECODE_TILES = (
     DecodeConfig(gemv2=GemvTiles(block_n=16, block_k=128, warps=8), slots2=8),
     DecodeConfig(GemvTiles(block_n=16, block_k=512, warps=8, step_sum=True),
                  GemvTiles(block_n=4, block_k=256, step_sum=True), slots2=8),
-    DecodeConfig(GemvTiles(block_n=16, block_k=256, step_sum=True),
-                 GemvTiles(block_n=8, block_k=128, warps=8), slots2=8),
+    SMALL_DECODE_FP8,
 )
 
 
@@ -130,9 +133,11 @@ def decode_direct_enabled() -> bool:
     return env.flag(ENV_VAR)
 
 
-def decode_config(num_pairs: int) -> DecodeConfig:
-    """The tiles the backend runs for num_pairs = T * K pairs (one-byte FP8 weights too: no tile set
-    of `DECODE_TILES`, step sums included, ran them consistently faster on the H200)."""
+def decode_config(num_pairs: int, fp8: bool = False) -> DecodeConfig:
+    """The tiles the backend runs for num_pairs = T * K pairs; fp8: on block-scaled FP8 weights, which
+    take the decode path up to `DECODE_MAX_PAIRS_FP8` pairs on `SMALL_DECODE_FP8`'s tiles."""
+    if fp8 and num_pairs <= SMALL_DECODE_PAIRS:
+        return SMALL_DECODE_FP8
     return SMALL_DECODE if num_pairs <= SMALL_DECODE_PAIRS else DEFAULT_DECODE
 
 
@@ -224,10 +229,10 @@ def experts_decode(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                    cfg: DecodeConfig | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                    *, pdl: bool | None = None, evict: str | None = None) -> torch.Tensor:
-    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles;
-    pdl, evict: as in `decode_gemm1_swiglu`). scales: the weights are block-scaled FP8 data and these
-    their (gate_up, down) block scales."""
-    cfg = decode_config(topk_ids.numel()) if cfg is None else cfg
+    """The whole direct path into out (T, H): the two launches (cfg None: `decode_config`'s tiles for
+    the pairs and the weights' format; pdl, evict: as in `decode_gemm1_swiglu`). scales: the weights
+    are block-scaled FP8 data and these their (gate_up, down) block scales."""
+    cfg = decode_config(topk_ids.numel(), scales is not None) if cfg is None else cfg
     gs, ds = (None, None) if scales is None else scales
     h = decode_gemm1_swiglu(x, gate_up_proj, topk_ids, cfg, w_scale=gs, pdl=pdl, evict=evict)
     return decode_gemm2_sum(h, down_proj, topk_weights, topk_ids, out, cfg, w_scale=ds, pdl=pdl, evict=evict)

@@ -14,7 +14,7 @@ is made here:
                   (align, GEMM1, GEMM2, slot sum); `takes_decode_path`. First, because each path
                   has its own tiles: a given config names the grouped path's, so the tuner and
                   ablate always get that path.
-    decode        decode: both kernels' tiles for T * K pairs (`decode_config`).
+    decode        decode: both kernels' tiles for T * K pairs and the weights' format (`decode_config`).
     weight_evict  decode: the kernels' weight-load eviction policy ("evict_first" or "";
                   `moekit.launch_hints.weight_evict`: Hopper+, a few pairs, its switch). Read once a
                   call, so both kernels load the weights alike.
@@ -145,11 +145,11 @@ def plan_triton_call(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, do
     triton backward computes it."""
     device = hidden_states.device
     plain = not biases and activation.is_swiglu and not interleaved
+    fp8 = isinstance(gate_up_proj, Fp8Weight)
     if takes_decode_path(gate_up_proj, topk_ids, grad=grad, config=config, plain=plain):
         pairs = topk_ids.numel()
-        return TritonPlan(DECODE, decode=decode_config(pairs), pdl=pdl_enabled(device),
+        return TritonPlan(DECODE, decode=decode_config(pairs, fp8), pdl=pdl_enabled(device),
                           weight_evict=weight_evict(device, pairs))
-    fp8 = isinstance(gate_up_proj, Fp8Weight)
     if fp8:         # block-scaled FP8 weights: their data's shape and layout; FP8 tiles
         gate_up_proj, down_proj = gate_up_proj.data, down_proj.data
     if config is None:

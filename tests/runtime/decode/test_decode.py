@@ -14,11 +14,13 @@ from moekit import ExpertsConfig, moe_experts
 from moekit._workspace import poisoning
 from moekit.decode import (
     DECODE_MAX_PAIRS,
+    DECODE_MAX_PAIRS_FP8,
     DECODE_MAX_REREAD,
     DECODE_TILES,
     DEFAULT_DECODE,
     ENV_VAR,
     SMALL_DECODE,
+    SMALL_DECODE_FP8,
     SMALL_DECODE_PAIRS,
     DecodeConfig,
     GemvTiles,
@@ -178,6 +180,10 @@ def test_direct_path_only_where_experts_are_read_about_once():
 def test_tiles_by_pairs():
     assert decode_config(1) == decode_config(SMALL_DECODE_PAIRS) == SMALL_DECODE
     assert decode_config(SMALL_DECODE_PAIRS + 1) == decode_config(DECODE_MAX_PAIRS) == DEFAULT_DECODE
+    # FP8 weights: their own small tiles, up to their bound (at most SMALL_DECODE_PAIRS pairs)
+    assert decode_config(1, fp8=True) == decode_config(SMALL_DECODE_PAIRS, fp8=True) == SMALL_DECODE_FP8
+    assert DECODE_MAX_PAIRS_FP8 <= SMALL_DECODE_PAIRS and SMALL_DECODE_FP8 in DECODE_TILES
+    assert SMALL_DECODE_FP8 != SMALL_DECODE
     assert GemvTiles(step_sum=True).label().endswith("r") and not GemvTiles().label().endswith("r")
     with pytest.raises(ValueError, match="GemvTiles.step_sum must be a bool"):
         GemvTiles(step_sum=1)

@@ -127,6 +127,8 @@ def test_fp8_weights_take_the_decode_path_up_to_its_own_bound():
         assert dense.path == DECODE, tokens
         assert plan.path == (DECODE if pairs <= decode.DECODE_MAX_PAIRS_FP8 else GROUPED), tokens
         assert planning.takes_decode_path(fp8[0], ids) is (plan.path == DECODE)
+        if plan.path == DECODE:                                    # FP8 weights' own decode tiles
+            assert plan.decode == decode.SMALL_DECODE_FP8 and dense.decode == decode.SMALL_DECODE
         if plan.path == GROUPED:
             assert plan.config.block_k1 == plan.config.block_k2 == 128     # FP8 tiles: one scale block
 
@@ -218,7 +220,7 @@ def test_experts_triton_runs_the_decode_plan_it_makes(monkeypatch):
     x, gate_up, down, w, ids = make(2)                     # 4 pairs over 8 experts
     monkeypatch.setattr(planning, "weight_evict", lambda device, num_pairs: "evict_first")
     tiles = DecodeConfig.both(block_n=16, block_k=16, warps=1, stages=1)   # none of the pair-count tiles
-    monkeypatch.setattr(planning, "decode_config", lambda num_pairs: tiles)
+    monkeypatch.setattr(planning, "decode_config", lambda num_pairs, fp8=False: tiles)
     plans = spy_plans(monkeypatch)
     seen = spy_launchers(monkeypatch, decode, ("decode_gemm1_swiglu", "decode_gemm2_sum"))
     evict_checks = counting(monkeypatch, decode, "weight_evict")
