@@ -108,7 +108,8 @@ def test_forward_gemm_bytes_and_floors_match_a_hand_count():
     fp8 = forward_gemm_bytes(shape, 3, 5, 3, 2, fp8=True)
     assert fp8["moe_gemm1_fp8_kernel"] == (3 * 256 * 128 + 3 * 2 * 4) + 8 * 128 * 2     # data + scales
     assert fp8["moe_gemm2_fp8_kernel"] == (3 * 128 * 128 + 3 * 4) + 10 * 128 * 2
-    work = SimpleNamespace(topk_ids=ids, shape=shape, tokens=3, x=torch.zeros(3, 128, dtype=torch.bfloat16))
+    work = SimpleNamespace(shape=shape, tokens=3, x=torch.zeros(3, 128, dtype=torch.bfloat16),
+                           traffic=traffic(shape, 3, ids, torch.bfloat16))
     gemm1_flops = 2 * 5 * 128 * 256
     by_bytes = gemm_floors(work, 5, Ceilings(copy_gbps=1000.0, matmul_tflops=100.0, fp8_tflops=200.0), True)
     assert by_bytes["moe_gemm1_fp8_kernel"] == pytest.approx(fp8["moe_gemm1_fp8_kernel"] / 1e12 * 1e3)

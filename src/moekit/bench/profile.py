@@ -253,10 +253,10 @@ def _graph_rows(fn: Callable[[], object], device: torch.device, rep: int | None)
 
 def gemm_floors(work: Workload, pairs: int, ceilings: Ceilings, fp8: bool) -> dict[str, float]:
     """The forward GEMM launches' floors in ms by kernel name (`kernel_work.forward_gemm_bytes` and
-    `triton_kernel_flops` against the ceilings; the FP8 GEMMs on the FP8 matmul ceiling)."""
-    ids = work.topk_ids.reshape(-1)
-    hit = int(torch.unique(ids[(ids >= 0) & (ids < work.shape.num_experts)]).numel())
-    moved = forward_gemm_bytes(work.shape, work.tokens, pairs, hit, work.x.element_size(), fp8)
+    `triton_kernel_flops` against the ceilings; the FP8 GEMMs on the FP8 matmul ceiling), the experts
+    hit as the workload's traffic counts them."""
+    moved = forward_gemm_bytes(work.shape, work.tokens, pairs, work.traffic.experts_hit,
+                               work.x.element_size(), fp8)
     flops = {k.kernel: k.flops for k in triton_kernel_flops(work.shape, pairs)}
     return {name: max(b / (ceilings.copy_gbps * 1e9),
                       flops[name] / (ceilings.compute_tflops("fp8" in name) * 1e12)) * 1e3
