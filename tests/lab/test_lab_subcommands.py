@@ -115,6 +115,46 @@ def test_sweep_fp8_set_checks_each_variant_against_its_paths_oracle(tmp_path):
     assert "tma_weights=True" in next(r.tiles for r in rows if r.variant == "fp8 tma")
 
 
+def test_sweep_rounds_time_every_variant_in_new_orders_and_take_the_medians(monkeypatch):
+    """Each round times every variant once, later rounds in another order; a row's median, p20 and
+    p80 are the medians of its rounds' own and spread_pct their medians' range; a variant that fails
+    a round is reported so and not run again. run_case is stubbed: the order and arithmetic only."""
+    import dataclasses
+    import math
+    import types
+
+    from moekit.bench.results import LayerRow
+    from moekit.bench.runner import Measurement
+    from moekit.bench.timing import TimingStats
+
+    names = [f"v{i}" for i in range(6)]
+    ms = {"v0": [1.0, 3.0, 2.0], "v1": [4.0, 4.0, 10.0]}
+    calls = []
+
+    def fake_run_case(work, vname, mode, ceilings, opts, factory):
+        calls.append(vname)
+        if vname == "v5":
+            return Measurement("failed", "too far off", 1.0, 0.1, 0.5, "memory")
+        t = ms.get(vname, [1.0, 1.0, 1.0])[sum(c == vname for c in calls) - 1]
+        return Measurement("ok", "", 0.01, 0.1, 0.5, "memory", timing=TimingStats(t, t - 0.5, t + 0.5, 7))
+
+    stub = {n: variants.Variant(lambda _w: None) for n in names}
+    monkeypatch.setitem(variants.SETS, "stub", lambda w: stub)
+    monkeypatch.setattr(variants, "run_case", fake_run_case)
+    head = {f.name: "x" for f in dataclasses.fields(LayerRow) if f.default is dataclasses.MISSING}
+    work = types.SimpleNamespace(tokens=2)
+    rows = variants.set_rows("stub", work, head, ("eager",), None, variants.CPU_OPTIONS, lambda m: None,
+                             rounds=3, seed=1)
+    assert calls[:6] == names and sorted(calls[6:11]) == names[:5] and sorted(calls[11:]) == names[:5]
+    assert calls[6:11] != names[:5] or calls[11:] != names[:5]         # later rounds in another order
+    by = {r.variant: r for r in rows}
+    assert [r.variant for r in rows] == names                          # rows keep the set's order
+    assert by["v0"].median_ms == 2.0 and by["v0"].p20_ms == 1.5 and by["v0"].p80_ms == 2.5
+    assert by["v0"].spread_pct == 100.0 and by["v0"].n_rep == 21 and by["v0"].rounds == 3
+    assert by["v1"].median_ms == 4.0 and by["v1"].spread_pct == 150.0 and by["v1"].speedup == 0.5
+    assert by["v5"].status == "failed" and by["v5"].rounds == 1 and math.isnan(by["v5"].spread_pct)
+
+
 def test_sweep_tile_sets_name_their_configs():
     import torch
 

@@ -21,7 +21,10 @@
 Each variant goes through the benchmark's `run_case`: checked against the fp32 reference first (the
 2x rule; a variant that fails is recorded and never timed), then timed by `time_fn` (graph replays
 on CUDA), its launches counted, and set against the roofline floor (wgrad: its FLOPs over the matmul
-ceiling). Rows follow `SweepRow`; `moekit report DIR` redraws report.md.
+ceiling). `--rounds` times the whole set several times, each round in a new order: variants timed
+one after the other in one fixed order take whatever drift the device's state has at that moment
+(identical launches have differed by a quarter at one token that way). Rows follow `SweepRow`;
+`moekit report DIR` redraws report.md.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from unittest import mock
 
+import numpy as np
 import torch
 
 from moekit.bench import args as arg_types
@@ -42,7 +47,7 @@ from moekit.bench.correctness import Check
 from moekit.bench.lab import first_line, layer_head, report, run_study
 from moekit.bench.results import LayerRow
 from moekit.bench.roofline import Traffic
-from moekit.bench.runner import Options, Workload, make_weights, make_workload, run_case
+from moekit.bench.runner import Measurement, Options, Workload, make_weights, make_workload, run_case
 from moekit.bench.study import FILES, Files, Study
 from moekit.launch_hints import EVICT_ENV, PDL_ENV
 
@@ -53,14 +58,16 @@ GPU_DEFAULT_TOKENS = (1024, 4096, 16384)
 CPU_TOKENS = (8,)
 CPU_OPTIONS = Options(warmup=0, rep=2, flush_l2=False, routing_draws=1)
 GPU_OPTIONS = Options(routing_draws=1)
+GPU_ROUNDS = 3
 Factory = Callable[[Workload], Callable[[], object]]
 
 
 @dataclass(frozen=True)
 class SweepRow(LayerRow):
     """One variant at one T: its run's `Provenance` and layer columns, then the set, the variant, what
-    it ran (`tiles`: the config's fields, or the switches) and `run_case`'s measurement; speedup is
-    the set's first variant's median over this one's."""
+    it ran (`tiles`: the config's fields, or the switches) and `run_case`'s measurement over its
+    rounds (`set_rows`); speedup is the set's first variant's median over this one's; spread_pct:
+    the range of the rounds' medians as a % of their median (NaN: one round, or rows before rounds)."""
 
     variant_set: str
     variant: str
@@ -77,15 +84,19 @@ class SweepRow(LayerRow):
     n_rep: int | None
     kernels: int | None
     speedup: float
+    rounds: int = 1
+    spread_pct: float = math.nan
 
 
 def render(rows: Sequence[SweepRow], files: Files = FILES) -> dict[str, str]:
     return {files.report: report(
         rows, "moekit sweep", lambda r: f"{r.variant_set}: {r.preset}, T = {r.tokens} ({r.mode})",
-        ("variant", "status", "median_ms", "pct_floor", "speedup", "p20_ms", "p80_ms", "max_err", "kernels",
-         "tiles", "reason"),
+        ("variant", "status", "median_ms", "pct_floor", "speedup", "p20_ms", "p80_ms", "spread_pct",
+         "max_err", "kernels", "tiles", "reason"),
         ["- speedup: the set's first variant's median over the row's; pct_floor: the roofline floor over "
-         "the median (wgrad: its FLOPs at the matmul ceiling)"])}
+         "the median (wgrad: its FLOPs at the matmul ceiling)",
+         "- median, p20, p80: the medians of the rounds' own; spread_pct: the range of the rounds' medians "
+         "as a % of their median (a gap between two variants below their spreads is not a result)"])}
 
 
 STUDY = Study("sweep", SweepRow, render)
@@ -114,6 +125,15 @@ def _experts(cfg) -> Variant:
         args = (work.x, wt.gate_up_proj, wt.down_proj, work.topk_weights, work.topk_ids)
         return lambda: moe_experts(*args, backend="triton", config=cfg)
     return Variant(make, _tiles(cfg) if cfg is not None else "backend's choice")
+
+
+def _chosen(work: Workload, gate_up, down) -> str:
+    """What the backend's plan runs on work's call (`moekit.experts.plan`), as a variant's tiles."""
+    from moekit.experts.plan import DECODE, plan_triton_call
+
+    plan = plan_triton_call(work.x, gate_up, down, work.topk_ids)
+    ran = f"decode {plan.decode.label()}" if plan.path == DECODE else _tiles(plan.config)
+    return f"backend's choice: {ran}"
 
 
 def _decode(cfg) -> Variant:
@@ -268,9 +288,12 @@ def fp8_variants(work: Workload) -> dict[str, Variant]:
                                                         stages1=3, stages2=3, block_n2=128)),
                 "fp8 bm128 w8": tuning.fp8_tiles(replace(base, block_m=128, pair_blocks=1, warps1=8, warps2=8,
                                                          stages1=3, stages2=3, block_n2=128))}
-    chosen = Variant(fp8_factory("triton", experts), "backend's choice", twins.for_backend("triton"))
-    variants = {"dense": _experts(None), "fp8": chosen}
+    chosen = Variant(fp8_factory("triton", experts), _chosen(work, experts.gate_up, experts.down),
+                     twins.for_backend("triton"))
+    dense = replace(_experts(None), tiles=_chosen(work, work.weights.gate_up_proj, work.weights.down_proj))
+    variants = {"dense": dense, "fp8": chosen}
     variants.update({n: grouped(c) for n, c in families.items()})
+    # The dense weights' bound, wider than FP8's: the rows past FP8's own bound are what decides it.
     if use_decode_direct(t, s.top_k, s.num_experts):
         variants.update({f"fp8 direct {i}": direct(c) for i, c in enumerate((DEFAULT_DECODE, *DECODE_TILES))})
     return variants
@@ -281,9 +304,31 @@ SETS: dict[str, Callable[[Workload], dict[str, Variant]]] = {
     "flush": flush_variants, "wgrad": wgrad_variants, "fp8": fp8_variants}
 
 
+def _combined(runs: Sequence[Measurement]) -> dict:
+    """One variant's columns over its rounds: the medians of the rounds' median, p20 and p80, and the
+    rounds' range of medians as a % of their median (a round that failed: that round's columns)."""
+    bad = next((m for m in runs if m.status != "ok"), None)
+    if bad is not None:
+        return {**bad.columns(), "rounds": len(runs), "spread_pct": math.nan}
+    cols = runs[0].columns()
+    medians = [m.median_ms for m in runs]
+    median = float(np.median(medians))
+    cols.update(max_err=max(m.max_err for m in runs), median_ms=median,
+                pct_floor=100.0 * cols["floor_ms"] / median,
+                p20_ms=float(np.median([m.timing.p20_ms for m in runs])),
+                p80_ms=float(np.median([m.timing.p80_ms for m in runs])),
+                n_rep=sum(m.timing.n for m in runs), rounds=len(runs),
+                spread_pct=100.0 * (max(medians) - min(medians)) / median)
+    return cols
+
+
 def set_rows(name: str, work: Workload, head: dict, modes: Sequence[str], ceilings, options: Options,
-             progress: Callable[[str], None]) -> list[SweepRow]:
-    """Every variant of one set at work's T, in every mode (a set that cannot be built: one error row)."""
+             progress: Callable[[str], None], rounds: int = 1, seed: int = 0) -> list[SweepRow]:
+    """Every variant of one set at work's T, in every mode (a set that cannot be built: one error row).
+
+    Each round times every variant once, the rounds after the first in a shuffled order (seeded), so
+    a drift of the device's state over the run spreads over the variants instead of landing on the
+    ones timed together; a variant that fails a round is not run again."""
     try:
         variants = SETS[name](work)
     except Exception as exc:   # e.g. a set's inputs that do not fit: one row lost, not the study
@@ -291,16 +336,27 @@ def set_rows(name: str, work: Workload, head: dict, modes: Sequence[str], ceilin
         reason = first_line(exc)
     rows = []
     for mode in modes:
+        runs: dict[str, list[Measurement]] = {n: [] for n, v in variants.items() if v is not None}
+        order, rng = list(runs), random.Random(seed)
+        for r in range(rounds):
+            if r:
+                rng.shuffle(order)
+            for vname in order:
+                if runs[vname] and runs[vname][-1].status != "ok":
+                    continue
+                v = variants[vname]
+                progress(f"{name} T={work.tokens} {vname} ({mode})"
+                         + (f", round {r + 1}" if rounds > 1 else ""))
+                opts = options if v.flush_l2 is None else replace(options, flush_l2=v.flush_l2)
+                runs[vname].append(run_case(v.work or work, vname, mode, ceilings, opts, v.factory))
         first = math.nan
         for vname, v in variants.items():
-            progress(f"{name} T={work.tokens} {vname} ({mode})")
             if v is None:
                 cols = {"status": "error", "reason": reason, "max_err": math.nan, "floor_ms": math.nan,
                         "median_ms": math.nan, "pct_floor": math.nan, "p20_ms": math.nan, "p80_ms": math.nan,
                         "n_rep": None, "kernels": None}
             else:
-                opts = options if v.flush_l2 is None else replace(options, flush_l2=v.flush_l2)
-                cols = run_case(v.work or work, vname, mode, ceilings, opts, v.factory).columns()
+                cols = _combined(runs[vname])
             first = cols["median_ms"] if math.isnan(first) else first
             rows.append(SweepRow(**head, variant_set=name, variant=vname, tiles=v.tiles if v else "",
                                  mode=mode, speedup=first / cols["median_ms"], **cols))
@@ -322,8 +378,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_graph(p, "time CUDA-graph replays (default: on with CUDA); --no-graph: eager calls")
     arg_types.add_timing(p, f"timed calls per variant (default: time_fn's on a GPU, {CPU_OPTIONS.rep} "
                             "on the CPU)")
+    p.add_argument("--rounds", type=arg_types.int_range(1), default=None,
+                   help=f"times every variant is timed, each round in a new order (default: {GPU_ROUNDS} "
+                        "on a GPU, 1 on the CPU)")
     arg_types.add_device(p)
-    arg_types.add_seed(p)
+    arg_types.add_seed(p, "the weights, tokens, routing and the rounds' order")
     arg_types.add_out(p, "sweep-<UTC timestamp>", STUDY.result_names)
     arg_types.add_threads(p)
 
@@ -342,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     options = replace(base, warmup=base.warmup if args.warmup is None else args.warmup,
                       rep=base.rep if args.rep is None else args.rep)
     modes = ("graph",) if arg_types.pick(args.graph, device, True, False) else ("eager",)
+    rounds = arg_types.pick(args.rounds, device, GPU_ROUNDS, 1)
     s = layer.shape
 
     def measure(console, ceilings, prov) -> list[SweepRow]:
@@ -353,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
                 work = make_workload(layer.name, s, t, weights, dtype, device, seed=args.seed,
                                      routing_draws=1)
                 rows += set_rows(name, work, layer_head(prov, layer, tokens=t), modes, ceilings, options,
-                                 lambda m: console.print(f"  {m}", highlight=False))
+                                 lambda m: console.print(f"  {m}", highlight=False), rounds, args.seed)
         return rows
 
     return run_study(PROG, args, STUDY, device, dtype, measure,
