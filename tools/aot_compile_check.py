@@ -69,6 +69,10 @@ weights; --regs as above.
 kernels at `masked_config`'s tiles for 8 and 512 rows an expert, and the FP8 kernels at the tiles
 `masked_fp8_tiles` makes of 16- to 128-row tiles; --regs as above.
 
+`--fp8` checks the grouped FP8 path instead (`moekit.experts.fp8.experts_triton_fp8`): the activation
+quantizer and both FP8 GEMMs at the tiles the packaged H200 table gives 16 to 16,384 tokens, with
+float32 scales and at the last count UE8M0 ones; --regs as above.
+
 `--align` checks the align kernels instead (`moekit.align.kernels`, as `align_block_size_triton`
 launches them): the one-program kernel, the one-launch kernel of a program a chunk (up to
 `ONE_LAUNCH_MAX_PAIRS` pairs, run at `ONE_LAUNCH_CANDIDATE`) and the three launches, over the pair
@@ -575,6 +579,61 @@ def check_masked(shape: moekit.MoEShape, target, dump: Path | None, regs: bool) 
     return 1 if failed else 0
 
 
+def check_fp8(shape: moekit.MoEShape, target, dump: Path | None, regs: bool) -> int:
+    """One line per token count of the grouped FP8 path (`moekit.experts.fp8`'s launches: the
+    activation quantizer, `gemm1_swiglu_fp8`, `gemm2_weighted_fp8`) at the tiles the packaged H200
+    table gives that count (`moekit.tuning.get_config` keyed e4m3), on e4m3 weights with float32
+    scales (UE8M0 scales at the last count too); --regs as above."""
+    import moekit.grouped_gemm as gg
+    from moekit import tuning
+    from moekit.grouped_gemm.fp8 import gemm1_swiglu_fp8, gemm2_weighted_fp8
+    from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
+    from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, quantize_rows
+    from moekit.quant.kernels import quantize_rows_kernel
+
+    e, h, i, k = shape.top_k, shape.hidden_size, shape.intermediate_size, shape.top_k
+
+    def weight(n: int, kk: int) -> Fp8Weight:
+        scales = torch.ones(e, n // FP8_BLOCK, kk // FP8_BLOCK)
+        return Fp8Weight(torch.empty(e, n, kk, dtype=FP8_DTYPE), scales)
+
+    gate_up, down = weight(2 * i, h), weight(h, i)
+    table = tuning.packaged_table("nvidia-h200")
+    checks = [(t, False) for t in (16, 256, 2048, 16384)] + [(16384, True)]
+    has_tma = gg._device_has_tma
+    gg._device_has_tma = lambda device: True     # the target is sm_90: descriptors as on an H200
+    failed = 0
+    try:
+        for t, ue8m0 in checks:
+            name = f"fp8.t{t}" + (".ue8m0" if ue8m0 else "")
+            started = time.perf_counter()
+            cfg = tuning.fp8_tiles(tuning.get_config(shape, t, FP8_DTYPE, torch.device("cpu"), table=table))
+            ids = torch.arange(k).repeat(t, 1)
+            x, w = torch.empty(t, h, dtype=torch.bfloat16), torch.ones(ids.shape)
+            align = align_block_size(ids, e, cfg.block_m, backend="torch")
+
+            def call(x=x, w=w, cfg=cfg, align=align, u=ue8m0):
+                xq, xs = quantize_rows(x, ue8m0=u, dtype=FP8_DTYPE)
+                hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, k, cfg, ue8m0=u)
+                gemm2_weighted_fp8(hq, hs, down, w, align, cfg, torch.bfloat16)
+
+            kernels = (quantize_rows_kernel, moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel)
+            try:
+                launches = capture_launches(call, kernels)
+                names = [name] * len(launches)
+                status = "OK  shared " + compile_launches(launches, target, dump, names, regs)
+            except Exception as exc:
+                failed += 1
+                status = fail_status(exc)
+            tiles = " ".join(f"{a}={b}" for a, b in cfg.to_dict().items())
+            print(f"{name:<16} {status}  [{tiles}]  ({time.perf_counter() - started:.1f} s)", flush=True)
+    finally:
+        gg._device_has_tma = has_tma
+    print(f"{len(checks) - failed}/{len(checks)} fp8 variants compile"
+          + (f", {failed} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
 def check_wgrad(inp: Inputs, variants: dict, target, dump: Path | None, regs: bool) -> int:
     failed = 0
     for name, tiles in variants.items():
@@ -714,6 +773,8 @@ def main() -> int:
     p.add_argument("--align", action="store_true", help="the align kernels instead (ALIGN_CASES)")
     p.add_argument("--masked", action="store_true",
                    help="the masked layout's GEMMs instead, dense and on FP8 weights")
+    p.add_argument("--fp8", action="store_true",
+                   help="the grouped FP8 path instead: the activation quantizer and both FP8 GEMMs")
     args = p.parse_args()
     if args.compare is not None and args.dump is None:
         p.error("--compare needs --dump")
@@ -741,6 +802,8 @@ def main() -> int:
         return check_align(target, args.dump, args.regs)
     if args.masked:
         return check_masked(moekit.get_shape(args.preset), target, args.dump, args.regs)
+    if args.fp8:
+        return check_fp8(moekit.get_shape(args.preset), target, args.dump, args.regs)
     if args.decode is not None:
         return check_decode(inp, decode_variants(args.decode), target, args.dump, args.regs)
     pairs = QUICK if args.quick else [(t, p) for t in args.tiles.split(",") for p in args.paths.split(",")]

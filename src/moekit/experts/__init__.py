@@ -206,7 +206,9 @@ def moe_experts(
         ignore_invalid_ids: pairs with ids outside [0, E) contribute exactly 0 (expert
             parallelism marks non-local experts so), and K may exceed E. When False, such ids
             raise ValueError where that costs no host sync: on CPU, or when validate=True.
-        validate: check id ranges (a host sync on CUDA). Default: True on CPU, False on CUDA.
+        validate: check id ranges, and FP8 weights' scales finite and positive (a host sync on
+            CUDA). Default: True on CPU, False on CUDA and under torch.compile; FP8 weights made by
+            `moekit.quant` (quantized, or loaded from a checkpoint) had their scales checked then.
         out: optional (T, H) output buffer of the input dtype; must not overlap itself or any
             input (a disjoint slice of an input's storage is fine).
         gate_up_bias: optional (E, 2I) bias of the gate/up projection, in gate_up_proj's row
@@ -217,14 +219,17 @@ def moe_experts(
         interleaved: gate_up_proj's rows alternate gate, up (gpt-oss) instead of [gate; up].
             Backends: all but masked. The triton backward has none of these: with them, a call
             that needs gradients runs on grouped_mm / loop under "auto" and raises for "triton".
-        ue8m0_scales: FP8 weights: the activations' per-128-channel scales are powers of two.
+        ue8m0_scales: FP8 weights: the activations' per-128-channel scales are powers of two (the
+            triton backend's decode path, w8a16, quantizes no activations).
 
     Returns:
         (T, H) in the dtype of hidden_states. Kernels never read an expert for an invalid id.
     """
     if isinstance(gate_up_proj, Fp8Weight) or isinstance(down_proj, Fp8Weight):
+        swiglu = activation is None or as_activation(activation).is_swiglu     # what the FP8 path computes
         given = {"capacity_factor": capacity_factor, "stats": stats, "gate_up_bias": gate_up_bias,
-                 "down_bias": down_bias, "activation": activation, "interleaved": interleaved or None}
+                 "down_bias": down_bias, "activation": None if swiglu else activation,
+                 "interleaved": interleaved or None}
         extra = [name for name, value in given.items() if value is not None]
         if extra:
             raise ValueError(f"{', '.join(extra)}: not available with FP8 weights")

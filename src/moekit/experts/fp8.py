@@ -38,7 +38,14 @@ from moekit.experts.registry import (
 )
 from moekit.grouped_gemm import moe_sum
 from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
-from moekit.quant import Fp8Weight, check_fp8_scales, check_fp8_weight, check_inference, quantize_rows
+from moekit.quant import (
+    Fp8Weight,
+    check_fp8_scales,
+    check_fp8_weight,
+    check_inference,
+    fp8_inputs,
+    quantize_rows,
+)
 from moekit.tuning import ExpertsConfig
 
 
@@ -79,7 +86,7 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
     path's tiles (`moekit.tuning.check_fp8_config`); given, the decode path is not taken. ue8m0: the
     activations' and h's scales are powers of two."""
     check_triton_device("hidden_states", x)
-    check_inference(x, topk_weights)
+    check_inference(hidden_states=x, topk_weights=topk_weights, gate_up_proj=gate_up, down_proj=down)
     if out is None:
         out = _workspace.empty_like(x)
     num_tokens, top_k = topk_ids.shape
@@ -93,6 +100,7 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
         return experts_decode(x, gate_up.data, down.data, weights, ids, out, plan.decode,
                               (gate_up.scale, down.scale), pdl=plan.pdl, evict=plan.weight_evict)
     cfg = plan.config
+    gate_up, down = gate_up.for_kernels(), down.for_kernels()
     xq, xs = quantize_rows(x, ue8m0=ue8m0, dtype=gate_up.data.dtype)
     align = align_block_size(ids, num_experts, cfg.block_m, backend=plan.align, pdl=plan.pdl)
     hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0, pdl=plan.pdl)
@@ -104,7 +112,7 @@ def experts_loop_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_
                      topk_ids: torch.Tensor, *, out: torch.Tensor | None = None,
                      ue8m0: bool = False) -> torch.Tensor:
     """The fp32 twin, rounded to x's dtype: the FP8 path on any device (a loop over the experts hit)."""
-    check_inference(x, topk_weights)
+    check_inference(hidden_states=x, topk_weights=topk_weights, gate_up_proj=gate_up, down_proj=down)
     result = experts_fp8_torch(x, gate_up, down, topk_weights, topk_ids, ue8m0=ue8m0).to(x.dtype)
     return result if out is None else out.copy_(result)
 
@@ -121,7 +129,7 @@ def moe_experts_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_w
     impl = get_backend(name)
     if config is not None and "config" not in impl.options:
         raise ValueError(f"config applies to backend='triton', not backend={name!r}")
-    check_inference(x, topk_weights)
+    check_inference(hidden_states=x, topk_weights=topk_weights, gate_up_proj=gate_up, down_proj=down)
     compiling = torch.compiler.is_compiling()
     if validate is None:
         validate = x.device.type == "cpu" and not compiling
@@ -131,8 +139,8 @@ def moe_experts_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_w
         if not ignore_invalid_ids:
             check_expert_ids_in_range(topk_ids, num_experts)
     if out is not None:
-        check_out(out, x, {"hidden_states": x, "topk_weights": topk_weights, "topk_ids": topk_ids,
-                           "gate_up_proj": gate_up.data, "down_proj": down.data})
+        check_out(out, x, fp8_inputs(hidden_states=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                                     gate_up_proj=gate_up, down_proj=down))
     if x.shape[0] == 0:
         return out if out is not None else torch.empty_like(x)
     if compiling:

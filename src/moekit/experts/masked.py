@@ -88,7 +88,8 @@ def experts_masked_fp8(hidden_states: torch.Tensor, gate_up: Fp8Weight, down: Fp
     config: the masked FP8 tiles (`moekit.masked.check_masked_fp8_config`; default: the FP8 tiles
     for the call's token count, `moekit.masked.masked_fp8_tiles`)."""
     check_triton_device("hidden_states", hidden_states)
-    check_inference(hidden_states, topk_weights)
+    check_inference(hidden_states=hidden_states, topk_weights=topk_weights, gate_up_proj=gate_up,
+                    down_proj=down)
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2

@@ -108,14 +108,21 @@ def experts_fp8_torch(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk
     weight and the sum over the slots with an id in [0, E). The oracle of the FP8 kernels."""
     num_experts = gate_up.shape[0]
     xd = dequantize_rows(*quantize_rows_torch(x, ue8m0=ue8m0))
-    wg, wd = gate_up.dequantize(), down.dequantize()
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in ids.unique().tolist():
         if not 0 <= e < num_experts:
             continue
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        gate, up = (xd[tok] @ wg[e].T).chunk(2, dim=-1)
+        gate, up = (xd[tok] @ _dequantize_expert(gate_up, e).T).chunk(2, dim=-1)
         h = dequantize_rows(*quantize_rows_torch(torch.nn.functional.silu(gate) * up, ue8m0=ue8m0))
-        out.index_add_(0, tok, (h @ wd[e].T) * topk_weights[tok, slot].float()[:, None])
+        out.index_add_(0, tok, (h @ _dequantize_expert(down, e).T) * topk_weights[tok, slot].float()[:, None])
     return out
+
+
+def _dequantize_expert(w: Fp8Weight, e: int) -> torch.Tensor:
+    """Expert e's (N, K) in fp32, as `Fp8Weight.dequantize` gives it: one expert at a time, so the
+    loop backend holds one expert in fp32, not all E."""
+    n, k = w.data.shape[1:]
+    blocks = w.data[e].float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * w.scale[e][:, None, :, None]).view(n, k)

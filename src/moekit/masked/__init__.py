@@ -59,12 +59,12 @@ from moekit.masked.kernels import (
 from moekit.quant import (
     FP8_BLOCK,
     FP8_DTYPE,
-    STANDIN_DTYPE,
     Fp8Weight,
     check_fp8_scales,
     check_fp8_weight,
     check_inference,
     dequantize_rows,
+    fp8_inputs,
     quantize_rows_torch,
 )
 from moekit.shapes import MoEShape
@@ -247,14 +247,6 @@ def check_masked_fp8_config(cfg: ExpertsConfig) -> ExpertsConfig:
     return cfg
 
 
-def _kernel_data(w: Fp8Weight) -> torch.Tensor:
-    """The weight data the kernels read: on the CPU (Triton's interpreter has no e4m3 dot) e4m3
-    data as its exact float16 stand-in."""
-    if w.data.device.type == "cpu" and w.data.dtype == FP8_DTYPE:
-        return w.data.to(STANDIN_DTYPE)
-    return w.data
-
-
 def masked_gemm1_swiglu_fp8(x_masked: torch.Tensor, counts: torch.Tensor, gate_up: Fp8Weight,
                             cfg: ExpertsConfig, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(hq (E, C, I) e4m3, or float16 stand-ins on the CPU; hs (E, C, I / 128) float32): silu(gate) * up
@@ -263,7 +255,7 @@ def masked_gemm1_swiglu_fp8(x_masked: torch.Tensor, counts: torch.Tensor, gate_u
     check_masked_fp8_config(cfg)
     num_experts, capacity, hidden = x_masked.shape
     inter = gate_up.shape[1] // 2
-    data = _kernel_data(gate_up)
+    data = gate_up.for_kernels().data
     hq = _workspace.empty(num_experts, capacity, inter, dtype=data.dtype, device=x_masked.device)
     hs = _workspace.empty(num_experts, capacity, inter // FP8_BLOCK, dtype=torch.float32,
                           device=x_masked.device)
@@ -286,7 +278,7 @@ def masked_gemm2_fp8(hq: torch.Tensor, hs: torch.Tensor, counts: torch.Tensor, d
     check_masked_fp8_config(cfg)
     num_experts, capacity, inter = hq.shape
     hidden = down.shape[1]
-    data = _kernel_data(down)
+    data = down.for_kernels().data
     y = out if out is not None else _workspace.empty(num_experts, capacity, hidden, dtype=out_dtype,
                                                      device=hq.device)
     programs, num_m, num_n = _grid(num_experts, capacity, cfg.block_m, hidden, cfg.block_n2)
@@ -442,13 +434,11 @@ def masked_experts(
     inter = gate_up_proj.shape[1] // 2
     fp8 = isinstance(gate_up_proj, Fp8Weight)
     if fp8:
-        check_inference(x_masked, row_weights)
+        check_inference(x_masked=x_masked, row_weights=row_weights, gate_up_proj=gate_up_proj,
+                        down_proj=down_proj)
     if out is not None:
-        inputs = {"x_masked": x_masked, "counts": counts,
-                  "gate_up_proj": gate_up_proj.data if fp8 else gate_up_proj,
-                  "down_proj": down_proj.data if fp8 else down_proj}
-        if row_weights is not None:
-            inputs["row_weights"] = row_weights
+        inputs = fp8_inputs(x_masked=x_masked, counts=counts, gate_up_proj=gate_up_proj, down_proj=down_proj,
+                            row_weights=row_weights)
         check_out(out, x_masked, inputs, like_name="x_masked")
     if validate is None:
         validate = x_masked.device.type == "cpu" and not torch.compiler.is_compiling()

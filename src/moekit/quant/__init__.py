@@ -83,6 +83,13 @@ class Fp8Weight:
     def to(self, device: torch.device | str) -> Fp8Weight:
         return Fp8Weight(self.data.to(device), self.scale.to(device))
 
+    def for_kernels(self) -> Fp8Weight:
+        """The weight as the Triton kernels read it: on the CPU (Triton's interpreter has no e4m3
+        dot) e4m3 data as its exact float16 stand-in; elsewhere itself."""
+        if self.data.device.type == "cpu" and self.data.dtype == FP8_DTYPE:
+            return Fp8Weight(self.data.to(STANDIN_DTYPE), self.scale)
+        return self
+
     @classmethod
     def from_checkpoint(cls, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
                         name: str = "weight") -> Fp8Weight:
@@ -142,12 +149,26 @@ def check_scale_values(name: str, scale: torch.Tensor, keys: Sequence[Sequence[s
     raise ValueError(f"{name} must be finite and positive, got {value} at {idx}")
 
 
-def check_inference(*tensors: torch.Tensor | None) -> None:
-    """RuntimeError if autograd would record the call (grad mode on and a given tensor requiring
-    grad): the FP8 experts have no backward."""
-    if needs_grad(*(t for t in tensors if t is not None)):
-        raise RuntimeError("FP8 experts are inference only (no backward): run the call under torch.no_grad() "
-                           "or torch.inference_mode()")
+def check_inference(**named: torch.Tensor | Fp8Weight | None) -> None:
+    """RuntimeError naming the argument if autograd would record the call (grad mode on and a given
+    tensor, or an `Fp8Weight`'s data or scale, requiring grad): the FP8 experts have no backward, and
+    an output cut off from the graph would train nothing without a word."""
+    for name, t in named.items():
+        parts = (t.data, t.scale) if isinstance(t, Fp8Weight) else (t,) if t is not None else ()
+        if needs_grad(*parts):
+            raise RuntimeError(f"FP8 experts are inference only (no backward), and {name} requires grad: "
+                               "run the call under torch.no_grad() or torch.inference_mode()")
+
+
+def fp8_inputs(**named: torch.Tensor | Fp8Weight | None) -> dict[str, torch.Tensor]:
+    """A call's inputs by name for `check_out`'s aliasing check, an `Fp8Weight` as its data and scale."""
+    out = {}
+    for name, t in named.items():
+        if isinstance(t, Fp8Weight):
+            out.update({name: t.data, f"{name}.scale": t.scale})
+        elif t is not None:
+            out[name] = t
+    return out
 
 
 def check_fp8_scales(name: str, w: Fp8Weight) -> None:
@@ -165,9 +186,10 @@ def _div_rn(a: torch.Tensor, b: float) -> torch.Tensor:
 
 def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """The power of two at or above each positive scale, exactly (from the float's own exponent:
-    a rounded log2 can land on the power below)."""
+    a rounded log2 can land on the power below); NaN and infinity stay as they are."""
     mantissa, exponent = torch.frexp(scale)                 # scale = mantissa * 2**exponent, [0.5, 1)
-    return torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
+    keep = (mantissa == 0.5) | ~torch.isfinite(scale)
+    return torch.where(keep, scale, torch.ldexp(torch.ones_like(scale), exponent))
 
 
 def round_to_fp8(v: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
@@ -245,5 +267,5 @@ def quantize_rows(x: torch.Tensor, *, ue8m0: bool = False, dtype: torch.dtype | 
 
 
 __all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8Weight", "check_fp8_scales", "check_fp8_weight",
-           "check_scale_values", "dequantize_rows", "fp8_bytes", "quantize_experts", "quantize_rows",
-           "quantize_rows_torch"]
+           "check_scale_values", "dequantize_rows", "fp8_bytes", "fp8_inputs", "quantize_experts",
+           "quantize_rows", "quantize_rows_torch"]

@@ -45,16 +45,23 @@ def ue8m0_ceil(s):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_groups(x, UE8M0: tl.constexpr, STANDIN: tl.constexpr):
     """(q, scale) of x [R, 128] fp32 quantized per row: scale [R] fp32, q [R, 128] fp32 on the e4m3
-    grid when STANDIN, else within [-448, 448] for the store's cast to e4m3 to round."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), SCALE_FLOOR)
+    grid when STANDIN, else within [-448, 448] for the store's cast to e4m3 to round. NaN and
+    infinities reach q and scale as in the twin, so the row's output is NaN (Triton's max and clamp
+    drop NaN by default: the row would come out finite and wrong)."""
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), SCALE_FLOOR,
+                       propagate_nan=tl.PropagateNan.ALL)
     if UE8M0:
-        scale = ue8m0_ceil(scale)
+        scale = tl.where(scale == scale, ue8m0_ceil(scale), scale)
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)     # one division a row
-    q = x * inv[:, None]
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    q = tl.clamp(x * inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if STANDIN:
         q = e4m3_round(q)
     return q, scale

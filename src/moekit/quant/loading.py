@@ -18,6 +18,7 @@ tensors are stacked ([gate; up] rows into gate_up), one copy. The scales are rea
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -123,10 +124,11 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str, what: str) -> torch.Tens
 
 
 def _num_experts(tensors: Mapping[str, torch.Tensor], prefix: str) -> int:
-    count = 0
-    while f"{prefix}{count}.gate_proj.weight" in tensors:
-        count += 1
-    return count
+    """One more than the highest expert index any per-expert weight under prefix has (0: none); a
+    gap below it is then a missing tensor, named, not the end of the experts."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.(?:gate_proj|up_proj|down_proj)\.weight")
+    found = [int(m.group(1)) for key in tensors if isinstance(key, str) and (m := pattern.fullmatch(key))]
+    return max(found) + 1 if found else 0
 
 
 def experts_from_checkpoint(tensors: Mapping[str, torch.Tensor], prefix: str = "",
@@ -134,7 +136,8 @@ def experts_from_checkpoint(tensors: Mapping[str, torch.Tensor], prefix: str = "
     """(gate_up (E, 2I, H), down (E, H, I)) as `Fp8Weight`s, from a checkpoint's tensors (a state
     dict, or what `safetensors.torch.load_file` returns) under prefix, fused or per expert (module
     docstring). Per expert, gate and up are stacked as [gate; up] rows (the Transformers layout)
-    with their scales likewise; the experts are 0, 1, ... up to the first missing gate_proj.
+    with their scales likewise; the experts are 0, 1, ... up to the highest index present, each
+    with all three projections (one missing is an error naming it).
 
     Raises:
         KeyError: neither layout under prefix, or a weight's or scale's tensor missing (named).

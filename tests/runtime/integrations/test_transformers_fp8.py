@@ -436,6 +436,12 @@ def test_loader_bad_inputs_raise_naming_the_tensor():
         experts_from_checkpoint(missing, "experts")
     with pytest.raises(KeyError, match="no FP8 experts under prefix 'nope'"):
         experts_from_checkpoint(ckpt, "nope")
+    gap = {k: v for k, v in ckpt.items() if not k.startswith("experts.1.")}     # experts 0 and 2 only
+    with pytest.raises(KeyError, match=r"expert 1 gate_proj: the checkpoint has no 'experts\.1\.gate_proj"):
+        experts_from_checkpoint(gap, "experts")
+    no_gate = {k: v for k, v in ckpt.items() if not k.startswith("experts.0.gate_proj")}
+    with pytest.raises(KeyError, match=r"experts\.0\.gate_proj\.weight'"):
+        experts_from_checkpoint(no_gate, "experts")
     wrong = dict(ckpt, **{"experts.1.gate_proj.weight_scale_inv": torch.ones(2, 4)})
     with pytest.raises(ValueError, match=r"experts\.1\.gate_proj\.weight_scale_inv must have shape \(2, 3\)"):
         experts_from_checkpoint(wrong, "experts")

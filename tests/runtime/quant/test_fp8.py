@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
-from moekit import _workspace, moe_experts
+from moekit import GatedActivation, _workspace, moe_experts
 from moekit.align import align_block_size
 from moekit.decode import (
     DecodeConfig,
@@ -147,6 +147,43 @@ def test_quantize_rows_kernel_equals_its_twin_bit_for_bit(rows, cols, ue8m0):
         assert err < 0.04                                       # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_quantizers_carry_nan_and_inf_into_the_group(ue8m0):
+    """A NaN or an infinity reaches its group's scale (and values), in the kernel as in the twin, so
+    the row's output is NaN, never a finite wrong number; the row's other groups are untouched."""
+    x = torch.randn(5, 384)
+    x[1, 5], x[2, 130], x[3, 300] = math.nan, math.inf, -math.inf
+    with _workspace.poisoning():
+        q, s = quantize_rows(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
+    qt, st = quantize_rows_torch(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
+    torch.testing.assert_close(s, st, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(q, qt, rtol=0, atol=0, equal_nan=True)
+    bad = ~torch.isfinite(dequantize_rows(q, s)).view(5, 3, 128).all(-1)
+    assert bad.tolist() == [[False] * 3, [True, False, False], [False, True, False], [False, False, True],
+                            [False] * 3]
+
+
+def test_fp8_nan_in_one_token_stays_in_its_row():
+    """RELIABILITY 12 on FP8 weights: a NaN in one token's hidden state gives that token's output row
+    NaN and leaves every other row as without it (grouped, masked and decode paths)."""
+    num_experts, hidden, inter, top_k = 4, 256, 128, 2
+    gu, dn = make_weights(num_experts, hidden, inter)
+    for tokens, run in ((9, lambda x, w, ids: experts_triton_fp8(x, standin(gu), standin(dn), w, ids,
+                                                                config=CFGS["plain"])),
+                        (9, lambda x, w, ids: moe_experts(x, gu, dn, w, ids, backend="masked")),
+                        (2, lambda x, w, ids: experts_triton_fp8(x, standin(gu), standin(dn), w, ids))):
+        x = torch.randn(tokens, hidden, dtype=torch.float16)
+        w, ids = routing(tokens, num_experts, top_k)
+        x[1, 7] = 0.0
+        with torch.no_grad():
+            clean = run(x, w, ids)
+            x[1, 7] = math.nan
+            out = run(x, w, ids)
+        assert torch.isnan(out[1]).all()
+        others = [t for t in range(tokens) if t != 1]
+        assert torch.isfinite(clean).all() and torch.equal(out[others], clean[others])
+
+
 def test_quantize_experts_block_scales():
     w = torch.randn(3, 256, 384) * torch.logspace(-3, 3, 3)[:, None, None]
     w[1, :128, 128:256] = 0.0
@@ -274,6 +311,19 @@ def test_fp8_experts_within_twice_plain_pytorch(case):
         assert rel_err(out, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
 
 
+def test_fp8_triton_backend_on_the_cpu_takes_real_e4m3_weights():
+    """backend='triton' on the CPU with e4m3 weights (the interpreter has no e4m3 dot): the same
+    result as on their float16 stand-ins, within the 2x rule of the oracle."""
+    gu, dn = make_weights(4, 256, 128)
+    x = torch.randn(9, 256, dtype=torch.float16)
+    w, ids = routing(9, 4, 2)
+    with torch.no_grad():
+        out = moe_experts(x, gu, dn, w, ids, backend="triton", config=CFGS["plain"])
+        standins = experts_triton_fp8(x, standin(gu), standin(dn), w, ids, config=CFGS["plain"])
+    ref = experts_fp8_torch(x, gu, dn, w, ids)
+    assert torch.equal(out, standins) and rel_err(out, ref) <= fp8_bound(x, gu, dn, w, ids, ref)
+
+
 def test_fp8_ids_outside_the_experts_contribute_zero():
     num_experts, hidden, inter, top_k = 4, 128, 128, 2
     gu, dn = make_weights(num_experts, hidden, inter)
@@ -299,6 +349,11 @@ def test_moe_experts_fp8_contract():
         moe_experts(x, gu, dn, w, ids, backend="grouped_mm")
     with pytest.raises(ValueError, match="capacity_factor"):
         moe_experts(x, gu, dn, w, ids, backend="loop", capacity_factor=1.0)
+    with pytest.raises(ValueError, match="activation: not available with FP8"):
+        moe_experts(x, gu, dn, w, ids, backend="loop", activation="gpt_oss")
+    plain = moe_experts(x, gu, dn, w, ids, backend="loop")           # SwiGLU named is what runs anyway
+    for act in ("swiglu", GatedActivation()):
+        assert torch.equal(moe_experts(x, gu, dn, w, ids, backend="loop", activation=act), plain)
     with pytest.raises(TypeError, match="Fp8Weight"):
         moe_experts(x, gu, dn.dequantize(), w, ids)
     with pytest.raises(ValueError, match="down_proj must have shape"):
@@ -308,6 +363,24 @@ def test_moe_experts_fp8_contract():
     nan_scales = Fp8Weight(gu.data, gu.scale.clone().fill_(float("nan")))
     with pytest.raises(ValueError, match="gate_up_proj.scale must be finite"):
         moe_experts(x.detach(), nan_scales, dn, w, ids)
+    # weights that require grad: an error naming them on every backend, never an output cut off from
+    # the graph (nn.Parameter data, or a scale quantized from one)
+    x = x.detach()
+    grad_scale = Fp8Weight(dn.data, dn.scale.clone().requires_grad_())
+    grad_data = Fp8Weight(torch.nn.Parameter(gu.data.half(), requires_grad=True).to(FP8_DTYPE), gu.scale)
+    for backend in ("loop", "masked", "triton"):
+        with pytest.raises(RuntimeError, match="inference only.*down_proj requires grad"):
+            moe_experts(x, gu, grad_scale, w, ids, backend=backend)
+        with pytest.raises(RuntimeError, match="inference only.*gate_up_proj requires grad"):
+            moe_experts(x, grad_data, dn, w, ids, backend=backend)
+        with torch.no_grad():
+            assert not moe_experts(x, grad_data, grad_scale, w, ids, backend=backend).requires_grad
+    # out= may share memory with no input, an Fp8Weight's scale included
+    buf = torch.empty(dn.scale.numel() + x.numel())
+    aliased = Fp8Weight(dn.data, buf[:dn.scale.numel()].view_as(dn.scale).copy_(dn.scale))
+    for backend in ("loop", "masked", "triton"):
+        with pytest.raises(ValueError, match="out must not share memory with down_proj.scale"):
+            moe_experts(x, gu, aliased, w, ids, backend=backend, out=buf[:x.numel()].view_as(x))
 
 
 def test_fp8_under_torch_compile():
@@ -422,6 +495,12 @@ def test_masked_fp8_contract():
         masked_experts(x, torch.tensor([5, 0, 0]), gu, dn)
     with pytest.raises(RuntimeError, match="inference only"):
         masked_experts(x.clone().requires_grad_(), counts, gu, dn)
+    with pytest.raises(RuntimeError, match="gate_up_proj requires grad"):
+        masked_experts(x, counts, Fp8Weight(gu.data, gu.scale.clone().requires_grad_()), dn)
+    buf = torch.empty(x.numel())
+    aliased = Fp8Weight(gu.data, buf[:gu.scale.numel()].view_as(gu.scale).copy_(gu.scale))
+    with pytest.raises(ValueError, match="out must not share memory with gate_up_proj.scale"):
+        masked_experts(x, counts, aliased, dn, out=buf.view_as(x))
     inf_scales = Fp8Weight(dn.data, dn.scale.clone().fill_(float("inf")))
     with pytest.raises(ValueError, match="down_proj.scale must be finite"):
         masked_experts(x, counts, gu, inf_scales)
@@ -453,6 +532,22 @@ def test_fp8_experts_gpu(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 9, 300])
+def test_fp8_nan_in_one_token_stays_in_its_row_gpu(tokens):
+    gu, dn = make_weights(8, 256, 128, "cuda")
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    w, ids = routing(tokens, 8, 2, device="cuda")
+    for backend in ("triton", "masked"):
+        x[0, 7] = 0.0
+        with torch.no_grad():
+            clean = moe_experts(x, gu, dn, w, ids, backend=backend)
+            x[0, 7] = math.nan
+            out = moe_experts(x, gu, dn, w, ids, backend=backend)
+        assert torch.isnan(out[0]).all(), backend
+        assert torch.isfinite(clean).all() and torch.equal(out[1:], clean[1:]), backend
+
+
+@pytest.mark.gpu
 def test_fp8_quantize_rows_gpu_bit_for_bit():
     x = torch.randn(257, 2048, device="cuda", dtype=torch.bfloat16) * 3
     for ue8m0 in (False, True):
@@ -460,6 +555,12 @@ def test_fp8_quantize_rows_gpu_bit_for_bit():
         qt, st = quantize_rows_torch(x, ue8m0=ue8m0)
         assert q.dtype == FP8_DTYPE and torch.equal(s, st)
         assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
+    x[1, 5], x[2, 130], x[3, 300] = math.nan, math.inf, -math.inf      # carried into the group, as the twin
+    q, s = quantize_rows(x)
+    qt, st = quantize_rows_torch(x)
+    torch.testing.assert_close(s, st, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(q.float(), qt.float(), rtol=0, atol=0, equal_nan=True)
+    assert s[1, 0].isnan() and s[2, 1].isinf() and s[3, 2].isinf()
 
 
 @pytest.mark.gpu
