@@ -157,6 +157,29 @@ def check_exact_zeros(grads, ids, num_experts):
         assert torch.equal(dx[dead], torch.zeros_like(dx[dead]))
 
 
+class EagerReplay:
+    """Stands in for a `torch.cuda.CUDAGraph` on the CPU: `replay()` runs the recorded body again,
+    under no_grad as it was captured, so a captured layer's `__call__` runs unchanged."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            self.body()
+
+
+def check_replay_refusals(captured, x: torch.Tensor) -> None:
+    """What a captured layer whose parameters require grad must refuse with grad mode on: the call
+    itself (a replay records no autograd), then x of another dtype or device (never cast)."""
+    with pytest.raises(RuntimeError, match="the layer's parameters require grad.*forward-only.*no_grad"):
+        captured(x)
+    with pytest.raises(TypeError, match=rf"x has dtype torch.float64.*captured in {x.dtype}"):
+        captured(x.double())
+    with pytest.raises(ValueError, match=f"x must be on the captured layer's device {x.device}, got meta"):
+        captured(x.to("meta"))
+
+
 def topk_softmax_fp32(logits: torch.Tensor, top_k: int,
                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent fp32 router reference: (weights float32 (T, K), ids int32 (T, K)).

@@ -121,6 +121,30 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def check_replay_input(x: object, static: torch.Tensor, max_tokens: int,
+                       params: tuple[torch.Tensor, ...]) -> int:
+    """x (T, H) for a replay of a captured layer whose static input is `static` (max_tokens, H);
+    returns T. Reads attributes only: no host sync, so the check holds under a caller's capture."""
+    hidden = static.shape[1]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must have shape (T, H={hidden}), got {tuple(x.shape)}")
+    if x.dtype != static.dtype:
+        raise TypeError(f"x has dtype {x.dtype}, but the layer was captured in {static.dtype}; "
+                        f"cast x (x.to({static.dtype}))")
+    if x.device != static.device:
+        raise ValueError(f"x must be on the captured layer's device {static.device}, got {x.device}")
+    if x.shape[0] > max_tokens:
+        raise ValueError(f"x has {x.shape[0]} tokens; this capture serves at most {max_tokens}")
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        who = "x requires grad" if x.requires_grad else "the layer's parameters require grad"
+        raise RuntimeError(f"{who}, but a captured layer is forward-only (a graph replay records no "
+                           "autograd); call it under torch.no_grad() or torch.inference_mode(), "
+                           "or train with the eager layer")
+    return x.shape[0]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

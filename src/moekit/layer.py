@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit._validation import check_dtype
+from moekit._validation import check_dtype, check_replay_input
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
 from moekit.experts import ExpertsOptions, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
@@ -132,7 +132,8 @@ class CapturedMoE:
     """Callable replaying a captured MoELayer. Weights are read in place at every replay.
 
     The returned tensor is a view into a static buffer, overwritten by the next call: clone it
-    to keep it.
+    to keep it. A replay is forward-only: call it under torch.no_grad() or torch.inference_mode()
+    (or freeze the layer with `requires_grad_(False)`); to train, call the layer itself.
     """
 
     def __init__(self, layer: MoELayer, max_tokens: int, buckets: Sequence[int] | None = None):
@@ -172,12 +173,11 @@ class CapturedMoE:
                                   self.out[:bucket])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, H) with T <= max_tokens -> (T, H) view of the static output."""
-        if x.dim() != 2 or x.shape[1] != self.layer.shape.hidden_size:
-            raise ValueError(f"x must have shape (T, H={self.layer.shape.hidden_size}), got {tuple(x.shape)}")
-        num_tokens = x.shape[0]
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"x has {num_tokens} tokens; this capture serves at most {self.max_tokens}")
+        """x (T, H) with T <= max_tokens -> (T, H) view of the static output. Forward-only: a call
+        that autograd would record (grad mode on, x or the layer's parameters requiring grad) raises."""
+        layer = self.layer
+        num_tokens = check_replay_input(x, self.x, self.max_tokens,
+                                        (layer.router_weight, layer.gate_up_proj, layer.down_proj))
         if num_tokens == 0:
             return self.out[:0]
         bucket = next(b for b in self.buckets if b >= num_tokens)

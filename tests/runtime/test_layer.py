@@ -1,10 +1,12 @@
+import functools
 import json
 
 import pytest
 import torch
 
-from helpers import layer_ref, rel_err
+from helpers import EagerReplay, check_replay_refusals, layer_ref, rel_err
 from moekit import BACKENDS, PRESETS, ExpertsConfig, MoELayer, MoEShape
+from moekit.layer import CapturedMoE, default_buckets
 from moekit.tuning import default_config, get_config, load_table, parse_table, shape_key
 
 # The reference routes with the tests' own fp32 router (helpers.topk_softmax_fp32), never with
@@ -58,6 +60,41 @@ def test_seeded_init_is_reproducible_and_rejects_bad_input():
         a(torch.randn(3, 63))
     with pytest.raises(ValueError, match="CUDA"):
         a.capture(8)
+
+
+def _captured_on_cpu(layer: MoELayer, max_tokens: int) -> CapturedMoE:
+    """`layer.capture(max_tokens)` with its static buffers on the CPU, each bucket's CUDA graph
+    stood in for by `EagerReplay` of the bucket's real body (capture itself needs CUDA)."""
+    captured = CapturedMoE.__new__(CapturedMoE)
+    captured.layer, captured.max_tokens = layer, max_tokens
+    captured.buckets = default_buckets(max_tokens)
+    captured.x = torch.zeros(max_tokens, layer.shape.hidden_size, dtype=layer.gate_up_proj.dtype)
+    captured.out = torch.zeros_like(captured.x)
+    captured.num_valid = torch.zeros((), dtype=torch.int32)
+    captured.graphs = {b: EagerReplay(functools.partial(captured._body, b)) for b in captured.buckets}
+    return captured
+
+
+def test_captured_layer_is_forward_only_and_checks_x():
+    """A replay records no autograd: a call that needs gradients (the layer's parameters require
+    grad, the default, or x does) raises instead of returning a detached output; x of another dtype
+    or device raises instead of being cast into the static buffer. Under no_grad, inference_mode or
+    with the layer frozen the replay equals the fp32 layer."""
+    layer = MoELayer(MoEShape(8, 32, 16, 2))
+    captured = _captured_on_cpu(layer, 4)
+    x = torch.randn(3, 32)
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 2)
+    check_replay_refusals(captured, x)
+    with pytest.raises(ValueError, match=r"x must have shape \(T, H=32\)"):
+        captured(x[0])
+    with torch.no_grad():
+        assert rel_err(captured(x), ref) <= 1e-5
+    with torch.inference_mode():
+        assert rel_err(captured(x[:1]), ref[:1]) <= 1e-5
+    layer.requires_grad_(False)
+    assert rel_err(captured(x), ref) <= 1e-5
+    with pytest.raises(RuntimeError, match="x requires grad.*forward-only"):
+        captured(x.clone().requires_grad_(True))
 
 
 def test_default_config_for_every_preset_and_size():

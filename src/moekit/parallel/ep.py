@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import skip_init
 
-from moekit._validation import FLOAT_DTYPES, check_shape, check_tensor, needs_grad
+from moekit._validation import FLOAT_DTYPES, check_replay_input, check_shape, check_tensor, needs_grad
 from moekit.graphs import capture_graph
 from moekit.layer import MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
@@ -300,6 +300,7 @@ class CapturedEP:
     each other forever (a hang, not an error: NCCL's watchdog does not see replayed collectives).
     The returned tensor is a view into a static buffer, overwritten by the next call: clone it to
     keep it. `stats` is the last replay's counters (static device tensors, rewritten each replay).
+    A replay is forward-only: call it under torch.no_grad() or torch.inference_mode().
 
     Call `close()` (or use it as a context manager) before `dist.destroy_process_group()`: NCCL
     keeps a communicator alive while a CUDA graph holding its operations exists, so destroying the
@@ -336,15 +337,15 @@ class CapturedEP:
         self.bucket_stats[bucket] = stats       # the capture's call is the last: its tensors replay
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, H) with 0 <= T <= max_tokens -> (T, H) view of the static output (collective)."""
-        if x.dim() != 2 or x.shape[1] != self.ep.shape.hidden_size:
-            raise ValueError(f"x must have shape (T, H={self.ep.shape.hidden_size}), got {tuple(x.shape)}")
-        num_tokens = x.shape[0]
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"x has {num_tokens} tokens; this capture serves at most {self.max_tokens}")
-        bucket = next(b for b in self.buckets if b >= num_tokens)
+        """x (T, H) with 0 <= T <= max_tokens -> (T, H) view of the static output (collective).
+        Forward-only: a call that autograd would record (grad mode on, x or the layer's parameters
+        requiring grad) raises."""
         if not self.graphs:
             raise RuntimeError("this CapturedEP was closed; capture the layer again")
+        ep = self.ep
+        num_tokens = check_replay_input(x, self.x, self.max_tokens,
+                                        (ep.router_weight, ep.gate_up_proj, ep.down_proj))
+        bucket = next(b for b in self.buckets if b >= num_tokens)
         self.x[:num_tokens].copy_(x)
         self.num_valid.fill_(num_tokens)
         self.graphs[bucket].replay()

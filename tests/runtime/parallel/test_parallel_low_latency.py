@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from dataclasses import dataclass
 from functools import cache, partial
 
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 import moekit
-from helpers import rel_err
+from helpers import EagerReplay, check_replay_refusals, layer_ref, rel_err
 from moekit.bench.scenarios import expert_loads, make_scenario
 from moekit.parallel import (
     CapacityOverflow,
+    CapturedEP,
     ExpertParallelMoE,
     disable_nvls,
     ep_moe_experts,
@@ -498,6 +500,50 @@ def test_hand_count_on_a_small_case():
     # An expert capacity of 1 with both ranks sending expert 0 one row: rank 1's pair is dropped.
     count = hand_count([[[0, 1]], [[0, 3]]], placement, 2, 1)
     assert count.dropped == {(1, 0, 0)} and count.expert_dropped == [1, 0]
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo group of this process alone, started in-process (a layer needs a live group)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _captured_ep_on_cpu(ep: ExpertParallelMoE, max_tokens: int) -> CapturedEP:
+    """`ep.capture(max_tokens)` with its static buffers on the CPU, the CUDA graph stood in for by
+    `EagerReplay` of the real body (capture itself needs CUDA)."""
+    captured = CapturedEP.__new__(CapturedEP)
+    captured.ep, captured.max_tokens, captured.buckets = ep, max_tokens, [max_tokens]
+    captured.x = torch.zeros(max_tokens, ep.shape.hidden_size, dtype=ep.gate_up_proj.dtype)
+    captured.out = torch.zeros_like(captured.x)
+    captured.num_valid = torch.full((), max_tokens, dtype=torch.int32)
+    captured.bucket_stats, captured.stats = {}, {}
+    captured.graphs = {max_tokens: EagerReplay(partial(captured._body, max_tokens))}
+    return captured
+
+
+def test_captured_low_latency_layer_is_forward_only_and_checks_x(world_of_one):
+    """A replay records no autograd: a call that needs gradients (the parameters require grad, the
+    default, or x does) raises instead of returning a detached output; x of another dtype or device
+    raises instead of being cast. Under no_grad, or with the layer frozen, it equals the fp32 layer."""
+    layer = moekit.MoELayer("tiny")
+    layer.reset_parameters(torch.Generator().manual_seed(SEED))
+    ep = ExpertParallelMoE.from_layer(layer, mode="low_latency", capacity=8)
+    captured = _captured_ep_on_cpu(ep, 8)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(SEED))
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, layer.shape.top_k,
+                    layer.shape.norm_topk_prob)
+    check_replay_refusals(captured, x)
+    with torch.no_grad():
+        assert rel_err(captured(x), ref) <= 1e-5
+    ep.requires_grad_(False)
+    assert rel_err(captured(x[:2]), ref[:2]) <= 1e-5
+    with pytest.raises(RuntimeError, match="x requires grad.*forward-only"):
+        captured(x.clone().requires_grad_(True))
 
 
 # ---- GPU (NCCL): two GPUs ----------------------------------------------------------------------
