@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moekit
-from helpers import check_training_step, distinct_topk_ids, poisoned, rel_err
+from helpers import check_training_step, distinct_topk_ids, poisoned, rel_err, same_dtype_bound
 from moekit import ExpertsConfig, MoELayer, align_block_size, moe_experts, ops
 from moekit._workspace import poisoning
 from moekit.reference import moe_experts_ref, moe_layer_ref
@@ -154,6 +154,32 @@ def test_out_overlapping_itself_raises(backend):
     out = torch.zeros(1, 32).expand(9, 32)
     with pytest.raises(ValueError, match="out must not overlap itself"):
         moe_experts(x, gate_up, down, w, ids, backend=backend, out=out)
+
+
+STRIDED_OUTS = {
+    "columns": lambda t, h, dtype: torch.full((t, 2 * h), float("nan"), dtype=dtype)[:, :h],
+    "transposed-columns": lambda t, h, dtype: torch.full((h, 2 * t), float("nan"), dtype=dtype).t()[:t],
+}
+
+
+@pytest.mark.parametrize("layout", STRIDED_OUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", moekit.BACKENDS)
+def test_strided_out_that_writes_each_element_once_is_accepted(backend, dtype, layout):
+    """A view that is not dense but holds each element once (the first H columns of a wider buffer,
+    torch cannot tell its overlap cheaply) is a valid out=: every element written, the buffer's
+    other columns left alone. A view whose rows overlap stays refused."""
+    x, gate_up, down, w, ids = case(dtype=dtype)
+    out = STRIDED_OUTS[layout](*x.shape, dtype)
+    got = moe_experts(x, gate_up, down, w, ids, backend=backend, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    bound = 1e-5 if dtype == torch.float32 else same_dtype_bound(x, gate_up, down, w, ids, ref)
+    assert rel_err(out, ref) <= bound
+    assert int(torch.isnan(out._base).sum()) == out._base.numel() - out.numel()
+    rows_overlap = torch.zeros(9 * 16 + 16, dtype=dtype).as_strided(out.shape, (16, 1))
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        moe_experts(x, gate_up, down, w, ids, backend=backend, out=rows_overlap)
 
 
 @pytest.mark.parametrize("backend", moekit.BACKENDS)

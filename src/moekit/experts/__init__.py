@@ -209,8 +209,9 @@ def moe_experts(
         validate: check id ranges, and FP8 weights' scales finite and positive (a host sync on
             CUDA). Default: True on CPU, False on CUDA and under torch.compile; FP8 weights made by
             `moekit.quant` (quantized, or loaded from a checkpoint) had their scales checked then.
-        out: optional (T, H) output buffer of the input dtype; must not overlap itself or any
-            input (a disjoint slice of an input's storage is fine).
+        out: optional (T, H) output buffer of the input dtype, any strides; must not overlap
+            itself or any input (a disjoint slice of an input's storage is fine, and so is a
+            strided view such as the first H columns of a wider buffer).
         gate_up_bias: optional (E, 2I) bias of the gate/up projection, in gate_up_proj's row
             layout, of the weights' dtype.
         down_bias: optional (E, H) bias of the down projection, added before the routing weight.
