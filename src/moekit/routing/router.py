@@ -65,9 +65,9 @@ def topk_softmax(
         top_k: experts per token, 1 <= top_k <= E.
         renormalize: divide the K chosen probabilities by their sum.
         backend: "auto", "torch" or "triton".
-        num_valid_tokens: optional int32 device scalar n; rows >= n get id -1 and weight 0, so a
-            CUDA graph captured for T rows can serve any n <= T (both backends: more experts than
-            the kernel takes route through the torch one).
+        num_valid_tokens: optional int32 device scalar n (0-d, on logits' device); rows >= n get
+            id -1 and weight 0, so a CUDA graph captured for T rows can serve any n <= T (both
+            backends: more experts than the kernel takes route through the torch one).
 
     Returns:
         (topk_weights float32 (T, K), topk_ids int32 (T, K)).
@@ -84,6 +84,9 @@ def _topk_softmax_checked(logits: torch.Tensor, top_k: int, renormalize: bool, b
     backend = resolve_router_backend(backend, logits)
     if num_valid_tokens is not None:
         check_tensor("num_valid_tokens", num_valid_tokens, dtypes=(torch.int32,), device=logits.device)
+        if num_valid_tokens.dim() != 0:     # the kernel reads one element, torch would broadcast more
+            raise ValueError("num_valid_tokens must be a 0-d int32 tensor (a device scalar, torch.tensor(n, "
+                             f"dtype=torch.int32)), got shape {tuple(num_valid_tokens.shape)}")
     elif torch.compiler.is_compiling() and not needs_grad(logits):
         return torch.ops.moekit.topk_softmax(logits, top_k, renormalize, backend)
     return _run(logits, top_k, renormalize, backend, num_valid_tokens)

@@ -92,6 +92,26 @@ def test_num_valid_tokens_masks_padding_rows(backend, num_experts, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_num_valid_tokens_of_another_shape_raises(backend):
+    """num_valid_tokens is one count, a 0-d tensor: any other shape raises before a launch, naming
+    it (the kernel would read its first element where torch broadcasts it over the K slots)."""
+    logits = torch.randn(4, 6)
+    x, wr = torch.randn(4, 8), torch.randn(6, 8)
+    for bad in ([1, 3], [3], [[3]]):
+        nv = torch.tensor(bad, dtype=torch.int32)
+        for top_k in (2, 3):
+            with pytest.raises(ValueError, match=r"num_valid_tokens must be a 0-d int32 tensor.*got shape"):
+                topk_softmax(logits, top_k, backend=backend, num_valid_tokens=nv)
+        with pytest.raises(ValueError, match=r"num_valid_tokens must be a 0-d int32 tensor.*got shape"):
+            route(x, wr, 2, backend=backend, num_valid_tokens=nv)
+    w, ids = topk_softmax(logits, 3, backend=backend, num_valid_tokens=torch.tensor(3, dtype=torch.int32))
+    w_ref, ids_ref = topk_softmax_fp32(logits[:3], 3)
+    assert torch.equal(ids[:3], ids_ref) and (ids[3:] == -1).all()
+    assert torch.equal(w[3:], torch.zeros(1, 3))
+    torch.testing.assert_close(w[:3], w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_zero_tokens(backend):
     w, ids = topk_softmax(torch.empty(0, 8), 2, backend=backend)
     assert w.shape == (0, 2) and ids.shape == (0, 2)
