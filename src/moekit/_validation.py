@@ -138,6 +138,15 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def check_layer_input(x: object, hidden: int) -> None:
+    """A layer's input: hidden states (..., H), so at least 1-D. Reads no tensor data."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != hidden:
+        raise ValueError(f"x must have shape (..., H={hidden}) (hidden states, at least 1-D), "
+                         f"got {tuple(x.shape)}")
+
+
 def check_replay_input(x: object, static: torch.Tensor, max_tokens: int,
                        params: tuple[torch.Tensor, ...]) -> int:
     """x (T, H) for a replay of a captured layer whose static input is `static` (max_tokens, H);

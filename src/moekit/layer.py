@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit._validation import check_dtype, check_replay_input
+from moekit._validation import check_dtype, check_layer_input, check_replay_input
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
 from moekit.experts import ExpertsOptions, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
@@ -80,8 +80,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, **experts_opts) -> torch.Tensor:
         """x (..., H) -> (..., H). Extra keyword arguments go to `moekit.moe_experts`."""
-        if x.shape[-1] != self.shape.hidden_size:
-            raise ValueError(f"x must have shape (..., H={self.shape.hidden_size}), got {tuple(x.shape)}")
+        check_layer_input(x, self.shape.hidden_size)
         dtype = self.gate_up_proj.dtype
         if x.dtype != dtype:
             raise TypeError(f"x has dtype {x.dtype}, but this layer's parameters are {dtype}; "

@@ -1,5 +1,6 @@
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -60,6 +61,19 @@ def test_seeded_init_is_reproducible_and_rejects_bad_input():
         a(torch.randn(3, 63))
     with pytest.raises(ValueError, match="CUDA"):
         a.capture(8)
+
+
+def test_layer_input_of_rank_0_raises_naming_x():
+    """x is hidden states (..., H): a 0-d tensor raises a ValueError that says so, where indexing
+    its last dimension had raised an IndexError; a 1-D token still equals the fp32 layer."""
+    layer = MoELayer(MoEShape(8, 32, 16, 2))
+    with pytest.raises(ValueError, match=re.escape("x must have shape (..., H=32) (hidden states, at least "
+                                                   "1-D), got ()")):
+        layer(torch.tensor(1.0))
+    x = torch.randn(32)
+    ref = layer_ref(x[None], layer.router_weight, layer.gate_up_proj, layer.down_proj, 2)
+    with torch.no_grad():
+        assert rel_err(layer(x)[None], ref) <= 1e-5
 
 
 def _captured_on_cpu(layer: MoELayer, max_tokens: int) -> CapturedMoE:

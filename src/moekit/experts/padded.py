@@ -57,11 +57,13 @@ def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     valid, key, counts = pairs.valid, pairs.key, pairs.counts
     rank = pairs.ranks()                                                 # rank of pair p in its expert
 
-    if capacity_factor is None:
-        cap = int(counts[:num_experts].max()) if num_pairs else 0        # host sync
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if not num_experts or not num_pairs:
+        cap = 0                               # no pairs, or no experts (every id invalid): no rows
+    elif capacity_factor is None:
+        cap = int(counts[:num_experts].max())                            # host sync
     else:
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         cap = capacity(num_pairs, num_experts, capacity_factor)
     check_workspace_fits(workspace_bytes(num_experts, cap, hidden, two_i // 2,
                                          hidden_states.element_size()), dev)

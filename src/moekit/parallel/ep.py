@@ -28,7 +28,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import skip_init
 
-from moekit._validation import FLOAT_DTYPES, check_replay_input, check_shape, check_tensor, needs_grad
+from moekit._validation import (
+    FLOAT_DTYPES,
+    check_layer_input,
+    check_replay_input,
+    check_shape,
+    check_tensor,
+    needs_grad,
+)
 from moekit.graphs import capture_graph
 from moekit.layer import MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
@@ -259,8 +266,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, **experts_opts) -> torch.Tensor:
         """x (..., H) -> (..., H), routed on this rank (collective: every rank calls it)."""
-        if x.shape[-1] != self.shape.hidden_size:
-            raise ValueError(f"x must have shape (..., H={self.shape.hidden_size}), got {tuple(x.shape)}")
+        check_layer_input(x, self.shape.hidden_size)
         flat = x.reshape(-1, self.shape.hidden_size)
         weights, ids = self.route(flat)
         return self.experts(flat, weights, ids, **experts_opts).view(x.shape)

@@ -190,6 +190,24 @@ def test_padded_capacity_counts_only_valid_pairs_as_dropped():
     assert torch.equal(out[5], torch.zeros(32))      # both slots invalid: exactly 0
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["busiest", "capacity-factor"])
+def test_padded_with_no_experts_gives_the_reference_zeros(capacity_factor):
+    """E = 0 (an expert-parallel rank holding none) with ignored ids: every pair is invalid, so the
+    output is the fp32 reference's, all 0, as on loop and grouped_mm; nothing counted as dropped,
+    and the gradients of x and the weights are 0."""
+    x = torch.randn(6, 32, requires_grad=True)
+    gate_up, down = make_weights(0, 32, 16, torch.float32)
+    ids = torch.tensor([[0, -1], [1, 2], [-1, -1], [3, 0], [5, 1], [2, 4]], dtype=torch.int32)
+    w = torch.rand(6, 2, requires_grad=True)
+    stats = {}
+    out = moe_experts(x, gate_up, down, w, ids, backend="padded", ignore_invalid_ids=True,
+                      capacity_factor=capacity_factor, stats=stats)
+    assert torch.equal(out, moe_experts_ref(x.detach(), gate_up, down, w.detach(), ids))
+    assert stats["capacity"] == 0 and int(stats["dropped"]) == 0
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_grouped_mm_alignment_error():
     gate_up, down = make_weights(4, 37, 11, torch.float32)
     with pytest.raises(ValueError, match="16 bytes"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 from functools import cache, partial
@@ -544,6 +545,15 @@ def test_captured_low_latency_layer_is_forward_only_and_checks_x(world_of_one):
     assert rel_err(captured(x[:2]), ref[:2]) <= 1e-5
     with pytest.raises(RuntimeError, match="x requires grad.*forward-only"):
         captured(x.clone().requires_grad_(True))
+
+
+def test_expert_parallel_layer_input_of_rank_0_raises(world_of_one):
+    """x is hidden states (..., H): a 0-d tensor raises a ValueError that says so (it had raised an
+    IndexError), in both modes."""
+    for mode in ("normal", "low_latency"):
+        ep = ExpertParallelMoE("tiny", mode=mode, capacity=8 if mode == "low_latency" else None)
+        with pytest.raises(ValueError, match=re.escape("x must have shape (..., H=64) (hidden states")):
+            ep(torch.tensor(1.0))
 
 
 # ---- GPU (NCCL): two GPUs ----------------------------------------------------------------------
