@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ import torch
 from moekit import moe_experts
 from moekit.bench.args import default_backends
 from moekit.bench.imbalance import dropped_pairs, kept_mask, padded_refusal
-from moekit.bench.imbalance_report import STUDY
+from moekit.bench.imbalance_report import STUDY, ImbalanceRow
+from moekit.bench.results import write_csv
 from moekit.bench.scenarios import expert_loads, make_scenario, save_trace
 from moekit.bench.study import CSV_NAME, REPORT_NAME
 from moekit.cli import main
 from moekit.experts.padded import capacity
 from moekit.reference import moe_experts_ref
 from moekit.shapes import PRESETS
+from result_rows import imbalance_rows
 
 # Hand example: E=4, K=2, T=6, S=12 pairs; expert 3 gets none. Pair order is t*K + k.
 HAND_IDS = torch.tensor([[0, 1], [0, 2], [1, 0], [0, 2], [2, 0], [0, 1]])
@@ -127,6 +130,21 @@ def test_cli_redraw_from_csv(study, tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
     assert main(["imbalance", "--redraw", str(bad)]) == 2
+
+
+def test_report_of_two_runs_in_one_csv(tmp_path):
+    """Two runs' rows concatenated in one results.csv (the same cases under two run ids): the report
+    names both runs and shows each case once, from its last row."""
+    first = imbalance_rows()
+    second = [replace(r, run_id="20990101T000000Z", median_ms=3 * r.median_ms, p20_ms=3 * r.p20_ms,
+                      p80_ms=3 * r.p80_ms) for r in first]
+    write_csv([*first, *second], tmp_path / CSV_NAME, ImbalanceRow)
+    assert main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / REPORT_NAME).read_text()
+    assert f"run {first[0].run_id}, 20990101T000000Z," in text
+    capacity = [ln for ln in text.splitlines() if ln.startswith("| collapse | ") and "dropped" in ln]
+    assert capacity == ["| collapse | 3 ms | 6.2% dropped, 3 ms | 6.2% dropped, 3 ms |"]
+    assert (tmp_path / "imbalance_capacity_tiny.png").is_file()
 
 
 def test_cli_reports_a_padded_refusal_instead_of_crashing(tmp_path):

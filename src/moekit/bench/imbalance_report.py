@@ -97,6 +97,16 @@ def _placements(rows: Sequence[ImbalanceRow]) -> list[str]:
     return list(dict.fromkeys(r.placement for r in rows if r.experiment == "ep_step"))
 
 
+def one_per_case(rows: Sequence[ImbalanceRow]) -> list[ImbalanceRow]:
+    """The last row of each case, in the order the cases first appear: a CSV holding several runs
+    is reported from its latest measurement of each case, as the tables of the other reports do."""
+    latest: dict[tuple, ImbalanceRow] = {}
+    for r in rows:
+        c = r.capacity_factor if r.experiment == "capacity" else None    # NaN elsewhere: never equal
+        latest[r.preset, r.tokens, r.scenario, r.experiment, r.backend, r.placement, r.rank, c] = r
+    return list(latest.values())
+
+
 def _pick(rows: Sequence[ImbalanceRow], **match) -> list[ImbalanceRow]:
     return [r for r in rows if all(getattr(r, k) == v for k, v in match.items())]
 
@@ -170,9 +180,10 @@ def plot_capacity(rows: Sequence[ImbalanceRow]) -> tuple[str, bytes] | None:
     fig = Figure(figsize=(10, 4.2))
     ax_drop, ax_time = fig.subplots(1, 2)
     for s in _scenarios(rs):
-        pts = sorted((r.capacity_factor, r) for r in rs if r.scenario == s)
-        ax_drop.plot([c for c, _ in pts], [100 * r.dropped_frac for _, r in pts], marker="o", ms=3, label=s)
-        ax_time.plot([c for c, _ in pts], [r.median_ms for _, r in pts], marker="o", ms=3, label=s)
+        pts = sorted((r for r in rs if r.scenario == s), key=lambda r: r.capacity_factor)
+        cs = [r.capacity_factor for r in pts]
+        ax_drop.plot(cs, [100 * r.dropped_frac for r in pts], marker="o", ms=3, label=s)
+        ax_time.plot(cs, [r.median_ms for r in pts], marker="o", ms=3, label=s)
     ax_drop.set_ylabel("pairs dropped (%)")
     ax_time.set_ylabel("padded backend, median ms")
     if any(r.median_ms > 0 for r in rs):
@@ -192,14 +203,16 @@ def _cell(r: ImbalanceRow | None, value: Callable[[ImbalanceRow], str]) -> str:
 
 
 def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files: Files = FILES) -> str:
-    """The "Load imbalance" report section, from rows alone."""
+    """The "Load imbalance" report section, from rows alone (each case's last row, `one_per_case`)."""
+    runs = sorted({r.run_id for r in rows})
+    rows = one_per_case(rows)
     r0, scen = rows[0], _scenarios(rows)
     one = {(r.scenario, r.backend): r for r in _pick(rows, experiment="one_gpu")}
     backends = list(dict.fromkeys(b for _, b in one))
     lines = [
         f"## Load imbalance: {r0.preset}, T = {r0.tokens}",
         "",
-        f"- run {', '.join(sorted({r.run_id for r in rows}))}, {r0.date}, commit `{r0.commit or 'unknown'}`; "
+        f"- run {', '.join(runs)}, {r0.date}, commit `{r0.commit or 'unknown'}`; "
         f"{r0.device_name} ({r0.device_type}); torch {r0.torch_version}, triton {r0.triton_version}; "
         f"python {r0.python_version}",
         f"- {_subtitle(r0)}; seed {r0.seed}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
@@ -294,7 +307,8 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
 
 def output_files(rows: Sequence[ImbalanceRow], files: Files = FILES) -> dict[str, str | bytes]:
     """The plots and the report, rendered in memory: file name -> contents (the report last)."""
-    plots = dict(p for p in (plot_one_gpu(rows), plot_ep(rows), plot_capacity(rows)) if p is not None)
+    latest = one_per_case(rows)
+    plots = dict(p for p in (plot_one_gpu(latest), plot_ep(latest), plot_capacity(latest)) if p is not None)
     return {**plots, files.report: render_report(rows, list(plots), files)}
 
 
