@@ -227,6 +227,7 @@ BAD_RESULT_CELLS = [
     ("num_experts", 0), ("hidden_size", 0), ("intermediate_size", -1), ("top_k", 0), ("top_k", 9),
     ("tokens", 0), ("dtype", "float99"), ("experts_expected", 0.0), ("median_ms", 0.0),
     ("median_ms", math.nan), ("p20_ms", math.inf), ("floor_ms", -1.0), ("n_rep", 0), ("kernels", -1),
+    ("tokens", 10**23), ("n_rep", 2**63), ("experts_hit", 2**64),
 ]
 
 
@@ -293,3 +294,15 @@ def test_bench_row_check_accepts_the_rows_a_run_writes():
     rows = [*sample_rows(), make_row(status="skipped", median_ms=math.nan, floor_ms=math.nan),
             make_row(mode="graph", status="not_capturable", median_ms=0.0)]
     assert [check_result_row(r) for r in rows] == [""] * len(rows)
+
+
+# --tokens: at most the pairs moekit.align sorts, refused while parsing.
+
+
+@pytest.mark.parametrize("command", ["bench", "ablate", "profile", "sweep", "tune", "imbalance", "ep-bench"])
+@pytest.mark.parametrize("tokens", ["99999999999999999999", str(2**31 - 1)])
+def test_tokens_past_the_runtime_bound_are_refused_while_parsing(command, tokens, capsys, no_work, tmp_path):
+    assert run_cli([command, "--tokens", tokens, "--out", str(tmp_path / "run")]) == 2
+    line = error_line(capsys, f"moekit {command}")
+    assert "argument --tokens: " in line and str(2**31 - 2) in line and tokens in line
+

@@ -175,7 +175,7 @@ def study_rows(cfg: AblateConfig, ceilings: Ceilings, prov: Provenance,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_preset(p)
-    p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_counts, default=None,
                    help=f"token counts (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU); the bytes ablation runs at "
                         f"T = {' and '.join(map(str, BYTES_TOKENS))}")

@@ -54,6 +54,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 WEIGHTS = ("dtype", FP8)         # --weights: dense in --dtype, or block-scaled e4m3 (`moekit.bench.fp8`)
 SEED_MAX = 2**63 - 2  # torch generators take up to 2**64 - 1; studies derive seed + 1
+TOKENS_MAX = 2**31 - 2  # moekit.align sorts at most 2**31 - 2 (token, expert) pairs
 
 
 class UsageError(ValueError):
@@ -100,18 +101,23 @@ def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def int_list(lo: int) -> Callable[[str], list[int]]:
-    """A comma-separated list of integers, each >= lo."""
+def int_list(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
+    """A comma-separated list of integers, each in [lo, hi] (no upper bound when hi is None)."""
     def parse(text: str) -> list[int]:
         try:
             values = [int(s) for s in csv_list(text)]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        if any(v < lo for v in values):
-            raise argparse.ArgumentTypeError(f"expected integers >= {lo}, got {text!r}")
+        if any(v < lo or (hi is not None and v > hi) for v in values):
+            want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"expected integers {want}, got {text!r}")
         return values
 
     return parse
+
+
+token_count = int_range(1, TOKENS_MAX)
+token_counts = int_list(1, TOKENS_MAX)
 
 
 def _positive_float(text: str) -> float:

@@ -86,7 +86,7 @@ INTERPRETER_NOTE = ("Triton kernels run under the interpreter on this CPU-only m
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_preset(p, multiple=True)
-    p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_counts, default=None,
                    help=f"token counts, e.g. 1,4,16 (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
     default = arg_types.default_backends()

@@ -100,7 +100,7 @@ GRAPH_REPLAYS = 20  # a graph sample: this many back-to-back replays (decode run
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_preset(p)
-    p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_count, default=None,
                    help=f"tokens per rank (default: {GPU_TOKENS} on GPUs, {CPU_TOKENS} on the CPU)")
     p.add_argument("--scenarios", type=arg_types.csv_list, default=",".join(SCENARIOS),
                    help="routing scenarios, comma-separated (`moekit.bench.scenarios.make_scenario` names)")
@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=arg_types.csv_list, default=None,
                    help="EP modes, comma-separated: normal, low_latency (default: both on GPUs, normal on "
                         "the CPU)")
-    p.add_argument("--ll-tokens", type=arg_types.int_list(1), default=None,
+    p.add_argument("--ll-tokens", type=arg_types.token_counts, default=None,
                    help="low_latency: tokens per rank, each its own case with capacity = tokens (default: "
                         f"{','.join(map(str, LL_GPU_TOKENS))} on GPUs, {','.join(map(str, LL_CPU_TOKENS))} "
                         "on the CPU)")

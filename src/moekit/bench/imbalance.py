@@ -261,7 +261,7 @@ PROG = "moekit imbalance"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_preset(p)
-    p.add_argument("--tokens", type=arg_types.int_range(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_count, default=None,
                    help=f"tokens T (default: {GPU_TOKENS} on a GPU, {CPU_TOKENS} on the CPU)")
     p.add_argument("--scenarios", type=arg_types.csv_list, default=list(SCENARIOS),
                    help=f"routing scenarios (default: {','.join(SCENARIOS)}); also hot-<n>, zipf-<s>")

@@ -285,7 +285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what", type=arg_types.names(lambda: WHAT, "profile"), default=["kernels"],
                    help=f"comma-separated, from {', '.join(WHAT)} (default: kernels)")
     arg_types.add_preset(p)
-    p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_counts, default=None,
                    help=f"token counts (default: {','.join(map(str, GPU_TOKENS))} on a GPU, "
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
     arg_types.add_backends(p, _known_backends, ["triton"],

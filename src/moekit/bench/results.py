@@ -33,6 +33,7 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "error", "skipped", "not_capturable")
 DIRECTIONS = ("fwd", "fwd+bwd")   # a `moekit bench` row's pass: the forward, or forward + backward
 FP8 = "fp8"   # ResultRow.weights of a call on block-scaled FP8 expert weights (`moekit bench --weights fp8`)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1   # what numpy and torch hold in an integer column
 
 
 @dataclass(frozen=True)
@@ -265,11 +266,15 @@ def _parse(column: str, kind: str, text: str, where: str) -> object:
         if kind == "int | None":
             return None
         raise ValueError(f"{where}: column {column!r} is empty but must hold an integer")
+    shown = repr(text) if len(text) <= 40 else f"'{text[:20]}...' ({len(text)} characters)"
+    what = "a number" if kind == "float" else f"an integer in [{INT64_MIN}, {INT64_MAX}]"
     try:
-        return float(text) if kind == "float" else int(text)
+        value = float(text) if kind == "float" else int(text)    # int() refuses over 4300 digits too
     except ValueError:
-        what = "a number" if kind == "float" else "an integer"
-        raise ValueError(f"{where}: column {column!r} must hold {what}, got {text!r}") from None
+        raise ValueError(f"{where}: column {column!r} must hold {what}, got {shown}") from None
+    if kind != "float" and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{where}: column {column!r} must hold {what}, got {shown}")
+    return value
 
 
 def _file_mode() -> int:

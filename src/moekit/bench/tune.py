@@ -364,7 +364,7 @@ def write_table(path: Path, key: str, found: dict[int, ExpertsConfig],
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_preset(p, default=GPU_PRESET)
-    p.add_argument("--tokens", type=arg_types.int_list(1), default=list(DEFAULT_TOKENS),
+    p.add_argument("--tokens", type=arg_types.token_counts, default=list(DEFAULT_TOKENS),
                    help=f"comma-separated token counts (default: {','.join(map(str, DEFAULT_TOKENS))})")
     arg_types.add_dtype(p, choices=("bfloat16", "float16"), default="bfloat16")
     arg_types.add_weights(p, "the expert weights the tiles are tuned for: dtype (default: dense, in "

@@ -367,7 +367,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", type=arg_types.names(lambda: list(SETS), "set"), default=["tiles"],
                    help=f"comma-separated, from {', '.join(SETS)} (default: tiles)")
     arg_types.add_preset(p)
-    p.add_argument("--tokens", type=arg_types.int_list(1), default=None,
+    p.add_argument("--tokens", type=arg_types.token_counts, default=None,
                    help="token counts (default on a GPU: " + "; ".join(
                        f"{n} {','.join(map(str, t))}" for n, t in GPU_TOKENS.items())
                         + f"; else {','.join(map(str, GPU_DEFAULT_TOKENS))}; "

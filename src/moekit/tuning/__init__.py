@@ -540,6 +540,7 @@ def table_slug(device: torch.device | str | None = None) -> str:
 
 
 _TOKENS_KEY = re.compile(r"[1-9][0-9]*")
+_MAX_TOKENS_KEY = 2**31 - 2     # the most tokens a call has: moekit.align sorts at most 2**31 - 2 pairs
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -587,9 +588,12 @@ def parse_table(path: Path) -> TuningTable:
                              f"got {type(by_tokens).__name__}")
         entry = {}
         for tokens, cfg in by_tokens.items():
-            if not _TOKENS_KEY.fullmatch(tokens):
-                raise ValueError(f"{where}: bad entry {key!r}[{tokens!r}]: a token count must be a positive "
-                                 "integer written in decimal digits")
+            # the length first: int() refuses strings of over 4300 digits with a message of its own
+            if (not _TOKENS_KEY.fullmatch(tokens) or len(tokens) > len(str(_MAX_TOKENS_KEY))
+                    or int(tokens) > _MAX_TOKENS_KEY):
+                shown = repr(tokens) if len(tokens) <= 24 else f"'{tokens[:12]}...' ({len(tokens)} chars)"
+                raise ValueError(f"{where}: bad entry {key!r}[{shown}]: a token count must be a positive "
+                                 f"integer of at most {_MAX_TOKENS_KEY}, written in decimal digits")
             if not isinstance(cfg, dict):
                 raise ValueError(f"{where}: bad entry {key!r}[{tokens!r}]: expected an object of tiles, "
                                  f"got {type(cfg).__name__}")

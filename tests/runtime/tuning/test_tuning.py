@@ -260,6 +260,8 @@ BAD_TABLES = [
     ("token-negative", '{"k": {"-4": {}}}', "token count must be a positive integer"),
     ("token-arabic-digits", '{"k": {"\u0661\u0662": {}}}', "token count must be a positive integer"),
     ("token-superscript", '{"k": {"\u00b2": {}}}', "token count must be a positive integer"),
+    ("token-5000-digits", '{"k": {"' + "9" * 5000 + '": {}}}', "token count must be a positive integer"),
+    ("token-past-int32", '{"k": {"2147483647": {}}}', "token count must be a positive integer of at most"),
     ("not-utf8", b'{"k": {"1": {"block_m": 16, "\xff": 1}}}', "not UTF-8"),
     ("deep-lists", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ("deep-objects", '{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deeply"),
@@ -282,6 +284,18 @@ def test_bad_table_file_is_a_value_error_naming_the_file(tmp_path, name, content
     with pytest.raises(ValueError) as info:
         parse_table(path)
     assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_bad_token_key_is_named_in_a_short_message(tmp_path):
+    """A 5000-digit token count: the file and the entry named, the key cut short (Python's own error
+    for such a number names neither)."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"E=8,H=64,I=48,K=2,dtype=float32": {"9" * 5000: {}}}), encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        parse_table(path)
+    message = str(info.value)
+    assert message.startswith(f"tuning table {path}: bad entry 'E=8,H=64,I=48,K=2,dtype=float32'[")
+    assert "'999999999999...' (5000 chars)]: a token count must be" in message and len(message) < 300
 
 
 # The tma_weights switch: a bool, left out of table entries while off, so old tables read the same.
