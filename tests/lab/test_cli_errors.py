@@ -8,12 +8,14 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from helpers import error_line, run_cli
 from moekit.bench import cli as bench_cli
 from moekit.bench import imbalance, imbalance_report, report, study
+from moekit.bench.args import out_dir
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.imbalance_report import ImbalanceRow
 from moekit.bench.results import check_result_row, write_csv
@@ -154,6 +156,26 @@ def test_out_holding_results_is_refused_before_any_work(command, existing, tmp_p
     assert str(tmp_path) in line and existing in line and "--overwrite" in line
     assert (tmp_path / existing).read_text() == "earlier results\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([existing, "notes.txt"])
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("out", ["/proc/moekit-out", "/proc/self"])
+def test_out_that_cannot_be_written_is_refused_before_any_work(out, tmp_path, capsys, no_work):
+    """/proc refuses new folders and files whatever the permission bits say, and they do not bind
+    root: the folder is tried, not judged by its mode."""
+    assert run_cli(["bench", "--device", "cpu", "--out", out]) == 2
+    assert f"argument --out: {out}: " in error_line(capsys, "moekit bench")
+    write_csv(sample_rows(), tmp_path / "results.csv")
+    assert run_cli(["report", str(tmp_path), "--out", f"{out}/report"]) == 2
+    assert "argument --out: " in error_line(capsys, "moekit report")
+
+
+def test_out_check_leaves_no_trace(tmp_path):
+    """Trying a folder, new or existing, leaves nothing behind."""
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "new" / "deeper", tmp_path / "kept"):
+        out_dir(str(out))
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and not list((tmp_path / "kept").iterdir())
 
 
 def test_help_documents_the_overwrite_rule(capsys):

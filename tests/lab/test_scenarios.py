@@ -155,6 +155,18 @@ def test_trace_bad_files_name_the_file(tmp_path):
         from_file(tmp_path / "ok.npy", 8, top_k=3)
 
 
+def test_trace_of_complex_ids_or_more_ids_than_experts_names_the_file(tmp_path):
+    complex_ids, wide = tmp_path / "complex.pt", tmp_path / "wide.npy"
+    torch.save(torch.tensor([[0, 1], [2, 3]], dtype=torch.complex64), complex_ids)
+    np.save(wide, np.arange(9).reshape(1, 9) % 8)
+    cases = ((complex_ids, "expected 2-D integer ids (T, K), got torch.complex64 of shape (2, 2)"),
+             (wide, "has K=9 ids per token, more than the layer's 8 experts"))
+    for path, problem in cases:
+        with pytest.raises(ValueError) as info:
+            from_file(path, 8)
+        assert str(info.value) == f"routing trace {path}: {problem}"
+
+
 def test_expert_loads_skip_invalid_ids():
     ids = torch.tensor([[0, -1], [3, 0], [9, 2]])
     assert expert_loads(ids, 4).tolist() == [2, 0, 1, 1]

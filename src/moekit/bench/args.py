@@ -38,6 +38,7 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
@@ -181,17 +182,40 @@ def default_device() -> torch.device:
 
 
 def _writable_folder_problem(path: Path) -> str:
-    """"" when `path` is, or can be created as, a folder this process may write into."""
+    """"" when `path` is, or can be created as, a folder this process may write into: tried by
+    creating a file in it, or a folder and a file in its nearest existing parent, each of a unique
+    name and removed again (permission bits do not bind root, and /proc or a read-only mount refuse
+    writes that they would allow; unique names keep ranks checking one folder at once apart)."""
     if path.exists():
         if not path.is_dir():
             return "exists and is not a folder"
-        return "" if os.access(path, os.W_OK | os.X_OK) else "the folder is not writable"
+        return _write_probe_problem(path, "the folder is not writable")
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         return f"{parent} is not a folder"
-    return "" if os.access(parent, os.W_OK | os.X_OK) else f"cannot create a folder in {parent}"
+    try:
+        probe = tempfile.mkdtemp(dir=parent, prefix=".moekit-write-check-")
+    except OSError as exc:
+        return f"cannot create a folder in {parent} ({exc.strerror or exc})"
+    try:
+        return _write_probe_problem(Path(probe), f"cannot write in a folder created in {parent}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(probe)
+
+
+def _write_probe_problem(folder: Path, problem: str) -> str:
+    """"" when a file can be created in `folder` (and is removed again), else `problem` and why."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".moekit-write-check-")
+    except OSError as exc:
+        return f"{problem} ({exc.strerror or exc})"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return ""
 
 
 def out_dir(text: str) -> Path:

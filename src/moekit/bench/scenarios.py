@@ -31,6 +31,8 @@ from moekit._validation import check_tensor, check_top_k
 from moekit.routing import route
 
 ZIPF_EXPONENTS = (0.5, 1.0, 1.5)
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                  torch.uint64)     # a trace's ids: any integer dtype (bool, floats and complex refused)
 # The study's default scenarios, in order of rising skew (roughly); "hot" takes n = K // 2 there.
 SCENARIOS = ("balanced", "random_router", "zipf-0.5", "zipf-1.0", "zipf-1.5", "hot", "collapse")
 
@@ -213,13 +215,15 @@ def from_file(path: str | os.PathLike, num_experts: int, *, num_tokens: int | No
     """
     path = Path(path)
     ids, weights = _load_trace(path)
-    if ids.dim() != 2 or ids.shape[1] < 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    if ids.dim() != 2 or ids.shape[1] < 1 or ids.dtype not in INTEGER_DTYPES:
         raise ValueError(f"routing trace {path}: expected 2-D integer ids (T, K), got "
                          f"{ids.dtype} of shape {tuple(ids.shape)}")
     ids = ids.long()
     if top_k is not None and ids.shape[1] != top_k:
         raise ValueError(f"routing trace {path}: has K={ids.shape[1]} ids per token, expected {top_k}")
-    check_top_k(ids.shape[1], num_experts)
+    if ids.shape[1] > num_experts:
+        raise ValueError(f"routing trace {path}: has K={ids.shape[1]} ids per token, more than the layer's "
+                         f"{num_experts} experts")
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:
