@@ -250,6 +250,7 @@ def test_the_dense_pair_is_on_by_default_with_cuda_only(monkeypatch):
     assert _plan(["--device", "cpu", "--dense", "--backends", "loop"]).backends == ("loop", DENSE)
     assert DENSE not in _plan(["--backward", "--device", "cpu"]).backends
     monkeypatch.setattr(cli.arg_types, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))  # its memory
     plan = _plan(["--backends", "triton"])
     assert plan.backends == ("triton", "layer", DENSE) and plan.modes == ("eager", "graph")
     assert _plan(["--backends", "triton", "--no-dense", "--no-layer"]).backends == ("triton",)

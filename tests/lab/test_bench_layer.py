@@ -26,6 +26,7 @@ def test_the_layer_is_on_by_default_with_cuda_only(monkeypatch, capsys):
     assert LAYER not in _plan(["--device", "cpu"]).backends
     assert _plan(["--device", "cpu", "--layer", "--backends", "loop"]).backends == ("loop", LAYER)
     monkeypatch.setattr(cli.arg_types, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))  # its memory
     assert LAYER in _plan(["--backends", "triton"]).backends
     assert LAYER not in _plan(["--backends", "triton", "--no-layer"]).backends
     assert LAYER not in _plan(["--backward", "--backends", "triton"]).backends

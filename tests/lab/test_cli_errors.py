@@ -5,20 +5,26 @@ in which no case succeeded exits non-zero; --out never replaces earlier results 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import error_line, run_cli
+import moekit._memory
+from helpers import ROOT, error_line, run_cli
 from moekit.bench import cli as bench_cli
 from moekit.bench import imbalance, imbalance_report, report, study
-from moekit.bench.args import out_dir
+from moekit.bench.args import UsageError, check_memory, out_dir
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.imbalance_report import ImbalanceRow
+from moekit.bench.layers import parse_shape
 from moekit.bench.results import check_result_row, write_csv
+from moekit.bench.runner import memory_bytes
 from moekit.cli import main
 from result_rows import imbalance_rows, make_row, sample_rows
 
@@ -328,3 +334,78 @@ def test_tokens_past_the_runtime_bound_are_refused_while_parsing(command, tokens
     line = error_line(capsys, f"moekit {command}")
     assert "argument --tokens: " in line and str(2**31 - 2) in line and tokens in line
 
+
+# A layer whose weights cannot fit is refused while the arguments are resolved, before any work.
+
+
+SMALL_SHAPE = ["--shape", "E=8,H=64,I=48,K=2", "--device", "cpu"]   # 0.3 MB of float32 weights
+
+
+@pytest.mark.parametrize("command,layer", [
+    ("bench", SMALL_SHAPE), ("imbalance", SMALL_SHAPE), ("profile", SMALL_SHAPE), ("sweep", SMALL_SHAPE),
+    ("ablate", ["--preset", "tiny", "--ablations", "tile", "--device", "cpu"]),
+    ("ep-bench", [*SMALL_SHAPE[:2], "--simulate", "2"]),
+])
+def test_layer_that_cannot_fit_is_refused_before_any_work(command, layer, monkeypatch, capsys, no_work,
+                                                          tmp_path):
+    monkeypatch.setattr(moekit._memory, "free_bytes", lambda device: 100_000)
+    out = tmp_path / "run"
+    assert run_cli([command, *layer, "--tokens", "4", "--out", str(out)]) == 2
+    if command == "ep-bench":   # its errors go to stdout (the distributed tests read them there)
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("moekit ep-bench: "))
+    else:
+        line = error_line(capsys, f"moekit {command}")
+    name = "tiny (E=8,H=64,I=48,K=2)" if command == "ablate" else "shape:E=8,H=64,I=48,K=2"
+    assert f"layer {name} needs " in line and "T=4" in line
+    assert "over the 8e-05 GB a run may take on " in line and " (80% of the 0.0001 GB free)" in line
+    assert not out.exists()
+
+
+def test_memory_check_counts_each_layer_and_the_largest_token_count(monkeypatch):
+    """The bytes are the float32 weights (router, gate_up, down) with what the workload of the largest
+    T keeps (x, the fp32 reference output, the top-k ids and weights); the first layer over is named."""
+    e, h, i, k, t = 8, 64, 48, 2, 16
+    need = 4 * (e * h + e * 2 * i * h + e * h * i) + t * (h * (4 + 4) + k * 8)
+    monkeypatch.setattr(moekit._memory, "free_bytes", lambda device: math.ceil(need / 0.8))
+    small, big = parse_shape(f"E={e},H={h},I={i},K={k}"), parse_shape(f"E={e},H={h},I={i + 1},K={k}")
+    cpu = torch.device("cpu")
+    check_memory([small], torch.float32, cpu, [1, t])
+    with pytest.raises(UsageError, match=f"layer {big.name} needs"):
+        check_memory([small, big], torch.float32, cpu, [t, 1])
+    with pytest.raises(UsageError, match=f"T={t + 1}"):
+        check_memory([small], torch.float32, cpu, [t + 1])
+
+
+def test_memory_of_a_narrower_dtype_counts_its_fp32_draw():
+    """make_weights draws gate_up (the largest tensor) in fp32 and casts it: both are held at once."""
+    e, h, i = 8, 64, 48
+    router, gate_up, down = e * h, e * 2 * i * h, e * h * i
+    shape = parse_shape(f"E={e},H={h},I={i},K=2").shape
+    assert memory_bytes(shape, torch.bfloat16) == 2 * router + (4 + 2) * gate_up
+    assert memory_bytes(shape, torch.bfloat16, drawn_in_fp32=False) == 2 * (router + gate_up + down)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="needs Linux's /proc")
+def test_bench_under_an_address_space_limit_refuses_a_layer_past_it(tmp_path):
+    """`ulimit -v`: the layer's 2.4 GB of float32 weights are refused by name before anything is
+    measured (not an allocator's traceback), with 1.5 GB of address space left to the process."""
+    code = textwrap.dedent(f"""
+        import resource, sys
+        import torch
+        from moekit.cli import main
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (used + 1_500_000_000, hard))
+        sys.exit(main(["bench", "--device", "cpu", "--shape", "E=64,H=2048,I=1536,K=2", "--tokens", "1",
+                       "--backends", "loop", "--no-dense", "--quick", "--out", {str(tmp_path / "run")!r}]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    e, h, i, k = 64, 2048, 1536, 2
+    need = 4 * (e * h + e * 2 * i * h + e * h * i) + h * (4 + 4) + k * 8      # float32 weights, T = 1
+    assert line.startswith(f"moekit bench: error: layer shape:E={e},H={h},I={i},K={k} needs "
+                           f"{need / 1e9:.3g} GB (float32 weights and the tensors of T=1), over the ")
+    assert not (tmp_path / "run").exists()

@@ -462,6 +462,7 @@ def stub_gpu(monkeypatch):
                     seed=seed, switches=switches, fp8=fp8)
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner.torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
     monkeypatch.setattr(tuner, "measure_provenance", lambda *a, **k: (None, prov))
     monkeypatch.setattr(tuner, "tune_tokens", on_cpu)
     monkeypatch.setattr(tuner, "device_slug", lambda device=None: "stub_gpu")
@@ -498,6 +499,16 @@ def test_tune_study_writes_rows_report_plot_and_table(tmp_path, monkeypatch, cap
     assert main(["tune", "--preset", "tiny", "--tokens", "4", "--seed", "7", "--out", str(out),
                  "--table", str(table)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_tune_refuses_a_layer_the_gpu_cannot_hold(tmp_path, monkeypatch, capsys, stub_gpu):
+    monkeypatch.setattr(tuner.torch.cuda, "mem_get_info", lambda device=None: (100_000, 80 << 30))
+    out = tmp_path / "run"
+    assert main(["tune", "--preset", "tiny", "--tokens", "4", "--out", str(out), "--table",
+                 str(tmp_path / "t.json")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("moekit tune: error: layer tiny (E=8,H=64,I=48,K=2) needs ") and "T=4" in line
+    assert "(80% of the 0.0001 GB free)" in line and not out.exists()
 
 
 # Where the table goes, and what it records.

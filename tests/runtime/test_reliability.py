@@ -334,3 +334,15 @@ def test_padded_workspace_that_cannot_fit_is_refused(monkeypatch):
     monkeypatch.setattr(moekit._memory, "free_bytes", lambda device: 10_000)
     with pytest.raises(moekit.PaddedWorkspaceTooLarge, match="over the .* GB allowed"):
         moe_experts(x, gate_up, down, w, ids, backend="padded")
+
+
+def test_free_cpu_memory_counts_the_cache_linux_can_drop(tmp_path, monkeypatch):
+    """MemAvailable, not MemFree: a machine whose memory is mostly page cache has it to give."""
+    import moekit._memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\n"
+                       "MemAvailable:   12000000 kB\nCached:         11000000 kB\n")
+    monkeypatch.setattr(moekit._memory, "MEMINFO", str(meminfo), raising=False)
+    monkeypatch.setattr(moekit._memory, "_address_space_left", lambda: 1 << 62, raising=False)
+    assert moekit._memory.free_bytes(torch.device("cpu")) == 12000000 * 1024

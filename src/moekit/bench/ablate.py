@@ -40,6 +40,7 @@ from moekit.bench.ablate_report import ABLATIONS, BYTES_VARIANT, STUDY, AblateRo
 from moekit.bench.ablate_variants import MEASURED, NotApplicable, Setup, build
 from moekit.bench.args import CPU_PRESET, GPU_PRESET, RESULTS_ROOT, usage_error
 from moekit.bench.ceilings import Ceilings
+from moekit.bench.layers import preset_layer
 from moekit.bench.results import Provenance
 from moekit.bench.runner import Measurement, Options, Workload, make_weights, make_workload, run_case
 from moekit.bench.study import CSV_NAME, exit_status, measure_provenance, status_counts
@@ -214,8 +215,11 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
     base = GPU_OPTIONS if on_gpu else CPU_OPTIONS
     options = replace(base, warmup=args.warmup if args.warmup is not None else base.warmup,
                       rep=args.rep if args.rep is not None else base.rep)
-    return AblateConfig(preset=preset, tokens=tokens, dtype=arg_types.resolve_dtype(args.dtype, device),
-                        device=device, ablations=tuple(a for a in ABLATIONS if a in args.ablations),
+    dtype = arg_types.resolve_dtype(args.dtype, device)
+    ablations = tuple(a for a in ABLATIONS if a in args.ablations)
+    arg_types.check_memory([preset_layer(preset)], dtype, device,
+                           [*tokens, *(BYTES_TOKENS if "bytes" in ablations else ())], fp8="fp8" in ablations)
+    return AblateConfig(preset=preset, tokens=tokens, dtype=dtype, device=device, ablations=ablations,
                         modes=("eager", "graph") if arg_types.pick(args.graph, device, True, False)
                         else ("eager",), seed=args.seed, masked_max_tokens=args.masked_max_tokens,
                         ncu=args.ncu, options=options)

@@ -23,9 +23,9 @@ bfloat16 or float32) are resolved by `resolve_device`, `pick` and `resolve_dtype
 
 Each `type=` function rejects a bad value while argparse parses, so the user gets argparse's one
 line (`moekit bench: error: argument --rep: expected an integer >= 1, got '0'`), exit status 2 and
-no traceback, before anything is measured. Checks that need several arguments or the file system
-state at run time (`check_out_dir`, `check_no_results`) raise `UsageError`; a subcommand's `run`
-turns it into the same kind of line with `usage_error`.
+no traceback, before anything is measured. Checks that need several arguments, the file system or
+the device at run time (`check_out_dir`, `check_no_results`, `check_memory`: the layer's weights
+fit) raise `UsageError`; a subcommand's `run` turns it into the same kind of line with `usage_error`.
 
 Exit statuses of every study: 0 when at least one case was measured, 1 when none was (every case
 failed, errored or was skipped), 2 on a usage error (bad argument, unwritable folder, bad input file).
@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from moekit.bench.layers import SHAPE_SYNTAX, Layer, parse_shape, preset_layer, read_config
+from moekit import _memory
+from moekit.bench.layers import SHAPE_SYNTAX, Layer, parse_shape, preset_layer, read_config, shape_name
 from moekit.bench.results import FP8
 from moekit.shapes import PRESETS
 
@@ -368,6 +369,29 @@ def resolve_layer(args: argparse.Namespace, device: torch.device,
     if len(layers) != 1:
         raise ValueError(f"expected one layer, got {len(layers)}")
     return layers[0]
+
+
+def check_memory(layers: Collection[Layer], dtype: torch.dtype, device: torch.device,
+                 tokens: Collection[int] = (), *, fp8: bool = False, backward: bool = False,
+                 drawn_in_fp32: bool = True) -> None:
+    """UsageError naming the first layer whose weights, with the tensors of its largest T, would not
+    fit in what the device may give a run (`moekit._memory`; `runner.memory_bytes`): refused before
+    anything is allocated or measured."""
+    from moekit.bench.runner import memory_bytes  # here: the runner loads the kernels
+
+    t = max(tokens, default=0)
+    allowed = _memory.allowed_bytes(device)
+    for layer in layers:
+        need = memory_bytes(layer.shape, dtype, t, fp8=fp8, backward=backward, drawn_in_fp32=drawn_in_fp32)
+        if need <= allowed:
+            continue
+        label = shape_name(layer.shape)
+        name = label if layer.name == label else f"{layer.name} ({label.removeprefix('shape:')})"
+        what = f"{str(dtype).removeprefix('torch.')} weights" + (f" and the tensors of T={t}" if t else "")
+        free = _memory.free_bytes(device)
+        raise UsageError(f"layer {name} needs {need / 1e9:.3g} GB ({what}), over the {allowed / 1e9:.3g} GB "
+                         f"a run may take on {device} ({_memory.MEMORY_HEADROOM:.0%} of the {free / 1e9:.3g} "
+                         "GB free); choose a smaller layer or fewer tokens")
 
 
 def layer_given(args: argparse.Namespace) -> bool:

@@ -192,6 +192,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
     dtype = arg_types.resolve_dtype(args.dtype, device)
     graph = arg_types.pick(args.graph, device, True, False)
     modes = ("eager", "graph") if graph else ("eager",)
+    arg_types.check_memory(layers, dtype, device, tokens, fp8=fp8, backward=args.backward)
     plan = Plan(tuple(layers), tuple(tokens), tuple(backends), modes, dtype, device, args.seed,
                 direction="fwd+bwd" if args.backward else "fwd", fp8=fp8)
     return plan, with_peers

@@ -198,6 +198,7 @@ def _config(args: argparse.Namespace, device: torch.device, console: Console | N
     ll_tokens = tuple(arg_types.pick(getattr(args, "ll_tokens", None), device, LL_GPU_TOKENS, LL_CPU_TOKENS))
     a2a_mib = tuple(arg_types.pick(getattr(args, "a2a_mib", None), device, A2A_GPU_MIB, A2A_CPU_MIB))
     overlap_chunks = tuple(dict.fromkeys(getattr(args, "overlap_chunks", None) or (1,)))
+    arg_types.check_memory([layer], dtype, device, [tokens])
     return Config(preset, shape, tokens, scenarios, args.trace, dtype, backend, args.spare_slots, warmup,
                   iters, args.seed, device, modes, ll_tokens, a2a_mib, overlap_chunks)
 

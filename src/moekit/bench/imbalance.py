@@ -327,7 +327,9 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
     options = Options(warmup=args.warmup if args.warmup is not None else base.warmup,
                       rep=args.rep if args.rep is not None else base.rep)
     limit = None if args.memory_limit_gb is None else int(args.memory_limit_gb * 1e9)
-    return StudyConfig(preset=preset, tokens=tokens, dtype=arg_types.resolve_dtype(args.dtype, device),
+    dtype = arg_types.resolve_dtype(args.dtype, device)
+    arg_types.check_memory([layer], dtype, device, [tokens])
+    return StudyConfig(preset=preset, tokens=tokens, dtype=dtype,
                        device=device, scenarios=tuple(scenarios),
                        backends=tuple(dict.fromkeys(args.backends)),
                        ep_ranks=ep, placement=args.placement, spare_slots=spare, ep_backend=args.ep_backend,

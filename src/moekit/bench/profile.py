@@ -334,10 +334,11 @@ def run(args: argparse.Namespace) -> int:
             layer = arg_types.resolve_layer(args, device)
         if fp8:
             _check_fp8(args, layer)
+        dtype = arg_types.resolve_dtype(args.dtype, device)
+        tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
+        arg_types.check_memory([layer], dtype, device, tokens, fp8=fp8, backward=args.backward)
     except ValueError as exc:
         return usage_error(PROG, exc)
-    dtype = arg_types.resolve_dtype(args.dtype, device)
-    tokens = arg_types.pick(args.tokens, device, GPU_TOKENS, CPU_TOKENS)
     direction = "fwd+bwd" if args.backward else "fwd"
 
     def measure(console, ceilings, prov) -> list[ProfileRow]:

@@ -147,9 +147,31 @@ def make_weights(shape: MoEShape, dtype: torch.dtype, device: torch.device, seed
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
 
     def draw(*size: int, fan_in: int) -> torch.Tensor:
-        return (torch.randn(size, generator=g, device=device) / math.sqrt(fan_in)).to(dtype)
+        return torch.randn(size, generator=g, device=device).div_(math.sqrt(fan_in)).to(dtype)
 
     return Weights(draw(e, h, fan_in=h), draw(e, 2 * i, h, fan_in=h), draw(e, h, i, fan_in=i))
+
+
+def memory_bytes(shape: MoEShape, dtype: torch.dtype, tokens: int = 0, *, fp8: bool = False,
+                 backward: bool = False, drawn_in_fp32: bool = True) -> int:
+    """Bytes a study must hold at once for this layer at T = `tokens`: the most that `make_weights`
+    holds while drawing (each tensor drawn in fp32, then cast, unless not `drawn_in_fp32`), or the
+    weights with what `make_workload` keeps (x and the fp32 reference output; `quantize_layer`'s e4m3
+    copy with fp8; with backward, the fp32 copies of both projections and their gradients
+    `training_workload`'s reference makes). A lower bound: the backends' own buffers come on top, so
+    a layer over it can never run."""
+    e, h, i, k = shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
+    size = dtype.itemsize
+    router, gate_up, down = e * h, e * 2 * i * h, e * h * i       # elements
+    weights = (router + gate_up + down) * size
+    cast = 4 if drawn_in_fp32 and dtype != torch.float32 else 0     # the fp32 draw beside its cast
+    drawing = router * size + max(gate_up * (cast + size), gate_up * size + down * (cast + size))
+    held = weights + tokens * (h * (size + 4) + k * 8)
+    if fp8:
+        held += gate_up + down
+    if backward:
+        held += 8 * (gate_up + down)
+    return max(drawing, held)
 
 
 def mean_distinct_experts(shape: MoEShape, router_weight: torch.Tensor, tokens: int, draws: int,

@@ -233,8 +233,8 @@ def search_weights(shape: MoEShape, dtype: torch.dtype, device: torch.device, fp
     """Random weights of the shape in dtype (scaled by 1 / sqrt of their fan-in); with fp8 quantized
     once (`moekit.bench.fp8.quantize_projections`: float16 stand-ins off CUDA)."""
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
-    gate_up = (torch.randn(e, 2 * i, h, device=device, dtype=dtype) / h**0.5)
-    down = (torch.randn(e, h, i, device=device, dtype=dtype) / i**0.5)
+    gate_up = torch.randn(e, 2 * i, h, device=device, dtype=dtype).div_(h**0.5)
+    down = torch.randn(e, h, i, device=device, dtype=dtype).div_(i**0.5)
     if fp8:
         quantized = quantize_projections(gate_up, down)
         gate_up, down = quantized.gate_up, quantized.down
@@ -440,6 +440,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return usage_error(PROG, f"--weights fp8: {problem}")
     dtype = getattr(torch, args.dtype)
+    try:   # search_weights draws the weights in the dtype itself
+        arg_types.check_memory([layer], dtype, device, args.tokens, fp8=fp8, drawn_in_fp32=False)
+    except ValueError as exc:
+        return usage_error(PROG, exc)
     key = shape_key(shape, FP8_DTYPE if fp8 else dtype)
     out, table = _paths(args, device)
     problem = _check_table(table, explicit=args.table is not None or out != args.out)

@@ -387,16 +387,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arg_types.add_threads(p)
 
 
+def _set_tokens(args: argparse.Namespace, device: torch.device, name: str) -> Sequence[int]:
+    """The token counts variant set `name` runs at: --tokens, else the set's default on the device."""
+    return arg_types.pick(args.tokens, device, GPU_TOKENS.get(name, GPU_DEFAULT_TOKENS), CPU_TOKENS)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         device = arg_types.resolve_device(args.device)
         if args.graph and device.type != "cuda":
             raise ValueError("--graph needs a CUDA device")
         layer = arg_types.resolve_layer(args, device)
+        dtype = arg_types.DTYPES[args.dtype] if args.dtype else arg_types.pick(None, device, torch.bfloat16,
+                                                                              torch.float16)
+        tokens = [t for name in args.sets for t in _set_tokens(args, device, name)]
+        arg_types.check_memory([layer], dtype, device, tokens, fp8="fp8" in args.sets)
     except ValueError as exc:
         return usage_error(PROG, exc)
-    dtype = arg_types.DTYPES[args.dtype] if args.dtype else arg_types.pick(None, device, torch.bfloat16,
-                                                                          torch.float16)
     base = GPU_OPTIONS if device.type == "cuda" else CPU_OPTIONS
     options = replace(base, warmup=base.warmup if args.warmup is None else args.warmup,
                       rep=base.rep if args.rep is None else args.rep)
@@ -408,8 +415,7 @@ def run(args: argparse.Namespace) -> int:
         weights = make_weights(s, dtype, device, args.seed)
         rows = []
         for name in args.sets:
-            gpu_tokens = GPU_TOKENS.get(name, GPU_DEFAULT_TOKENS)
-            for t in arg_types.pick(args.tokens, device, gpu_tokens, CPU_TOKENS):
+            for t in _set_tokens(args, device, name):
                 work = make_workload(layer.name, s, t, weights, dtype, device, seed=args.seed,
                                      routing_draws=1)
                 rows += set_rows(name, work, layer_head(prov, layer, tokens=t), modes, ceilings, options,
