@@ -8,12 +8,21 @@ T; top_k > E on the triton path; clear errors for bad options; the poison mode f
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import moekit
-from helpers import check_training_step, distinct_topk_ids, poisoned, rel_err, same_dtype_bound
+from helpers import (
+    check_exact_zeros,
+    check_training_step,
+    distinct_topk_ids,
+    experts_same_dtype,
+    poisoned,
+    rel_err,
+    same_dtype_bound,
+)
 from moekit import ExpertsConfig, MoELayer, align_block_size, moe_experts, ops
 from moekit._workspace import poisoning
 from moekit.reference import moe_experts_ref, moe_layer_ref
@@ -144,6 +153,55 @@ def test_ops_entries_follow_the_same_gradient_rules():
         assert rel_err(w_leaf.grad, _fp32_grads(x, gate_up, down, w, ids)[3]) <= 1e-5, backend
     with pytest.raises(RuntimeError, match="router backend='triton' has no backward"):
         ops.topk_softmax(torch.randn(4, 8, requires_grad=True), 2, backend="triton")
+
+
+@contextmanager
+def nan_filled_empty():
+    """torch.empty's memory NaN-filled (torch's deterministic mode), so rows an op never writes show."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["plain", "biases"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "auto", "loop", "padded"])
+def test_invalid_ids_add_nothing_to_any_gradient(backend, biases):
+    """Pairs with ids -1, E and E + 5 (expert parallelism; "auto" through `ops.experts`) add exactly 0
+    to every gradient: all six match fp32 autograd through a reference that drops them, with fresh
+    buffers NaN-filled (grouped_mm leaves rows past its last group unwritten), bit for bit in two
+    calls; a token with no valid id gets dx = 0, the invalid slots d topk_weights = 0 and the idle
+    expert zero weight and bias gradients."""
+    num_experts, hidden, inter, num_tokens, top_k = 5, 48, 16, 9, 3
+    x, gate_up, down, w, ids = case(num_tokens, num_experts, hidden, inter, top_k)
+    ids[0, 0], ids[5, 2], ids[7, 1] = -1, num_experts, num_experts + 5
+    ids[4] = torch.tensor([-1, num_experts, num_experts + 5])
+    biases = [torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)] if biases else [None] * 2
+    dout = torch.randn(num_tokens, hidden)
+    inputs = [t for t in (x, gate_up, down, w, *biases) if t is not None]
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    bias_names = ("gate_up_bias", "down_bias")
+    experts_same_dtype(*leaves[:4], ids, **dict(zip(bias_names, leaves[4:]))).backward(dout)
+    runs = []
+    for _ in range(2):
+        got = [t.clone().requires_grad_(True) for t in inputs]
+        bias_kw = dict(zip(bias_names, got[4:]))
+        with nan_filled_empty():
+            if backend == "auto":
+                out = ops.experts(*got[:4], ids, **bias_kw)
+            else:
+                out = moe_experts(*got[:4], ids, backend=backend, ignore_invalid_ids=True, **bias_kw)
+            runs.append(torch.autograd.grad(out, got, dout))
+        names = ("x", "gate_up_proj", "down_proj", "topk_weights", *bias_names)
+        for name, g, leaf in zip(names, runs[-1], leaves):
+            assert rel_err(g, leaf.grad) <= 1e-5, name
+        check_exact_zeros(runs[-1][:4], ids.long(), num_experts)
+        for g in runs[-1][4:]:
+            assert torch.equal(g[num_experts - 1], torch.zeros_like(g[num_experts - 1]))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
 
 
 # 2. out=: no internal overlap; a disjoint slice of an input's storage is legal.

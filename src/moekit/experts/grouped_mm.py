@@ -4,7 +4,9 @@ Expert biases are added to the sorted rows, gathered by each row's expert, after
 
 This is the path Transformers' grouped_mm experts option takes. On Hopper and Blackwell PyTorch
 runs grouped_mm as one kernel; elsewhere it falls back to one GEMM per group with a host sync.
-The final sum over slots is in fp32 and deterministic (no index_add_ atomics).
+The final sum over slots is in fp32 and deterministic (no index_add_ atomics). Pairs with ids
+outside [0, E) sort past the last group, rows grouped_mm never writes (nor their gradients): every
+such row is selected away, so those pairs add exactly 0 to the output and to every gradient.
 """
 
 from __future__ import annotations
@@ -56,19 +58,22 @@ def experts_grouped_mm(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, 
     valid, order = pairs.valid, pairs.order
     offs = torch.cumsum(pairs.counts[:num_experts], 0, dtype=torch.int32)  # invalid pairs lie past offs[-1]
 
-    x_sorted = hidden_states[order // top_k].contiguous()
-    expert_sorted = pairs.e_sorted.clamp(max=num_experts - 1)   # rows past offs[-1] are masked below
+    # grouped_mm leaves rows past offs[-1] unwritten, forward and backward: selects (NaN-safe) drop them.
+    valid_sorted = valid[order][:, None]
+    # Masked so that their unwritten input gradient never reaches hidden_states.grad.
+    x_sorted = torch.where(valid_sorted, hidden_states[order // top_k], 0)
+    expert_sorted = pairs.e_sorted.clamp(max=num_experts - 1)
     h = _grouped_mm(x_sorted, gate_up_proj.transpose(-1, -2), offs=offs)
     if gate_up_bias is not None:
         h = h + gate_up_bias[expert_sorted]
+    # Masked after the bias: their gradient would otherwise land in gate_up_bias.grad[E-1].
+    h = torch.where(valid_sorted, h, 0)
     act = gated(h, activation, interleaved).contiguous()
     y_sorted = _grouped_mm(act, down_proj.transpose(-1, -2), offs=offs)
     if down_bias is not None:
         y_sorted = y_sorted + down_bias[expert_sorted]
 
-    valid_sorted = valid[order]
-    w_sorted = torch.where(valid_sorted, topk_weights.reshape(-1)[order].float(), 0.0)
-    # Rows past offs[-1] are not written by grouped_mm on every device: mask, don't multiply.
-    contrib = torch.where(valid_sorted[:, None], y_sorted.float() * w_sorted[:, None], 0.0)
+    w_sorted = torch.where(valid_sorted[:, 0], topk_weights.reshape(-1)[order].float(), 0.0)
+    contrib = torch.where(valid_sorted, y_sorted.float() * w_sorted[:, None], 0.0)
     per_pair = torch.empty_like(contrib).index_copy_(0, order, contrib)
     return per_pair.view(num_tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
