@@ -204,6 +204,51 @@ def test_invalid_ids_add_nothing_to_any_gradient(backend, biases):
         assert torch.equal(a, b)
 
 
+def test_triton_backward_with_create_graph_raises():
+    """backend="triton" has no double backward: a backward with create_graph=True through it (eager, or
+    the custom ops a compiled call runs) raises naming the backends that have one, instead of
+    returning a first-order gradient with no graph behind it."""
+    x, gate_up, down, w, ids = case()
+    calls = {
+        "eager": lambda t: moe_experts(t, gate_up, down, w, ids, backend="triton", config=SMALL),
+        "experts op": lambda t: torch.ops.moekit.experts(t, gate_up, down, w, ids, "triton", None),
+        "experts_train op": lambda t: torch.ops.moekit.experts_train(t, gate_up, down, w, ids, "triton",
+                                                                     None, True)[0],
+    }
+    ref_leaf = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(experts_same_dtype(ref_leaf, gate_up, down, w, ids).sum(), ref_leaf)
+    for name, call in calls.items():
+        leaf = x.clone().requires_grad_(True)
+        out = call(leaf)
+        with pytest.raises(RuntimeError, match="backend='triton' is not twice differentiable.*'grouped_mm' "
+                                               "or 'loop'"):
+            torch.autograd.grad(out.sum(), leaf, create_graph=True)
+        (gx,) = torch.autograd.grad(call(leaf).sum(), leaf)           # first order still runs
+        assert gx.grad_fn is None and rel_err(gx, want) <= 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_double_backward_matches_fp32_autograd(backend):
+    """A gradient penalty (create_graph=True) through loop and grouped_mm, ids -1 and E among the
+    pairs, fresh buffers NaN-filled: the penalised loss's four gradients match fp32 autograd twice
+    through the reference."""
+    x, gate_up, down, w, ids = case(num_tokens=7, num_experts=5, top_k=3)
+    ids[0, 0], ids[3] = -1, torch.tensor([5, -1, 5])
+    dout = torch.randn(7, 32)
+
+    def penalised(run):
+        leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+        out = run(*leaves)
+        gx = torch.autograd.grad(out, leaves[0], dout, create_graph=True)[0]
+        return torch.autograd.grad((out * dout).sum() + gx.pow(2).sum(), leaves)
+
+    with nan_filled_empty():
+        got = penalised(lambda *t: moe_experts(*t, ids, backend=backend, ignore_invalid_ids=True))
+    want = penalised(lambda *t: experts_same_dtype(*t, ids))
+    for name, g, ref in zip(("x", "gate_up_proj", "down_proj", "topk_weights"), got, want, strict=True):
+        assert rel_err(g, ref) <= 1e-5, name
+
+
 # 2. out=: no internal overlap; a disjoint slice of an input's storage is legal.
 
 @pytest.mark.parametrize("backend", moekit.BACKENDS)

@@ -64,7 +64,12 @@ from moekit.experts.registry import (
     get_backend,
     register_backend,
 )
-from moekit.experts.triton import experts_triton, experts_triton_grads, experts_triton_train
+from moekit.experts.triton import (
+    check_first_order_backward,
+    experts_triton,
+    experts_triton_grads,
+    experts_triton_train,
+)
 from moekit.quant import Fp8Weight
 from moekit.tuning import ExpertsConfig
 
@@ -459,6 +464,7 @@ def _experts_backward(ctx, grad_out):
 
 def _call_backward(ctx, grad_out, *saved):
     """The op's grads of the four differentiable inputs, None for the rest of its inputs."""
+    check_first_order_backward()        # experts_backward has no autograd of its own
     needs = list(ctx.needs_input_grad[:4])
     grads = torch.ops.moekit.experts_backward(grad_out, *saved[:5], ctx.backend, ctx.config, needs,
                                               *saved[5:])

@@ -35,7 +35,8 @@ kernels, `moekit.grouped_gemm.backward`) the SwiGLU backward reads dout's token 
 `wgrad`, d gate_up reads x copied into sorted rows (L, H), and d down reads dout's token rows itself
 up to `GATHER_A_ROWS` rows an expert, else a copy made a column chunk at a time (`GLUON_A_CHUNKS`),
 freed on return. Deterministic (no
-atomics), no host sync. Not twice differentiable. Under torch.compile a training call runs the
+atomics), no host sync. Not twice differentiable: a backward with create_graph=True raises
+(`check_first_order_backward`). Under torch.compile a training call runs the
 `moekit::experts_train` custom op (`experts_triton_train`): it saves the same things as the eager
 autograd (the alignment, packed into one buffer, and the pre-activations under the same rule), and
 its backward (`experts_triton_grads` with them) runs the launches above. Only a direct call of the
@@ -61,7 +62,6 @@ tiles with TMA resolved, the launch hints), and hands the launchers those decisi
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from moekit import _workspace
 from moekit._validation import check_triton_device, needs_grad
@@ -158,6 +158,16 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def check_first_order_backward() -> None:
+    """Raise when a backward of the triton backend runs with create_graph=True (grad mode is on in a
+    backward exactly then): its kernels record no graph, so a second-order gradient would be wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "backend='triton' is not twice differentiable: its backward kernels record no graph, but this "
+            "backward runs with create_graph=True; use backend='grouped_mm' or 'loop' for a double backward "
+            "(a gradient penalty, a Hessian-vector product)")
+
+
 class _TritonExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, topk_weights, topk_ids, plan):
@@ -172,8 +182,8 @@ class _TritonExperts(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
+        check_first_order_backward()
         x, gate_up_proj, down_proj, topk_weights, topk_ids, *meta, block_codes, pre = ctx.saved_tensors
         align = Alignment(*meta, ctx.block_m, ctx.num_pairs, block_codes)
         if pre is not None and pre.numel() and not pre.untyped_storage().nbytes():
