@@ -63,7 +63,10 @@ def allowed_bytes(device: torch.device, limit_bytes: int | None = None) -> int:
 
 
 def fits(num_bytes: int, device: torch.device, limit_bytes: int | None = None) -> str:
-    """"" when num_bytes fits in `allowed_bytes`, else the reason it does not."""
+    """"" when num_bytes fits in `allowed_bytes`, else the reason it does not ("" while torch.compile
+    traces: Dynamo cannot call the free-memory query, and the sizes may be symbolic)."""
+    if torch.compiler.is_compiling():
+        return ""
     allowed = allowed_bytes(device, limit_bytes)
     if num_bytes <= allowed:
         return ""

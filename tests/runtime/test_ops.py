@@ -18,12 +18,13 @@ from helpers import (
     check_exact_zeros,
     distinct_topk_ids,
     experts_plain,
+    experts_same_dtype,
     layer_ref,
     rel_err,
     same_dtype_bound,
     topk_softmax_fp32,
 )
-from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, _workspace, ops
+from moekit import BACKENDS, ExpertsConfig, MoELayer, MoEShape, _workspace, moe_experts, ops
 from moekit.align import packed_bound, packed_size, pre_rows_bound, unpack_alignment
 from moekit.experts import CONFIG_FIELDS, _config_of, get_backend
 from moekit.reference import moe_experts_ref
@@ -283,6 +284,130 @@ def test_compiled_triton_backward_with_dynamic_tokens():
         for name, t, ref in zip(("x", "gate_up", "down", "w"), leaves, want):
             assert rel_err(t.grad, ref) <= 1e-5, (num_tokens, name)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["plain", "biases"])
+@pytest.mark.parametrize("backend", ["auto", "grouped_mm"])
+def test_compiled_cpu_training_matches_eager(backend, biases):
+    """torch.compile(fullgraph, dynamic) of a training call on the CPU, where "auto" runs grouped_mm
+    (its GEMMs the `moekit::grouped_mm` op): one graph for two token counts, sentinel ids among the
+    pairs; the output and every gradient equal eager's bit for bit and fp32 autograd through the
+    reference within 1e-5."""
+    x_all, gate_up, down, w_all, ids_all = make_case(9, 5, 32, 16, 2)
+    bias = [torch.randn(5, 32), torch.randn(5, 32)] if biases else []
+    names = ("x", "gate_up_proj", "down_proj", "topk_weights", "gate_up_bias", "down_bias")
+
+    def call(x, gate_up, down, w, ids, *bias):
+        kw = dict(zip(("gate_up_bias", "down_bias"), bias))
+        return moe_experts(x, gate_up, down, w, ids, backend=backend, ignore_invalid_ids=True, **kw)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(call, fullgraph=True, dynamic=True, backend=counter)
+    for num_tokens in (9, 4):
+        x, w, ids = x_all[:num_tokens], w_all[:num_tokens], with_sentinels(ids_all[:num_tokens], 5)
+        dout = torch.randn(num_tokens, 32)
+        inputs = (x, gate_up, down, w, *bias)
+        runs = []
+        for fn in (call, compiled):
+            leaves = [t.clone().requires_grad_(True) for t in inputs]
+            out = fn(*leaves[:4], ids, *leaves[4:])
+            runs.append((out, *torch.autograd.grad(out, leaves, dout)))
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        kw = dict(zip(("gate_up_bias", "down_bias"), leaves[4:]))
+        ref = experts_same_dtype(*leaves[:4], ids, **kw)
+        want = (ref, *torch.autograd.grad(ref, leaves, dout))
+        for name, eager, got, ref in zip(("out", *names), *runs, want):
+            assert torch.equal(got, eager), (num_tokens, name)
+            assert rel_err(got, ref) <= 1e-5, (num_tokens, name)
+    assert counter.frame_count == 1
+    assert "moekit.grouped_mm" in counter.graphs[0].code
+
+
+def test_compiled_layer_trains_on_cpu():
+    """The default layer (backend "auto") compiled with inductor, fullgraph and dynamic, trains on the
+    CPU: output and gradients of x and every parameter within 1e-5 of fp32 autograd through the layer
+    reference, for two token counts in one graph."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEShape(8, 64, 48, 2))
+    params = [layer.router_weight, layer.gate_up_proj, layer.down_proj]
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for num_tokens in (5, 11):
+        x = torch.randn(num_tokens, 64, requires_grad=True)
+        dout = torch.randn(num_tokens, 64)
+        layer.zero_grad(set_to_none=True)
+        out = compiled(x)
+        out.backward(dout)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, *params)]
+        ref = layer_ref(*leaves, 2)
+        ref.backward(dout)
+        assert rel_err(out, ref) <= 1e-5
+        for name, got, leaf in zip(("x", "router", "gate_up", "down"), (x, *params), leaves):
+            assert rel_err(got.grad, leaf.grad) <= 1e-5, (num_tokens, name)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("loop", "backend='loop' loops in Python over the experts hit"),
+    ("padded", "backend='padded' without capacity_factor sizes its buffers by the busiest expert's count"),
+])
+def test_compiled_training_names_a_backend_it_cannot_trace(backend, message):
+    """loop, and padded without a capacity factor, read counts back to the host: a fullgraph compile
+    of a training call on them fails naming the backend, the reason and what to use instead."""
+    x, gate_up, down, w, ids = make_case(6, 4, 32, 16, 2)
+    compiled = torch.compile(lambda *t: moe_experts(*t, ids, backend=backend), fullgraph=True, dynamic=True,
+                             backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        compiled(x.requires_grad_(True), gate_up, down, w)
+
+
+@pytest.mark.parametrize("backend", ["padded", "masked"])
+def test_compiled_capacity_factor_with_dynamic_tokens(backend):
+    """capacity_factor under torch.compile(fullgraph, dynamic): inference on padded and masked (through
+    `moekit::experts`), and training on padded (traced), match the fp32 reference at two token counts;
+    a capacity of every pair drops none."""
+    x_all, gate_up, down, w_all, ids_all = make_case(9, 5, 32, 16, 2)
+    compiled = torch.compile(lambda *t: moe_experts(*t, backend=backend, capacity_factor=5.0), fullgraph=True,
+                             dynamic=True, backend="aot_eager")
+    for num_tokens in (9, 4):
+        x, w, ids = x_all[:num_tokens], w_all[:num_tokens], ids_all[:num_tokens]
+        with torch.no_grad():
+            out = compiled(x, gate_up, down, w, ids)
+        assert rel_err(out, experts_same_dtype(x, gate_up, down, w, ids)) <= 1e-5
+        if backend == "padded":
+            leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+            refs = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+            compiled(*leaves, ids).pow(2).sum().backward()
+            experts_same_dtype(*refs, ids).pow(2).sum().backward()
+            for got, ref in zip(leaves, refs):
+                assert rel_err(got.grad, ref.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["rows-by-groups", "weight-gradient"])
+def test_grouped_mm_op_matches_per_group_matmuls(layout):
+    """`moekit::grouped_mm` (grouped_mm's GEMMs under torch.compile) against plain per-group matmuls in
+    fp32, a group left empty: the output (zeros past the last group) and its gradients; opcheck."""
+    offs = torch.tensor([5, 5, 17], dtype=torch.int32)
+    bounds = [0, 5, 5, 17]
+    if layout == "rows-by-groups":       # (M, K) x (G, K, N) -> (M, N)
+        a, b = torch.randn(20, 16), torch.randn(3, 16, 32)
+
+        def ref_fn(a, b):
+            rows = [a[lo:hi] @ b[g] for g, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+            return torch.cat(rows + [a.new_zeros(len(a) - bounds[-1], b.shape[2])])
+    else:                                # (K, M) x (M, N) -> (G, K, N)
+        a, b = torch.randn(16, 20), torch.randn(20, 32)
+
+        def ref_fn(a, b):
+            return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    leaves = [t.clone().requires_grad_(True) for t in (a, b)]
+    refs = [t.clone().requires_grad_(True) for t in (a, b)]
+    out, ref = torch.ops.moekit.grouped_mm(*leaves, offs), ref_fn(*refs)
+    dout = torch.randn_like(ref)
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+    for got, want in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, refs, dout)):
+        assert rel_err(got, want) <= 1e-5
+    torch.library.opcheck(torch.ops.moekit.grouped_mm.default, (*leaves, offs))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -22,7 +22,10 @@ its autograd saves them with the inputs and calls
 align, the SwiGLU backward reads a and b: one GEMM, not three). Inference calls `moekit::experts`
 (no store, no extra memory). `moekit::experts` itself stays differentiable for direct callers (its
 backward recomputes the alignment and the pre-activations). A call that needs gradients on another
-backend is traced by torch.compile as in eager mode.
+backend, or gives `stats`, is traced by torch.compile as in eager mode: grouped_mm's GEMMs through
+the `moekit::grouped_mm` op, padded with a capacity factor; loop and padded without one read counts
+back to the host, and under fullgraph=True torch.compile names that reason. An inference call with
+`capacity_factor` (padded, masked) runs in `moekit::experts`.
 
 Expert math beyond SwiGLU (`moekit.activation`): per-expert biases on both projections, the gpt_oss
 activation and interleaved gate/up rows, on every backend but masked (fused in the triton kernels'
@@ -277,7 +280,7 @@ def moe_experts(
     if hidden_states.shape[0] == 0:
         return out if out is not None else torch.empty_like(hidden_states)
     if (compiling and (not grad or (name in OP_BACKWARD_BACKENDS and impl.has_backward(dev, options)))
-            and options.capacity_factor is None and options.stats is None):
+            and options.stats is None):
         cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]
         # The math only when given: Python floats make Dynamo restart its analysis once.
         math_args = () if not (biases or options.activation or interleaved) else (
@@ -286,8 +289,9 @@ def moe_experts(
             store_pre = any(t.requires_grad for t in (hidden_states, gate_up_proj, topk_weights))
             return torch.ops.moekit.experts_train(hidden_states, gate_up_proj, down_proj, topk_weights,
                                                   topk_ids, name, cfg, store_pre)[0]
+        cf = {} if options.capacity_factor is None else {"capacity_factor": options.capacity_factor}
         result = torch.ops.moekit.experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
-                                          name, cfg, *math_args)
+                                          name, cfg, *math_args, **cf)
         return _into(out, result)
     return impl.run(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, options, out)
 
@@ -301,31 +305,33 @@ _config_of = config_of_ints
 
 def _op_options(gate_up_proj: torch.Tensor, config: list[int] | None, gate_up_bias: torch.Tensor | None,
                 down_bias: torch.Tensor | None, activation: str, alpha: float, limit: float,
-                interleaved: bool) -> ExpertsOptions:
+                interleaved: bool, capacity_factor: float | None = None) -> ExpertsOptions:
     """The op's arguments back to checked `ExpertsOptions`."""
     check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
     math = ExpertsOptions.math(gate_up_bias, down_bias, GatedActivation(activation, alpha, limit),
                                interleaved)
-    return ExpertsOptions(config_of_ints(config), **math)
+    return ExpertsOptions(config_of_ints(config), check_capacity_factor(capacity_factor), **math)
 
 
 @torch.library.custom_op(
     "moekit::experts", mutates_args=(),
     schema="(Tensor hidden_states, Tensor gate_up_proj, Tensor down_proj, Tensor topk_weights, "
            "Tensor topk_ids, str backend, int[]? config, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
-           "str activation=\"swiglu\", float alpha=1.702, float limit=7.0, bool interleaved=False) -> Tensor",
+           "str activation=\"swiglu\", float alpha=1.702, float limit=7.0, bool interleaved=False, "
+           "float? capacity_factor=None) -> Tensor",
 )
 def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, backend: str,
                 config: list[int] | None, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, activation: str = "swiglu", alpha: float = 1.702,
-                limit: float = 7.0, interleaved: bool = False) -> torch.Tensor:
+                limit: float = 7.0, interleaved: bool = False,
+                capacity_factor: float | None = None) -> torch.Tensor:
     """The registry's dispatch as one opaque node. Ids outside [0, E) contribute 0 and are never
-    read back (no host sync); K may exceed E. The expert math as in `moe_experts`."""
+    read back (no host sync); K may exceed E. The expert math and capacity_factor as in `moe_experts`."""
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
     options = _op_options(gate_up_proj, config, gate_up_bias, down_bias, activation, alpha, limit,
-                          interleaved)
+                          interleaved, capacity_factor)
     impl = get_backend(backend)
     impl.check_options(options)
     if impl.check_layout is not None:       # the same layout check as moe_experts, for direct calls
@@ -341,10 +347,11 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
 @_experts_op.register_fake
 def _experts_fake(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, backend, config,
                   gate_up_bias=None, down_bias=None, activation="swiglu", alpha=1.702, limit=7.0,
-                  interleaved=False):
+                  interleaved=False, capacity_factor=None):
     check_experts_args(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                        top_k_at_most_experts=False)
-    _op_options(gate_up_proj, None, gate_up_bias, down_bias, activation, alpha, limit, interleaved)
+    _op_options(gate_up_proj, None, gate_up_bias, down_bias, activation, alpha, limit, interleaved,
+                capacity_factor)
     return hidden_states.new_empty(hidden_states.shape)
 
 

@@ -7,6 +7,9 @@ runs grouped_mm as one kernel; elsewhere it falls back to one GEMM per group wit
 The final sum over slots is in fp32 and deterministic (no index_add_ atomics). Pairs with ids
 outside [0, E) sort past the last group, rows grouped_mm never writes (nor their gradients): every
 such row is selected away, so those pairs add exactly 0 to the output and to every gradient.
+
+Under torch.compile the two grouped GEMMs are the `moekit::grouped_mm` custom op (torch's own
+grouped_mm traces in bfloat16 only) with its autograd, so a training call compiles in every dtype.
 """
 
 from __future__ import annotations
@@ -39,9 +42,60 @@ def _aligned_weight(w: torch.Tensor) -> torch.Tensor:
     """w itself when grouped_mm can read it (unit inner stride, 16-byte outer strides and base),
     else a contiguous copy: a padded or strided weight view gives the right answer, a little slower."""
     item = w.element_size()
-    ok = (w.stride(-1) == 1 and all(s * item % 16 == 0 for s in w.stride()[:-1])
-          and w.data_ptr() % 16 == 0)
+    # A traced tensor has no address to check: `moekit::grouped_mm` checks the base where it runs.
+    base_ok = torch.compiler.is_compiling() or w.data_ptr() % 16 == 0
+    ok = w.stride(-1) == 1 and all(s * item % 16 == 0 for s in w.stride()[:-1]) and base_ok
     return w if ok else w.contiguous()
+
+
+@torch.library.custom_op("moekit::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped_mm as one opaque node, for torch.compile (its fake takes bfloat16 only): a (M, K)
+    by b (G, K, N) with groups of rows ending at offs -> (M, N), rows past offs[-1] zero; or a (K, M)
+    by b (M, N), groups along M -> (G, K, N), the weight gradient's layout."""
+    if b.dim() == 3 and b.data_ptr() % 16:      # a weight view at an odd offset (see _aligned_weight)
+        b = b.contiguous()
+    out = _grouped_mm(a, b, offs=offs)
+    if b.dim() == 3:        # torch leaves those rows unwritten; zeros make the op a function of its inputs
+        rows = torch.arange(out.shape[0], device=out.device)
+        out = torch.where((rows < offs[-1])[:, None], out, 0)
+    return out
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    gmm = torch.ops.moekit.grouped_mm       # differentiable itself: a double backward works eagerly
+    grad = grad.contiguous()            # grouped_mm takes no zero strides, as an expanded grad has
+    if b.dim() == 3:        # out (M, N) = a (M, K) @ b[g] row group by row group
+        grad_a = gmm(grad, b.transpose(-1, -2), offs) if need_a else None
+        grad_b = gmm(a.t(), grad, offs) if need_b else None
+    else:                   # out[g] (K, N) = a[:, group g] @ b[group g, :]
+        grad_a = gmm(b, grad.transpose(-1, -2), offs).t() if need_a else None
+        grad_b = gmm(a.t(), grad, offs) if need_b else None
+    return grad_a, grad_b, None
+
+
+torch.library.register_autograd("moekit::grouped_mm", _grouped_mm_backward,
+                                setup_context=_grouped_mm_setup_context)
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():     # torch's own grouped_mm traces in bfloat16 only
+        return torch.ops.moekit.grouped_mm(a, b, offs)
+    return _grouped_mm(a, b, offs=offs)
 
 
 def experts_grouped_mm(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -63,13 +117,13 @@ def experts_grouped_mm(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, 
     # Masked so that their unwritten input gradient never reaches hidden_states.grad.
     x_sorted = torch.where(valid_sorted, hidden_states[order // top_k], 0)
     expert_sorted = pairs.e_sorted.clamp(max=num_experts - 1)
-    h = _grouped_mm(x_sorted, gate_up_proj.transpose(-1, -2), offs=offs)
+    h = _gmm(x_sorted, gate_up_proj.transpose(-1, -2), offs)
     if gate_up_bias is not None:
         h = h + gate_up_bias[expert_sorted]
     # Masked after the bias: their gradient would otherwise land in gate_up_bias.grad[E-1].
     h = torch.where(valid_sorted, h, 0)
     act = gated(h, activation, interleaved).contiguous()
-    y_sorted = _grouped_mm(act, down_proj.transpose(-1, -2), offs=offs)
+    y_sorted = _gmm(act, down_proj.transpose(-1, -2), offs)
     if down_bias is not None:
         y_sorted = y_sorted + down_bias[expert_sorted]
 

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from moekit.activation import SWIGLU, GatedActivation, gated
 
 
+@torch.compiler.disable(reason="backend='loop' loops in Python over the experts hit (a host read each), "
+                        "which torch.compile(fullgraph=True) cannot trace in a call that needs gradients; "
+                        "use backend='grouped_mm' (or 'triton')")
 def experts_loop(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,

@@ -42,6 +42,13 @@ def check_workspace_fits(num_bytes: int, device: torch.device) -> None:
                                       "capacity_factor or another backend")
 
 
+@torch.compiler.disable(reason="backend='padded' without capacity_factor sizes its buffers by the busiest "
+                        "expert's count (a host read), which torch.compile(fullgraph=True) cannot trace; "
+                        "give capacity_factor or use backend='grouped_mm'")
+def _busiest(counts: torch.Tensor) -> int:
+    return int(counts.max())                                            # host sync
+
+
 def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    capacity_factor: float | None = None, stats: dict | None = None,
@@ -62,7 +69,7 @@ def experts_padded(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     if not num_experts or not num_pairs:
         cap = 0                               # no pairs, or no experts (every id invalid): no rows
     elif capacity_factor is None:
-        cap = int(counts[:num_experts].max())                            # host sync
+        cap = _busiest(counts[:num_experts])
     else:
         cap = capacity(num_pairs, num_experts, capacity_factor)
     check_workspace_fits(workspace_bytes(num_experts, cap, hidden, two_i // 2,
