@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekit._validation import needs_grad
 from moekit.activation import SWIGLU, GatedActivation, gated
 from moekit.align import sort_pairs
 
@@ -114,14 +115,19 @@ def experts_grouped_mm(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, 
 
     # grouped_mm leaves rows past offs[-1] unwritten, forward and backward: selects (NaN-safe) drop them.
     valid_sorted = valid[order][:, None]
-    # Masked so that their unwritten input gradient never reaches hidden_states.grad.
-    x_sorted = torch.where(valid_sorted, hidden_states[order // top_k], 0)
+    # Where autograd records the call, those rows are also selected away before GEMM1 and after its
+    # bias, so their unwritten gradients never reach hidden_states.grad or gate_up_bias.grad[E-1].
+    grad = needs_grad(*(t for t in (hidden_states, gate_up_proj, down_proj, topk_weights, gate_up_bias,
+                                    down_bias) if t is not None))
+    x_sorted = hidden_states[order // top_k]
+    if grad:
+        x_sorted = torch.where(valid_sorted, x_sorted, 0)
     expert_sorted = pairs.e_sorted.clamp(max=num_experts - 1)
     h = _gmm(x_sorted, gate_up_proj.transpose(-1, -2), offs)
     if gate_up_bias is not None:
         h = h + gate_up_bias[expert_sorted]
-    # Masked after the bias: their gradient would otherwise land in gate_up_bias.grad[E-1].
-    h = torch.where(valid_sorted, h, 0)
+    if grad:
+        h = torch.where(valid_sorted, h, 0)
     act = gated(h, activation, interleaved).contiguous()
     y_sorted = _gmm(act, down_proj.transpose(-1, -2), offs)
     if down_bias is not None:
