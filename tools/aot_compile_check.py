@@ -711,13 +711,22 @@ def run_gluon_checks(prefix: str, what: str, checks: dict, target, dump: Path | 
     return 1 if failed else 0
 
 
+def gluon_alignment(rows: int):
+    """The alignment fields a Gluon launcher reads, for `rows` sorted rows in 64-row blocks (values
+    unread: the kernel is compiled, not run)."""
+    import types
+
+    return types.SimpleNamespace(sorted_ids=torch.zeros(rows, dtype=torch.int32),
+                                 expert_ids=torch.zeros(rows // 64, dtype=torch.int32),
+                                 num_padded=torch.zeros((), dtype=torch.int32), num_pairs=rows, block_m=64)
+
+
 def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
     """One line per Gluon SwiGLU-backward launch (`moekit.tuning.GLUON_SWIGLU_128`, `GLUON_SWIGLU_64`
     in bf16 and fp16, and the 128-column tiles storing dpre_w alone, as
     `moekit.grouped_gemm.backward.gluon_swiglu_backward` launches them at Qwen3-30B-A3B's H and I):
     shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers and spills.
     Exit 2 where this Triton has no Gluon."""
-    import types
 
     from moekit.grouped_gemm import gluon_swiglu_bwd as kernels
     from moekit.grouped_gemm.backward import gluon_swiglu_backward
@@ -727,9 +736,7 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
         print("cannot check: no Gluon")
         return 2
     e, hidden, inter, rows, top_k = 8, 2048, 768, 8 * 256, 8
-    align = types.SimpleNamespace(sorted_ids=torch.zeros(rows, dtype=torch.int32),
-                                  expert_ids=torch.zeros(rows // 64, dtype=torch.int32),
-                                  num_padded=torch.zeros((), dtype=torch.int32), num_pairs=rows, block_m=64)
+    align = gluon_alignment(rows)
     w = torch.empty(rows // top_k, top_k)
     checks = {}
     for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
@@ -750,6 +757,40 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
                             {n: (c, kernel) for n, c in checks.items()}, target, dump, regs, allow_local=True)
 
 
+def check_gluon_fp8(target, dump: Path | None, regs: bool) -> int:
+    """The Hopper Gluon FP8 GEMM1 (`moekit.grouped_gemm.gluon_fp8`, as
+    `moekit.grouped_gemm.fp8.gluon_gemm1_swiglu_fp8` launches it at Qwen3-30B-A3B's H and I, scales
+    float32 and UE8M0): shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs
+    registers; spills fail. Exit 2 where this Triton has no Gluon."""
+
+    import moekit.grouped_gemm.backward as gb
+    from moekit.grouped_gemm import gluon_fp8 as kernels
+    from moekit.grouped_gemm.fp8 import gluon_gemm1_swiglu_fp8
+    from moekit.quant import FP8_DTYPE, Fp8Weight
+
+    if kernels.gluon_gemm1_fp8_kernel is None:
+        print("cannot check: no Gluon")
+        return 2
+    e, hidden, inter, rows, top_k = 8, 2048, 768, 8 * 256, 8
+    align = gluon_alignment(rows)
+    xq = torch.empty(rows // top_k, hidden, dtype=FP8_DTYPE)
+    xs = torch.empty(rows // top_k, hidden // 128)
+    gate_up = Fp8Weight(torch.empty(e, 2 * inter, hidden, dtype=FP8_DTYPE),
+                        torch.ones(e, 2 * inter // 128, hidden // 128))
+    checks = {}
+    for ue8m0 in (False, True):
+        checks["gemm1" + (".ue8m0" if ue8m0 else "")] = (
+            functools.partial(gluon_gemm1_swiglu_fp8, xq, xs, gate_up, align, top_k, ue8m0=ue8m0),
+            kernels.gluon_gemm1_fp8_kernel)
+    real_sm90 = gb._sm90
+    gb._sm90 = lambda device: True          # the launcher's device check: compiled for sm_90 here
+    try:
+        return run_gluon_checks("gluon-fp8", "gluon fp8 kernels", checks, target, dump, regs,
+                                allow_local=True)
+    finally:
+        gb._sm90 = real_sm90
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -766,6 +807,8 @@ def main() -> int:
                    help="the SwiGLU backward (saved pre-activations and RECOMPUTE) for --tiles instead")
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="the Hopper Gluon weight gradient's tiles and its row gather instead")
+    p.add_argument("--gluon-fp8", action="store_true",
+                   help="check the Hopper Gluon FP8 GEMM1 instead")
     p.add_argument("--gluon-swiglu", action="store_true",
                    help="the Hopper Gluon SwiGLU backward's tiles instead")
     p.add_argument("--decode", nargs="?", const="all", default=None,
@@ -796,6 +839,8 @@ def main() -> int:
         return check_gluon_wgrad(target, args.dump, args.regs)
     if args.gluon_swiglu:
         return check_gluon_swiglu(target, args.dump, args.regs)
+    if args.gluon_fp8:
+        return check_gluon_fp8(target, args.dump, args.regs)
     if args.backward:
         return check_backward(inp, args.tiles.split(","), target, args.dump, args.regs)
     if args.align:

@@ -448,7 +448,8 @@ def _gluon_wgrad_tiles(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Ten
 def _gluon_layout(block: tuple[int, int], dtype: torch.dtype):
     gl = _gluon.gl
     return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16,
-                                                              torch.float16: gl.float16}[dtype])
+                                                              torch.float16: gl.float16,
+                                                              torch.float8_e4m3fn: gl.float8e4nv}[dtype])
 
 
 def _gluon_descriptor(t: torch.Tensor, block: tuple[int, int]):

@@ -1,6 +1,9 @@
 """Block-scaled FP8 grouped GEMMs (w8a8): launchers beside their pure-PyTorch twins.
 
     gemm1_swiglu_fp8   xq (T, H), xs (T, H / 128), gate_up `Fp8Weight` -> hq (L, I), hs (L, I / 128)
+    gluon_gemm1_swiglu_fp8  the same from the Hopper Gluon kernel (`moekit.grouped_gemm.gluon_fp8`):
+                       warp-specialized, the scaling of one warpgroup's products under the other's
+                       wgmma; `gluon_gemm1_fp8_problem` says where it runs
     gemm2_weighted_fp8 hq, hs, down `Fp8Weight`, routing weights -> y (S, H) in the output dtype
     experts_fp8_torch  the whole expert path in fp32 with the same quantization (the oracle)
 
@@ -17,8 +20,10 @@ import torch
 from moekit import _workspace
 from moekit._host import cdiv
 from moekit.align import Alignment
-from moekit.grouped_gemm import _launch, _placed_rows, _weights_operand
+from moekit.grouped_gemm import TMA_MAX_COORD, _launch, _placed_rows, _weights_operand, num_sms
+from moekit.grouped_gemm import gluon_fp8 as _gluon_fp8
 from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
+from moekit.grouped_gemm.gluon_wgrad import MAX_REGS
 from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, dequantize_rows, quantize_rows_torch
 from moekit.tuning import ExpertsConfig, check_fp8_config
 
@@ -47,6 +52,62 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
         PAIRED=cfg.pair_blocks == 2, UE8M0=ue8m0, STANDIN=xq.dtype != FP8_DTYPE, TMA_W=tma,
         PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1), pdl)
+    return hq, hs
+
+
+def gluon_gemm1_fp8_problem(xq: torch.Tensor, gate_up: Fp8Weight, align: Alignment) -> str:
+    """Why the Gluon FP8 GEMM1 cannot run this call ("" when it can): it needs Gluon, a CUDA device of
+    compute capability 9.x (not interpreted), e4m3 activations (not stand-ins), an align block size
+    that is a multiple of 64, H and I multiples of 128, and E * 2I rows within TMA's coordinates."""
+    from moekit.grouped_gemm.backward import _sm90
+
+    num_experts, two_i, hidden = gate_up.shape
+    if not _gluon_fp8.GLUON_AVAILABLE:
+        return "this Triton has no Gluon"
+    if not _sm90(xq.device):
+        return f"needs a CUDA device of compute capability 9.x, got {xq.device}"
+    if xq.dtype != FP8_DTYPE or gate_up.data.dtype != FP8_DTYPE:
+        return f"needs e4m3 activations and weights, got {xq.dtype} and {gate_up.data.dtype}"
+    if align.block_m % _gluon_fp8.SUB_M:
+        return f"needs an align block size that is a multiple of {_gluon_fp8.SUB_M}, got {align.block_m}"
+    if hidden % FP8_BLOCK or (two_i // 2) % _gluon_fp8.BLOCK_N:
+        return f"needs H and I multiples of {FP8_BLOCK}, got {hidden} and {two_i // 2}"
+    if num_experts * two_i >= TMA_MAX_COORD or not gate_up.data.is_contiguous():
+        return "needs gate_up's data contiguous with E * 2I rows within TMA's int32 coordinates"
+    return ""
+
+
+def gluon_gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment,
+                           top_k: int, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gemm1_swiglu_fp8`'s (hq (L, I) e4m3, hs (L, I / 128) float32) from the Hopper Gluon kernel
+    (`gluon_gemm1_fp8_kernel`, persistent: one program an SM): x's rows gathered from their tokens by
+    the kernel. ValueError naming the reason where it cannot run (`gluon_gemm1_fp8_problem`)."""
+    from moekit.grouped_gemm.backward import _gather_operand, _gluon_descriptor, _gluon_layout
+
+    problem = gluon_gemm1_fp8_problem(xq, gate_up, align)
+    if problem:
+        raise ValueError(f"gluon_gemm1_swiglu_fp8: {problem}")
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    rows = align.sorted_ids.numel()
+    hq = _workspace.empty(rows, inter, dtype=FP8_DTYPE, device=xq.device)
+    hs = _workspace.empty(rows, inter // FP8_BLOCK, dtype=torch.float32, device=xq.device)
+    if rows == 0 or xq.shape[0] == 0:
+        return hq, hs
+    bm, bn, bk = _gluon_fp8.SUB_M, _gluon_fp8.BLOCK_N, _gluon_fp8.BLOCK_K
+    x = _gather_operand(xq)
+    ws = gate_up.scale
+    n_tiles = inter // bn
+    items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
+    _gluon_fp8.gluon_gemm1_fp8_kernel[(max(1, min(num_sms(xq.device), items)),)](
+        _gluon_descriptor(gate_up.data.view(num_experts * two_i, hidden), (bn // 2, bk)),
+        _gluon_descriptor(hq, (bm, bn // 2)),             # a tile's two 64-column halves
+        x, x.stride(0), xs, xs.stride(0), xs.stride(1), ws, *ws.stride(), hs, hs.stride(0),
+        align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, hidden, inter, n_tiles,
+        A_LAYOUT=_gluon_layout((bm, bk), FP8_DTYPE), ALIGN_M=align.block_m, STAGES_=_gluon_fp8.STAGES,
+        UE8M0=ue8m0, TOP_K=top_k, PRODUCER_REGS_=_gluon_fp8.PRODUCER_REGS,
+        CONSUMER_REGS_=_gluon_fp8.CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+    )
     return hq, hs
 
 

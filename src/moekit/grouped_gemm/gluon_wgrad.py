@@ -129,19 +129,20 @@ def _item(t, tiles_per_expert, c_tiles, row_starts_ptr, BLOCK_N: gl.constexpr, B
 
 
 @gluon.constexpr_function
-def _gather_layout(W):
-    # A gathered [BK, W] tile over the producer's GATHER_WARPS: 16 bytes (8 elements) a copy, a row's
-    # W / 8 copies in adjacent lanes, the warps stacked along the rows.
-    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // (W // 8), W // 8],
+def _gather_layout(W, VEC=8):
+    # A gathered [BK, W] tile over the producer's GATHER_WARPS: 16 bytes (VEC elements) a copy, a
+    # row's W / VEC copies in adjacent lanes, the warps stacked along the rows.
+    return gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // (W // VEC), W // VEC],
                             warps_per_cta=[GATHER_WARPS, 1], order=[1, 0])
 
 
 @gluon.jit
-def token_rows(sorted_ids_ptr, num_pairs, r, end, BK: gl.constexpr, W: gl.constexpr, TOP_K: gl.constexpr):
+def token_rows(sorted_ids_ptr, num_pairs, r, end, BK: gl.constexpr, W: gl.constexpr, TOP_K: gl.constexpr,
+               VEC: gl.constexpr = 8):
     """The token rows of sorted rows [r, r + BK), in `gather_rows`'s layout for a [BK, W] tile:
     (sorted_ids // TOP_K (0 on a padding row), whether the row holds a pair (id < num_pairs)); rows
     at or past `end` are not read and count as padding."""
-    rows = r + gl.arange(0, BK, gl.SliceLayout(1, _gather_layout(W)))
+    rows = r + gl.arange(0, BK, gl.SliceLayout(1, _gather_layout(W, VEC)))
     ids = gl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_pairs)
     placed = ids < num_pairs
     return gl.where(placed, ids // TOP_K, 0), placed
@@ -153,7 +154,8 @@ def gather_rows(src_ptr, src_stride, tok, placed, col, dst):
     zeros where placed[i] is False (`token_rows` gives both). The producer's GATHER_WARPS each issue
     their share; each thread then arrives on the stage's barrier once its own copies land."""
     W: gl.constexpr = dst.type.shape[1]
-    cols = col + gl.arange(0, W, gl.SliceLayout(0, _gather_layout(W)))
+    VEC: gl.constexpr = 128 // dst.dtype.primitive_bitwidth          # 16 bytes a copy
+    cols = col + gl.arange(0, W, gl.SliceLayout(0, _gather_layout(W, VEC)))
     cp_async(dst, src_ptr + tok.to(gl.int64)[:, None] * src_stride + cols[None, :], mask=placed[:, None])
 
 

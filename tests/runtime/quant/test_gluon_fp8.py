@@ -1,0 +1,145 @@
+"""The Hopper Gluon FP8 GEMM1 (`moekit.grouped_gemm.gluon_fp8`,
+`moekit.grouped_gemm.fp8.gluon_gemm1_swiglu_fp8`).
+
+CPU: where it refuses to run (`gluon_gemm1_fp8_problem`), the launch's arguments (the launch recorded,
+not run), the sm_90 compile without spills (`aot_compile_check.py --gluon-fp8`).
+GPU (marked gpu; skipped unless compute capability 9 and Gluon): hq and hs against the fp32 twin
+`gemm1_swiglu_fp8_torch` on real e4m3, poisoned workspaces, padding rows zero, an expert with no
+rows, ids outside [0, E), strided x, UE8M0 scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moekit.grouped_gemm.backward as gb
+from helpers import aot_compile_check, hopper_with_gluon, rel_err
+from moekit import _workspace
+from moekit.align import align_block_size
+from moekit.grouped_gemm import gluon_fp8 as kernels
+from moekit.grouped_gemm.fp8 import gemm1_swiglu_fp8_torch, gluon_gemm1_fp8_problem, gluon_gemm1_swiglu_fp8
+from moekit.quant import FP8_DTYPE, STANDIN_DTYPE, Fp8Weight, dequantize_rows, quantize_experts, quantize_rows
+
+gluon_only = pytest.mark.skipif(not kernels.GLUON_AVAILABLE, reason="this Triton has no Gluon")
+
+
+def fp8_case(num_tokens, num_experts, hidden, inter, top_k, block_m, device="cpu", *, ue8m0=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    gu = quantize_experts(w, ue8m0=ue8m0)
+    ids = torch.rand(num_tokens, num_experts - 1, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    gu, ids, x = gu.to(device), ids.to(device), x.to(device)
+    align = align_block_size(ids.contiguous(), num_experts, block_m)
+    return gu, ids, x, align
+
+
+@gluon_only
+def test_gluon_gemm1_fp8_says_where_it_cannot_run(monkeypatch):
+    """Off the sm_90 GPU, on stand-ins, an align block size that is not a multiple of 64, and an I that
+    is not a multiple of 128: a reason naming it; the launcher raises it before any launch."""
+    gu, ids, x, align = fp8_case(5, 4, 256, 128, 2, 64)
+    xq = x.to(FP8_DTYPE)
+    assert "compute capability 9" in gluon_gemm1_fp8_problem(xq, gu, align)
+    monkeypatch.setattr(gb, "_sm90", lambda device: True)
+    assert gluon_gemm1_fp8_problem(xq, gu, align) == ""
+    standin = Fp8Weight(gu.data.to(STANDIN_DTYPE), gu.scale)
+    assert "e4m3" in gluon_gemm1_fp8_problem(xq.to(STANDIN_DTYPE), standin, align)
+    assert "multiple of 64" in gluon_gemm1_fp8_problem(xq, gu, align_block_size(ids, 4, 32))
+    odd = quantize_experts(torch.randn(4, 2 * 192, 256))
+    assert "multiples of 128" in gluon_gemm1_fp8_problem(xq, odd, align)
+    monkeypatch.setattr(gb, "_sm90", lambda device: False)
+    with pytest.raises(ValueError, match="gluon_gemm1_swiglu_fp8: needs a CUDA device"):
+        gluon_gemm1_swiglu_fp8(xq, torch.ones(5, 2), gu, align, 2)
+
+
+@gluon_only
+def test_gluon_gemm1_fp8_launch_arguments(monkeypatch):
+    """The launch recorded instead of run: gate_up's data as (E * 2I, H) in [64, 128] boxes, hq in
+    [64, 64] boxes, x as it lies (a column slice: its row stride), the scales and their strides, one
+    program an SM at most, the constexprs."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(kernels, "gluon_gemm1_fp8_kernel", Recorder())
+    monkeypatch.setattr(gb, "_sm90", lambda device: True)
+    num_experts, hidden, inter, top_k = 4, 256, 256, 2
+    gu, ids, x, align = fp8_case(9, num_experts, hidden, inter, top_k, 64)
+    wide = torch.zeros(9, 2 * hidden, dtype=FP8_DTYPE)
+    xq = wide[:, hidden:]
+    xs = torch.ones(9, hidden // 128)
+    hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=True)
+    rows = align.sorted_ids.numel()
+    assert hq.shape == (rows, inter) and hq.dtype == FP8_DTYPE and hs.shape == (rows, inter // 128)
+    (grid, args, kwargs), = launches
+    (w_desc, h_desc, x_arg, x_stride, xs_arg, xs_t, xs_k, ws, ws_e, ws_n, ws_k, hs_arg, hs_stride, sid, eid,
+     npad, num_pairs, hidden_arg, inter_arg, n_tiles) = args
+    assert w_desc.base.data_ptr() == gu.data.data_ptr()
+    assert list(w_desc.shape) == [num_experts * 2 * inter, hidden]
+    assert w_desc.block_shape == [64, 128] and h_desc.base is hq and h_desc.block_shape == [64, 64]
+    assert x_arg is xq and x_stride == 2 * hidden
+    assert xs_arg is xs and (xs_t, xs_k) == xs.stride()
+    assert ws is gu.scale and (ws_e, ws_n, ws_k) == ws.stride()
+    assert hs_arg is hs and hs_stride == hs.stride(0)
+    assert sid is align.sorted_ids and eid is align.expert_ids and npad is align.num_padded
+    assert (num_pairs, hidden_arg, inter_arg, n_tiles) == (align.num_pairs, hidden, inter, inter // 128)
+    assert grid == (min(gb.num_sms(x.device), (rows // 64) * (inter // 128)),)
+    assert (kwargs["ALIGN_M"], kwargs["STAGES_"], kwargs["UE8M0"], kwargs["TOP_K"]) == (64, kernels.STAGES,
+                                                                                       True, top_k)
+    assert 2 * kwargs["CONSUMER_REGS_"] + kwargs["PRODUCER_REGS_"] <= 3 * kwargs["maxnreg"]
+
+
+def test_gluon_gemm1_fp8_compiles_for_sm90_without_spills():
+    """Float32 and UE8M0 scales, through ptxas for sm_90 (skipped where this Triton has no Gluon, CUDA
+    backend or ptxas): within the shared-memory limit, no local memory."""
+    out = aot_compile_check("--gluon-fp8", "--regs")
+    assert "2/2 gluon fp8 kernels compile" in out
+    lines = [line for line in out.splitlines() if line.startswith("gluon-fp8 ")]
+    assert len(lines) == 2 and all(" OK " in line and " local " not in line for line in lines), lines
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+hopper = pytest.mark.skipif(not (hopper_with_gluon() and kernels.GLUON_AVAILABLE),
+                            reason="needs compute capability 9 and Gluon")
+GPU_CASES = [  # (name, T, E, H, I, K, block_m, ue8m0, strided)
+    ("qwen-T1", 1, 128, 2048, 768, 8, 64, False, False),
+    ("qwen-T333", 333, 128, 2048, 768, 8, 64, False, False),
+    ("qwen-T2048-ue8m0", 2048, 128, 2048, 768, 8, 64, True, False),
+    ("small-T97-m128-strided", 97, 9, 512, 384, 3, 128, False, True),
+    ("small-T50-K1", 50, 5, 256, 128, 1, 64, False, False),
+]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
+    name, num_tokens, num_experts, hidden, inter, top_k, block_m, ue8m0, strided = case
+    gu, ids, x, align = fp8_case(num_tokens, num_experts, hidden, inter, top_k, block_m, "cuda", ue8m0=ue8m0)
+    ids_bad = ids.clone()
+    if num_tokens > 1 and top_k > 1:
+        ids_bad[0, 1] = -1                         # a pair never placed
+        align = align_block_size(ids_bad, num_experts, block_m)
+    xq, xs = quantize_rows(x.to(torch.bfloat16), ue8m0=ue8m0)
+    if strided:
+        wide = torch.zeros(num_tokens, 2 * hidden, dtype=FP8_DTYPE, device="cuda")
+        wide[:, hidden:] = xq
+        xq = wide[:, hidden:]
+    with _workspace.poisoning():
+        hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0)
+    hq_t, hs_t = gemm1_swiglu_fp8_torch(xq.contiguous(), xs, gu, align, top_k, ue8m0=ue8m0)
+    live = int(align.num_padded)
+    got, want = dequantize_rows(hq[:live], hs[:live]), dequantize_rows(hq_t[:live], hs_t[:live])
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-3, rel_err(got, want)
+    assert rel_err(hs[:live], hs_t[:live]) < 1e-5
+    pad = align.sorted_ids[:live] >= align.num_pairs
+    assert torch.equal(got[pad], torch.zeros_like(got[pad]))
+    again = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0)
+    assert torch.equal(again[0][:live].view(torch.uint8), hq[:live].view(torch.uint8))   # reproducible
+    assert torch.equal(again[1][:live], hs[:live])
