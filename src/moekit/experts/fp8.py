@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._validation import (
     FLOAT_DTYPES,
     check_expert_ids_in_range,
@@ -37,7 +37,13 @@ from moekit.experts.registry import (
     get_backend,
 )
 from moekit.grouped_gemm import moe_sum
-from moekit.grouped_gemm.fp8 import experts_fp8_torch, gemm1_swiglu_fp8, gemm2_weighted_fp8
+from moekit.grouped_gemm.fp8 import (
+    experts_fp8_torch,
+    gemm1_swiglu_fp8,
+    gemm2_weighted_fp8,
+    gluon_gemm1_fp8_problem,
+    gluon_gemm1_swiglu_fp8,
+)
 from moekit.quant import (
     Fp8Weight,
     check_fp8_scales,
@@ -47,6 +53,8 @@ from moekit.quant import (
     quantize_rows,
 )
 from moekit.tuning import ExpertsConfig
+
+GLUON_FP8_ENV = "MOEKIT_GLUON_FP8"     # "1": GEMM1 on the Hopper Gluon kernel where it runs (each call)
 
 
 def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_weights: torch.Tensor,
@@ -103,7 +111,10 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
     gate_up, down = gate_up.for_kernels(), down.for_kernels()
     xq, xs = quantize_rows(x, ue8m0=ue8m0, dtype=gate_up.data.dtype)
     align = align_block_size(ids, num_experts, cfg.block_m, backend=plan.align, pdl=plan.pdl)
-    hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0, pdl=plan.pdl)
+    if env.flag(GLUON_FP8_ENV) and not gluon_gemm1_fp8_problem(xq, gate_up, align):
+        hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, ue8m0=ue8m0)
+    else:
+        hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0, pdl=plan.pdl)
     y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype, pdl=plan.pdl)
     return moe_sum(y, ids, num_experts, out, pdl=plan.pdl)
 

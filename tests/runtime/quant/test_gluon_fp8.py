@@ -143,3 +143,34 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
     again = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0)
     assert torch.equal(again[0][:live].view(torch.uint8), hq[:live].view(torch.uint8))   # reproducible
     assert torch.equal(again[1][:live], hs[:live])
+
+
+def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
+    """$MOEKIT_GLUON_FP8=1: the triton FP8 path's GEMM1 goes to `gluon_gemm1_swiglu_fp8` where it can
+    run (stood in for here by the fp32 twin, the refusal check answering "can"), and the call equals
+    the one on the Triton GEMM1; switched off, or where it cannot run, the Triton GEMM1 runs."""
+    import moekit.experts.fp8 as experts_fp8
+
+    calls = []
+
+    def twin_gemm1(xq, xs, gate_up, align, top_k, *, ue8m0=False):
+        calls.append(align.block_m)
+        return gemm1_swiglu_fp8_torch(xq, xs, gate_up, align, top_k, ue8m0=ue8m0)
+
+    monkeypatch.setattr(experts_fp8, "gluon_gemm1_swiglu_fp8", twin_gemm1)
+    num_experts, hidden, inter, top_k, tokens = 5, 256, 128, 2, 13
+    gu, ids, x, _ = fp8_case(tokens, num_experts, hidden, inter, top_k, 64)
+    dn = quantize_experts(torch.randn(num_experts, hidden, inter) / inter**0.5)
+    w = torch.rand(tokens, top_k)
+    standin = [Fp8Weight(t.data.to(STANDIN_DTYPE), t.scale) for t in (gu, dn)]
+    cfg = experts_fp8.ExpertsConfig(64, 128, 64, 4, 2, 64, 64, 4, 2, 4)
+    monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, "0")
+    base = experts_fp8.experts_triton_fp8(x, *standin, w, ids, config=cfg)
+    for switch, can, used in (("1", "", True), ("1", "needs e4m3", False), ("0", "", False)):
+        monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, switch)
+        monkeypatch.setattr(experts_fp8, "gluon_gemm1_fp8_problem", lambda *a, reason=can: reason)
+        calls.clear()
+        with _workspace.poisoning():
+            out = experts_fp8.experts_triton_fp8(x, *standin, w, ids, config=cfg)
+        assert calls == ([64] if used else []), (switch, can)
+        assert rel_err(out, base) < 1e-3, (switch, can, rel_err(out, base))
