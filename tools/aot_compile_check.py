@@ -758,14 +758,15 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
 
 
 def check_gluon_fp8(target, dump: Path | None, regs: bool) -> int:
-    """The Hopper Gluon FP8 GEMM1 (`moekit.grouped_gemm.gluon_fp8`, as
-    `moekit.grouped_gemm.fp8.gluon_gemm1_swiglu_fp8` launches it at Qwen3-30B-A3B's H and I, scales
-    float32 and UE8M0): shared memory (at most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs
-    registers; spills fail. Exit 2 where this Triton has no Gluon."""
+    """The Hopper Gluon FP8 GEMMs (`moekit.grouped_gemm.gluon_fp8`, as
+    `moekit.grouped_gemm.fp8.gluon_gemm1_swiglu_fp8` and `gluon_gemm2_weighted_fp8` launch them at
+    Qwen3-30B-A3B's H and I: GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16): shared memory (at
+    most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers; spills fail. Exit 2 where this Triton
+    has no Gluon."""
 
     import moekit.grouped_gemm.backward as gb
     from moekit.grouped_gemm import gluon_fp8 as kernels
-    from moekit.grouped_gemm.fp8 import gluon_gemm1_swiglu_fp8
+    from moekit.grouped_gemm.fp8 import gluon_gemm1_swiglu_fp8, gluon_gemm2_weighted_fp8
     from moekit.quant import FP8_DTYPE, Fp8Weight
 
     if kernels.gluon_gemm1_fp8_kernel is None:
@@ -782,6 +783,13 @@ def check_gluon_fp8(target, dump: Path | None, regs: bool) -> int:
         checks["gemm1" + (".ue8m0" if ue8m0 else "")] = (
             functools.partial(gluon_gemm1_swiglu_fp8, xq, xs, gate_up, align, top_k, ue8m0=ue8m0),
             kernels.gluon_gemm1_fp8_kernel)
+    hq, hs = torch.empty(rows, inter, dtype=FP8_DTYPE), torch.empty(rows, inter // 128)
+    down = Fp8Weight(torch.empty(e, hidden, inter, dtype=FP8_DTYPE),
+                     torch.ones(e, hidden // 128, inter // 128))
+    for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
+        checks["gemm2" + suffix] = (
+            functools.partial(gluon_gemm2_weighted_fp8, hq, hs, down, torch.empty(rows), align, dtype),
+            kernels.gluon_gemm2_fp8_kernel)
     real_sm90 = gb._sm90
     gb._sm90 = lambda device: True          # the launcher's device check: compiled for sm_90 here
     try:

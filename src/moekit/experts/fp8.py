@@ -43,6 +43,8 @@ from moekit.grouped_gemm.fp8 import (
     gemm2_weighted_fp8,
     gluon_gemm1_fp8_problem,
     gluon_gemm1_swiglu_fp8,
+    gluon_gemm2_fp8_problem,
+    gluon_gemm2_weighted_fp8,
 )
 from moekit.quant import (
     Fp8Weight,
@@ -54,7 +56,7 @@ from moekit.quant import (
 )
 from moekit.tuning import ExpertsConfig
 
-GLUON_FP8_ENV = "MOEKIT_GLUON_FP8"     # "1": GEMM1 on the Hopper Gluon kernel where it runs (each call)
+GLUON_FP8_ENV = "MOEKIT_GLUON_FP8"     # "1": the GEMMs on the Hopper Gluon kernels where they run (each call)
 
 
 def check_fp8_experts_args(x: torch.Tensor, gate_up: object, down: object, topk_weights: torch.Tensor,
@@ -115,7 +117,10 @@ def experts_triton_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, top
         hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, ue8m0=ue8m0)
     else:
         hq, hs = gemm1_swiglu_fp8(xq, xs, gate_up, align, top_k, cfg, ue8m0=ue8m0, pdl=plan.pdl)
-    y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype, pdl=plan.pdl)
+    if env.flag(GLUON_FP8_ENV) and not gluon_gemm2_fp8_problem(hq, down, align):
+        y = gluon_gemm2_weighted_fp8(hq, hs, down, weights, align, x.dtype)
+    else:
+        y = gemm2_weighted_fp8(hq, hs, down, weights, align, cfg, x.dtype, pdl=plan.pdl)
     return moe_sum(y, ids, num_experts, out, pdl=plan.pdl)
 
 

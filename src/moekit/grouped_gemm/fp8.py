@@ -1,9 +1,10 @@
 """Block-scaled FP8 grouped GEMMs (w8a8): launchers beside their pure-PyTorch twins.
 
     gemm1_swiglu_fp8   xq (T, H), xs (T, H / 128), gate_up `Fp8Weight` -> hq (L, I), hs (L, I / 128)
-    gluon_gemm1_swiglu_fp8  the same from the Hopper Gluon kernel (`moekit.grouped_gemm.gluon_fp8`):
+    gluon_gemm1_swiglu_fp8, gluon_gemm2_weighted_fp8
+                       the same from the Hopper Gluon kernels (`moekit.grouped_gemm.gluon_fp8`):
                        warp-specialized, the scaling of one warpgroup's products under the other's
-                       wgmma; `gluon_gemm1_fp8_problem` says where it runs
+                       wgmma; `gluon_gemm1_fp8_problem` and `gluon_gemm2_fp8_problem` say where they run
     gemm2_weighted_fp8 hq, hs, down `Fp8Weight`, routing weights -> y (S, H) in the output dtype
     experts_fp8_torch  the whole expert path in fp32 with the same quantization (the oracle)
 
@@ -55,25 +56,36 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
     return hq, hs
 
 
-def gluon_gemm1_fp8_problem(xq: torch.Tensor, gate_up: Fp8Weight, align: Alignment) -> str:
-    """Why the Gluon FP8 GEMM1 cannot run this call ("" when it can): it needs Gluon, a CUDA device of
-    compute capability 9.x (not interpreted), e4m3 activations (not stand-ins), an align block size
-    that is a multiple of 64, H and I multiples of 128, and E * 2I rows within TMA's coordinates."""
+def _gluon_fp8_problem(activations: torch.Tensor, weight: Fp8Weight, align: Alignment) -> str:
+    """What both Gluon FP8 GEMMs need ("" when it holds): Gluon, a CUDA device of compute capability
+    9.x (not interpreted), e4m3 activations and weights (not stand-ins), an align block size that is
+    a multiple of 64, and the weight's data contiguous."""
     from moekit.grouped_gemm.backward import _sm90
 
-    num_experts, two_i, hidden = gate_up.shape
     if not _gluon_fp8.GLUON_AVAILABLE:
         return "this Triton has no Gluon"
-    if not _sm90(xq.device):
-        return f"needs a CUDA device of compute capability 9.x, got {xq.device}"
-    if xq.dtype != FP8_DTYPE or gate_up.data.dtype != FP8_DTYPE:
-        return f"needs e4m3 activations and weights, got {xq.dtype} and {gate_up.data.dtype}"
+    if not _sm90(activations.device):
+        return f"needs a CUDA device of compute capability 9.x, got {activations.device}"
+    if activations.dtype != FP8_DTYPE or weight.data.dtype != FP8_DTYPE:
+        return f"needs e4m3 activations and weights, got {activations.dtype} and {weight.data.dtype}"
     if align.block_m % _gluon_fp8.SUB_M:
         return f"needs an align block size that is a multiple of {_gluon_fp8.SUB_M}, got {align.block_m}"
+    if not weight.data.is_contiguous():
+        return "needs the weight's data contiguous"
+    return ""
+
+
+def gluon_gemm1_fp8_problem(xq: torch.Tensor, gate_up: Fp8Weight, align: Alignment) -> str:
+    """Why the Gluon FP8 GEMM1 cannot run this call ("" when it can): `_gluon_fp8_problem`, H and I
+    multiples of 128, E * 2I rows within TMA's coordinates."""
+    num_experts, two_i, hidden = gate_up.shape
+    problem = _gluon_fp8_problem(xq, gate_up, align)
+    if problem:
+        return problem
     if hidden % FP8_BLOCK or (two_i // 2) % _gluon_fp8.BLOCK_N:
         return f"needs H and I multiples of {FP8_BLOCK}, got {hidden} and {two_i // 2}"
-    if num_experts * two_i >= TMA_MAX_COORD or not gate_up.data.is_contiguous():
-        return "needs gate_up's data contiguous with E * 2I rows within TMA's int32 coordinates"
+    if num_experts * two_i >= TMA_MAX_COORD:
+        return "needs E * 2I rows within TMA's int32 coordinates"
     return ""
 
 
@@ -109,6 +121,53 @@ def gluon_gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weigh
         CONSUMER_REGS_=_gluon_fp8.CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
     )
     return hq, hs
+
+
+def gluon_gemm2_fp8_problem(hq: torch.Tensor, down: Fp8Weight, align: Alignment) -> str:
+    """Why the Gluon FP8 GEMM2 cannot run this call ("" when it can): `_gluon_fp8_problem` on hq (L, I)
+    and down (E, H, I), hq TMA-readable, H and I multiples of 128, E * H rows within TMA's
+    coordinates."""
+    from moekit.grouped_gemm.backward import _tma_operand
+
+    num_experts, hidden, inter = down.shape
+    problem = _gluon_fp8_problem(hq, down, align)
+    if problem:
+        return problem
+    if hidden % _gluon_fp8.BLOCK_N or inter % FP8_BLOCK:
+        return f"needs H and I multiples of {FP8_BLOCK}, got {hidden} and {inter}"
+    if num_experts * hidden >= TMA_MAX_COORD or not _tma_operand(hq):
+        return "needs hq TMA-readable and E * H rows within TMA's int32 coordinates"
+    return ""
+
+
+def gluon_gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,
+                             align: Alignment, out_dtype: torch.dtype) -> torch.Tensor:
+    """`gemm2_weighted_fp8`'s y (S, H) in out_dtype from the Hopper Gluon kernel
+    (`gluon_gemm2_fp8_kernel`, persistent: one program an SM). ValueError naming the reason where it
+    cannot run (`gluon_gemm2_fp8_problem`)."""
+    from moekit.grouped_gemm.backward import _gluon_descriptor
+
+    problem = gluon_gemm2_fp8_problem(hq, down, align)
+    if problem:
+        raise ValueError(f"gluon_gemm2_weighted_fp8: {problem}")
+    num_experts, hidden, inter = down.shape
+    y = _workspace.empty(align.num_pairs, hidden, dtype=out_dtype, device=hq.device)
+    rows = align.sorted_ids.numel()
+    if rows == 0 or align.num_pairs == 0:
+        return y
+    bm, bn, bk = _gluon_fp8.SUB_M, _gluon_fp8.BLOCK_N, _gluon_fp8.BLOCK_K
+    ds = down.scale
+    n_tiles = hidden // bn
+    items = cdiv(rows, bm) * n_tiles            # a bound: num_padded is on the device
+    _gluon_fp8.gluon_gemm2_fp8_kernel[(max(1, min(num_sms(hq.device), items)),)](
+        _gluon_descriptor(hq, (bm, bk)),
+        _gluon_descriptor(down.data.view(num_experts * hidden, inter), (bn, bk)),
+        y, y.stride(0), topk_weights.reshape(-1), hs, hs.stride(0), hs.stride(1), ds, *ds.stride(),
+        align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, hidden, n_tiles, inter // bk,
+        ALIGN_M=align.block_m, STAGES_=_gluon_fp8.STAGES2, PRODUCER_REGS_=_gluon_fp8.PRODUCER2_REGS,
+        CONSUMER_REGS_=_gluon_fp8.CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+    )
+    return y
 
 
 def gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,

@@ -1,5 +1,5 @@
-"""Block-scaled FP8 GEMM1 for Hopper (sm_90) in Gluon: persistent, warp-specialized, cp.async + TMA and
-wgmma, the promotion of one warpgroup under the other's tensor-core work.
+"""Block-scaled FP8 grouped GEMMs for Hopper (sm_90) in Gluon: persistent, warp-specialized, cp.async +
+TMA and wgmma, the promotion of one warpgroup under the other's tensor-core work.
 
 Legend as in `moekit.grouped_gemm.fp8_kernels`: T tokens, K top_k, S pairs, E experts, H hidden, I
 intermediate, L sorted rows (num_padded of them in use), B = 128 (the scale block). Per sorted row r
@@ -10,7 +10,10 @@ of expert e, t its token, for each 128-column tile n of h:
     h    = silu(gate) * up -> hs[r, n] = max(amax / 448, floor) (UE8M0: a power of two), hq[r, n] =
            h / hs rounded to e4m3                                           padding rows: 0 (floor)
 
-exactly what `moekit.grouped_gemm.fp8_kernels.moe_gemm1_fp8_kernel` computes, as its Triton version.
+exactly what `moekit.grouped_gemm.fp8_kernels.moe_gemm1_fp8_kernel` computes, as its Triton version;
+GEMM2 (`gluon_gemm2_fp8_kernel`, what `moe_gemm2_fp8_kernel` computes) reads hq's sorted rows and
+down's by TMA (one producer warp), scales each step's products the same way and stores each row,
+times its routing weight, to its pair's row of y.
 
 Why a second kernel: in Triton each 128-deep step's dot is waited on before it is scaled into the
 fp32 accumulator, so the tensor cores idle while the accumulators are scaled (the FP8 prefill runs
@@ -59,7 +62,9 @@ from moekit.grouped_gemm.gluon_wgrad import (
 SUB_M = 64            # rows of a work item: one warpgroup's wgmma m64
 BLOCK_N = 128         # h columns of a work item: one scale group
 BLOCK_K = 128         # H a ring step: one scale block
-STAGES = 8            # ring depth: 24 KiB a stage (x rows, a half of gate and of up)
+STAGES = 8            # GEMM1's ring: 24 KiB a stage (x rows, a half of gate and of up)
+STAGES2 = 8           # GEMM2's ring: 24 KiB a stage (hq rows, down rows), run across items
+PRODUCER2_REGS = 24   # GEMM2's producer: one warp issuing TMA
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -79,6 +84,22 @@ def _ue8m0_ceil(s):
     bits = s.to(gl.int32, bitcast=True)
     up = ((bits & 0x7FFFFF) != 0).to(gl.int32)
     return ((bits & 0x7F800000) + (up << 23)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _ping_pong_barriers(STAGES_: gl.constexpr, READY_COUNT: gl.constexpr):
+    """The ring's ready and empty barriers (ready: READY_COUNT arrivals; empty: the stage's one
+    consumer) and the ping-pong consumers' order pair, initialised and fenced."""
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready_bars.index(i), count=READY_COUNT)
+        mbarrier.init(empty_bars.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order_bars.index(i), count=1)
+    fence_async_shared()
+    return ready_bars, empty_bars, order_bars
 
 
 @gluon.jit
@@ -230,16 +251,8 @@ def gluon_gemm1_fp8_kernel(w_desc, h_desc, x_ptr, x_stride, xs_ptr, xs_stride_t,
     g_bufs = gl.allocate_shared_memory(dtype, [STAGES_, HALF, BK], w_desc.layout)
     u_bufs = gl.allocate_shared_memory(dtype, [STAGES_, HALF, BK], w_desc.layout)
     c_smem = gl.allocate_shared_memory(h_desc.dtype, [4, BM, HALF], h_desc.layout)  # two halves a warpgroup
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES_):
-        # the producer's expect(), and each of its 128 threads once its copies land
-        mbarrier.init(ready_bars.index(i), count=1 + 4 * 32)
-        mbarrier.init(empty_bars.index(i), count=1)          # the stage's one consumer
-    for i in gl.static_range(2):
-        mbarrier.init(order_bars.index(i), count=1)
-    fence_async_shared()
+    # ready: the producer's expect(), and each of its 128 threads once its copies land
+    ready_bars, empty_bars, order_bars = _ping_pong_barriers(STAGES_, 1 + 4 * 32)
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
     # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), the producer (4 warps).
@@ -257,5 +270,121 @@ def gluon_gemm1_fp8_kernel(w_desc, h_desc, x_ptr, x_stride, xs_ptr, xs_stride_t,
     ], [4, 4], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
+# ---- GEMM2: y[pair] = w_p * sum over k blocks of (hq[r, k] . down_e[n, k]) * hs[r, k] * ds[e, n, k]
+
+@gluon.jit
+def _gemm2_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_ids_ptr, num_padded_ptr, H,
+                    n_tiles, k_steps, ALIGN_M: gl.constexpr):
+    """1 warp: every item's I / BK steps into the ring, hq's sorted rows [64, BK] and down's rows
+    [BN, BK], both by TMA (GEMM1 wrote hq in sorted-row order, zeros on the padding rows)."""
+    STAGES_: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_items = _num_items(num_padded_ptr, n_tiles, BM)
+    it = 0
+    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        row0 = (t // n_tiles) * BM
+        n0 = (t % n_tiles) * BN
+        e = gl.load(expert_ids_ptr + row0 // ALIGN_M)
+        for ki in range(k_steps):
+            s = it % STAGES_
+            mbarrier.wait(empty_bars.index(s), ((it // STAGES_) & 1) ^ 1)   # pass 0: free at once
+            ready = ready_bars.index(s)
+            mbarrier.expect(ready, NBYTES)
+            tma_load(a_desc, [row0, ki * BK], ready, a_bufs.index(s))
+            tma_load(b_desc, [e * H + n0, ki * BK], ready, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, y_ptr, y_stride, w_ptr, hs_ptr,
+                    hs_stride_r, hs_stride_k, ds_ptr, ds_stride_e, ds_stride_n, ds_stride_k, sorted_ids_ptr,
+                    expert_ids_ptr, num_padded_ptr, S, n_tiles, k_steps, ALIGN_M: gl.constexpr,
+                    CONSUMER: gl.constexpr):
+    """One warpgroup: the items j with j % 2 == CONSUMER, a [64, 128] tile of y each: each step's
+    products into a scratch accumulator, waited, scaled into the tile's accumulator (under the other
+    warpgroup's wgmma); then times the routing weight, stored to the pairs' rows."""
+    STAGES_: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    layout: gl.constexpr = _acc_layout(BN)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    # the store's layout: 8 consecutive columns (16 bytes of bf16) a thread, a row's 128 in 16 lanes
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    num_items = _num_items(num_padded_ptr, n_tiles, BM)
+    it = 0
+    j = 0
+    waits = 0
+    for t in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        if j % 2 == CONSUMER:
+            mbarrier.wait(order_bars.index(CONSUMER), waits & 1, pred=j > 0)
+            waits += (j > 0).to(gl.int32)
+            row0 = (t // n_tiles) * BM
+            n0 = (t % n_tiles) * BN
+            e = gl.load(expert_ids_ptr + row0 // ALIGN_M)
+            rows = row0 + gl.arange(0, BM, rows_layout)
+            hs_rows = hs_ptr + rows.to(gl.int64) * hs_stride_r
+            ds_tile = ds_ptr + e * ds_stride_e + (n0 // BN) * ds_stride_n          # BN = the scale block
+            acc = gl.zeros((BM, BN), gl.float32, layout)
+            scratch = gl.zeros((BM, BN), gl.float32, layout)
+            for ki in range(k_steps):
+                k = it + ki
+                s = k % STAGES_
+                a_s = gl.load(hs_rows + ki * hs_stride_k)              # padding rows: hq is 0 there
+                b_s = gl.load(ds_tile + ki * ds_stride_k)
+                mbarrier.wait(ready_bars.index(s), (k // STAGES_) & 1)
+                scratch = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), scratch,
+                                        use_acc=False, is_async=True)
+                scratch = warpgroup_mma_wait(num_outstanding=0, deps=(scratch,))
+                mbarrier.arrive(empty_bars.index(s))
+                acc += scratch * (a_s * b_s)[:, None]
+            mbarrier.arrive(order_bars.index(1 - CONSUMER))
+            # Epilogue: the routing weight, then the tile's rows to their pairs' rows of y.
+            out = gl.convert_layout(acc, out_layout)
+            out_rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, out_layout))
+            pair = gl.load(sorted_ids_ptr + out_rows)
+            valid = pair < S
+            wt = gl.load(w_ptr + pair, mask=valid, other=0.0).to(gl.float32)
+            cols = n0 + gl.arange(0, BN, gl.SliceLayout(0, out_layout))
+            ptrs = y_ptr + pair.to(gl.int64)[:, None] * y_stride + cols[None, :]
+            gl.store(ptrs, (out * wt[:, None]).to(y_ptr.dtype.element_ty), mask=valid[:, None])
+        it += k_steps
+        j += 1
+
+
+@gluon.jit
+def gluon_gemm2_fp8_kernel(a_desc, b_desc, y_ptr, y_stride, w_ptr, hs_ptr, hs_stride_r, hs_stride_k, ds_ptr,
+                           ds_stride_e, ds_stride_n, ds_stride_k, sorted_ids_ptr, expert_ids_ptr,
+                           num_padded_ptr, S, H, n_tiles, k_steps, ALIGN_M: gl.constexpr,
+                           STAGES_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+                           CONSUMER_REGS_: gl.constexpr):
+    """y (S, H) at the pairs' rows of the sorted rows < num_padded: a_desc hq (L, I) e4m3 in boxes
+    [64, 128]; b_desc down's e4m3 data viewed as (E * H, I) in boxes [128, 128]; hs (L, I / 128) and
+    ds (E, H / 128, I / 128) fp32 scales; w (S,) the routing weights; n_tiles = H / 128, k_steps =
+    I / 128; the alignment as in GEMM1."""
+    dtype: gl.constexpr = a_desc.dtype
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES_, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES_, BN, BK], b_desc.layout)
+    ready_bars, empty_bars, order_bars = _ping_pong_barriers(STAGES_, 1)     # ready: the expect() alone
+    C0: gl.constexpr = 0
+    C1: gl.constexpr = 1
+    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), the producer (1 warp).
+    gl.warp_specialize([
+        (_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, y_ptr, y_stride, w_ptr, hs_ptr,
+                           hs_stride_r, hs_stride_k, ds_ptr, ds_stride_e, ds_stride_n, ds_stride_k,
+                           sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, S, n_tiles, k_steps, ALIGN_M, C0)),
+        (_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, y_ptr, y_stride, w_ptr, hs_ptr,
+                           hs_stride_r, hs_stride_k, ds_ptr, ds_stride_e, ds_stride_n, ds_stride_k,
+                           sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, S, n_tiles, k_steps, ALIGN_M, C1)),
+        (_gemm2_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_ids_ptr,
+                           num_padded_ptr, H, n_tiles, k_steps, ALIGN_M)),
+    ], [4, 1], [CONSUMER_REGS_, PRODUCER_REGS_])
+
+
 if not GLUON_AVAILABLE:
-    gluon_gemm1_fp8_kernel = None
+    gluon_gemm1_fp8_kernel = gluon_gemm2_fp8_kernel = None

@@ -18,7 +18,14 @@ from helpers import aot_compile_check, hopper_with_gluon, rel_err
 from moekit import _workspace
 from moekit.align import align_block_size
 from moekit.grouped_gemm import gluon_fp8 as kernels
-from moekit.grouped_gemm.fp8 import gemm1_swiglu_fp8_torch, gluon_gemm1_fp8_problem, gluon_gemm1_swiglu_fp8
+from moekit.grouped_gemm.fp8 import (
+    gemm1_swiglu_fp8_torch,
+    gemm2_weighted_fp8_torch,
+    gluon_gemm1_fp8_problem,
+    gluon_gemm1_swiglu_fp8,
+    gluon_gemm2_fp8_problem,
+    gluon_gemm2_weighted_fp8,
+)
 from moekit.quant import FP8_DTYPE, STANDIN_DTYPE, Fp8Weight, dequantize_rows, quantize_experts, quantize_rows
 
 gluon_only = pytest.mark.skipif(not kernels.GLUON_AVAILABLE, reason="this Triton has no Gluon")
@@ -93,13 +100,59 @@ def test_gluon_gemm1_fp8_launch_arguments(monkeypatch):
     assert 2 * kwargs["CONSUMER_REGS_"] + kwargs["PRODUCER_REGS_"] <= 3 * kwargs["maxnreg"]
 
 
-def test_gluon_gemm1_fp8_compiles_for_sm90_without_spills():
-    """Float32 and UE8M0 scales, through ptxas for sm_90 (skipped where this Triton has no Gluon, CUDA
-    backend or ptxas): within the shared-memory limit, no local memory."""
+@gluon_only
+def test_gluon_gemm2_fp8_refusals_and_launch_arguments(monkeypatch):
+    """GEMM2: refused off sm_90, on stand-ins, on 32-row align blocks and on an hq TMA cannot read,
+    naming the reason; the
+    launch recorded instead of run: hq in [64, 128] boxes, down's data as (E * H, I) in [128, 128]
+    boxes, y (S, H) in the output dtype, the routing weights flat, the scales and their strides."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    num_experts, hidden, inter, top_k = 4, 256, 256, 2
+    gu, ids, x, align = fp8_case(9, num_experts, hidden, inter, top_k, 64)
+    down = quantize_experts(torch.randn(num_experts, hidden, inter))
+    rows = align.sorted_ids.numel()
+    hq, hs = torch.zeros(rows, inter, dtype=FP8_DTYPE), torch.ones(rows, inter // 128)
+    w = torch.rand(9, top_k)
+    assert "compute capability 9" in gluon_gemm2_fp8_problem(hq, down, align)
+    monkeypatch.setattr(gb, "_sm90", lambda device: True)
+    assert gluon_gemm2_fp8_problem(hq, down, align) == ""
+    assert "e4m3" in gluon_gemm2_fp8_problem(hq.to(STANDIN_DTYPE), down, align)
+    assert "multiple of 64" in gluon_gemm2_fp8_problem(hq, down, align_block_size(ids, num_experts, 32))
+    misaligned = torch.zeros(rows * inter + 1, dtype=FP8_DTYPE)[1:].view(rows, inter)
+    assert "TMA-readable" in gluon_gemm2_fp8_problem(misaligned, down, align)
+    monkeypatch.setattr(kernels, "gluon_gemm2_fp8_kernel", Recorder())
+    y = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+    assert y.shape == (align.num_pairs, hidden) and y.dtype == torch.bfloat16
+    (grid, args, kwargs), = launches
+    (a_desc, b_desc, y_arg, y_stride, w_arg, hs_arg, hs_r, hs_k, ds, ds_e, ds_n, ds_k, sid, eid, npad,
+     num_pairs, hidden_arg, n_tiles, k_steps) = args
+    assert a_desc.base is hq and a_desc.block_shape == [64, 128]
+    assert b_desc.base.data_ptr() == down.data.data_ptr()
+    assert list(b_desc.shape) == [num_experts * hidden, inter]
+    assert b_desc.block_shape == [128, 128]
+    assert y_arg is y and y_stride == hidden
+    assert w_arg.data_ptr() == w.data_ptr() and w_arg.shape == (w.numel(),)
+    assert hs_arg is hs and (hs_r, hs_k) == hs.stride()
+    assert ds is down.scale and (ds_e, ds_n, ds_k) == ds.stride()
+    assert sid is align.sorted_ids and eid is align.expert_ids and npad is align.num_padded
+    assert (num_pairs, hidden_arg, n_tiles, k_steps) == (align.num_pairs, hidden, hidden // 128, inter // 128)
+    assert grid == (min(gb.num_sms(x.device), (rows // 64) * (hidden // 128)),)
+    assert (kwargs["ALIGN_M"], kwargs["STAGES_"]) == (64, kernels.STAGES2)
+
+
+def test_gluon_fp8_gemms_compile_for_sm90_without_spills():
+    """GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16, through ptxas for sm_90
+    (skipped where this Triton has no Gluon, CUDA backend or ptxas): within the shared-memory limit,
+    no local memory."""
     out = aot_compile_check("--gluon-fp8", "--regs")
-    assert "2/2 gluon fp8 kernels compile" in out
+    assert "4/4 gluon fp8 kernels compile" in out
     lines = [line for line in out.splitlines() if line.startswith("gluon-fp8 ")]
-    assert len(lines) == 2 and all(" OK " in line and " local " not in line for line in lines), lines
+    assert len(lines) == 4 and all(" OK " in line and " local " not in line for line in lines), lines
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
@@ -146,18 +199,24 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
 
 
 def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
-    """$MOEKIT_GLUON_FP8=1: the triton FP8 path's GEMM1 goes to `gluon_gemm1_swiglu_fp8` where it can
-    run (stood in for here by the fp32 twin, the refusal check answering "can"), and the call equals
-    the one on the Triton GEMM1; switched off, or where it cannot run, the Triton GEMM1 runs."""
+    """$MOEKIT_GLUON_FP8=1: the triton FP8 path's GEMMs go to `gluon_gemm1_swiglu_fp8` and
+    `gluon_gemm2_weighted_fp8` where they can run (stood in for here by the fp32 twins, the refusal
+    checks answering "can"), and the call equals the one on the Triton GEMMs; switched off, or where
+    they cannot run, the Triton GEMMs run."""
     import moekit.experts.fp8 as experts_fp8
 
     calls = []
 
     def twin_gemm1(xq, xs, gate_up, align, top_k, *, ue8m0=False):
-        calls.append(align.block_m)
+        calls.append(1)
         return gemm1_swiglu_fp8_torch(xq, xs, gate_up, align, top_k, ue8m0=ue8m0)
 
+    def twin_gemm2(hq, hs, down, weights, align, out_dtype):
+        calls.append(2)
+        return gemm2_weighted_fp8_torch(hq, hs, down, weights, align).to(out_dtype)
+
     monkeypatch.setattr(experts_fp8, "gluon_gemm1_swiglu_fp8", twin_gemm1)
+    monkeypatch.setattr(experts_fp8, "gluon_gemm2_weighted_fp8", twin_gemm2)
     num_experts, hidden, inter, top_k, tokens = 5, 256, 128, 2, 13
     gu, ids, x, _ = fp8_case(tokens, num_experts, hidden, inter, top_k, 64)
     dn = quantize_experts(torch.randn(num_experts, hidden, inter) / inter**0.5)
@@ -168,9 +227,33 @@ def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
     base = experts_fp8.experts_triton_fp8(x, *standin, w, ids, config=cfg)
     for switch, can, used in (("1", "", True), ("1", "needs e4m3", False), ("0", "", False)):
         monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, switch)
-        monkeypatch.setattr(experts_fp8, "gluon_gemm1_fp8_problem", lambda *a, reason=can: reason)
+        for which in ("gluon_gemm1_fp8_problem", "gluon_gemm2_fp8_problem"):
+            monkeypatch.setattr(experts_fp8, which, lambda *a, reason=can: reason)
         calls.clear()
         with _workspace.poisoning():
             out = experts_fp8.experts_triton_fp8(x, *standin, w, ids, config=cfg)
-        assert calls == ([64] if used else []), (switch, can)
+        assert calls == ([1, 2] if used else []), (switch, can)
         assert rel_err(out, base) < 1e-3, (switch, can, rel_err(out, base))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gluon_gemm2_fp8_equals_its_twin_gpu(case):
+    """y at every placed pair's row against `gemm2_weighted_fp8_torch` on the twin's own hq, hs (real
+    e4m3), in bf16: within 2x the twin's own rounding to bf16; reproducible bit for bit."""
+    name, num_tokens, num_experts, hidden, inter, top_k, block_m, ue8m0, _ = case
+    gu, ids, x, align = fp8_case(num_tokens, num_experts, hidden, inter, top_k, block_m, "cuda", ue8m0=ue8m0)
+    down = quantize_experts(torch.randn(num_experts, hidden, inter, device="cuda") / inter**0.5, ue8m0=ue8m0)
+    w = torch.rand(num_tokens, top_k, device="cuda")
+    xq, xs = quantize_rows(x.to(torch.bfloat16), ue8m0=ue8m0)
+    hq, hs = gemm1_swiglu_fp8_torch(xq, xs, gu, align, top_k, ue8m0=ue8m0)
+    with _workspace.poisoning():
+        y = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+    want = gemm2_weighted_fp8_torch(hq, hs, down, w, align)
+    placed = ids.reshape(-1) < num_experts
+    err = rel_err(y[placed].float(), want[placed])
+    base = rel_err(want[placed].bfloat16().float(), want[placed])     # the twin's own rounding to bf16
+    assert err <= 2 * base, (err, base)
+    again = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+    assert torch.equal(again[placed], y[placed])
