@@ -26,7 +26,7 @@ programs in flight share the sub-block's x rows and the expert's weights in L2);
 lies in one align block (block_m a multiple of 64), so in one expert. Items stop at num_padded, read
 on the device. Partitions:
 
-    producer   4 warps: per item, H / 128 steps into a ring of STAGES stages: the item's x rows
+    producer   GATHER_WARPS: per item, H / 128 steps into a ring of STAGES stages: the item's x rows
                [64, 128] gathered from their tokens by cp.async (padding rows zero-filled; each thread
                arrives on the stage's ready barrier when its copies land), the gate and up tiles
                [128, 128] by TMA.
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from moekit.grouped_gemm.gluon_swiglu_bwd import _num_items
 from moekit.grouped_gemm.gluon_wgrad import (
+    GATHER_WARPS,
     GLUON_AVAILABLE,
     cp_async_arrive,
     fence_async_shared,
@@ -106,7 +107,7 @@ def _ping_pong_barriers(STAGES_: gl.constexpr, READY_COUNT: gl.constexpr):
 def _producer(w_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, x_ptr, x_stride, sorted_ids_ptr,
               expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles, ALIGN_M: gl.constexpr,
               TOP_K: gl.constexpr):
-    """4 warps: every item's two halves, H / BK steps each, into the ring (x rows by cp.async, the
+    """GATHER_WARPS: every item's two halves, H / BK steps each, into the ring (x rows by cp.async, the
     half's gate and up rows by TMA)."""
     STAGES_: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
@@ -252,10 +253,10 @@ def gluon_gemm1_fp8_kernel(w_desc, h_desc, x_ptr, x_stride, xs_ptr, xs_stride_t,
     u_bufs = gl.allocate_shared_memory(dtype, [STAGES_, HALF, BK], w_desc.layout)
     c_smem = gl.allocate_shared_memory(h_desc.dtype, [4, BM, HALF], h_desc.layout)  # two halves a warpgroup
     # ready: the producer's expect(), and each of its 128 threads once its copies land
-    ready_bars, empty_bars, order_bars = _ping_pong_barriers(STAGES_, 1 + 4 * 32)
+    ready_bars, empty_bars, order_bars = _ping_pong_barriers(STAGES_, 1 + GATHER_WARPS * 32)
     C0: gl.constexpr = 0
     C1: gl.constexpr = 1
-    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), the producer (4 warps).
+    # Default partition (4 warps): consumer 0; workers: consumer 1 (4 warps), the producer.
     gl.warp_specialize([
         (_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, order_bars, h_desc, c_smem, hs_ptr,
                      hs_stride, xs_ptr, xs_stride_t, xs_stride_k, ws_ptr, ws_stride_e, ws_stride_n,
@@ -267,7 +268,7 @@ def gluon_gemm1_fp8_kernel(w_desc, h_desc, x_ptr, x_stride, xs_ptr, xs_stride_t,
                      ALIGN_M, TOP_K, UE8M0, C1)),
         (_producer, (w_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, x_ptr, x_stride, sorted_ids_ptr,
                      expert_ids_ptr, num_padded_ptr, S, H, inter, n_tiles, ALIGN_M, TOP_K)),
-    ], [4, 4], [CONSUMER_REGS_, PRODUCER_REGS_])
+    ], [4, GATHER_WARPS], [CONSUMER_REGS_, PRODUCER_REGS_])
 
 
 # ---- GEMM2: y[pair] = w_p * sum over k blocks of (hq[r, k] . down_e[n, k]) * hs[r, k] * ds[e, n, k]
