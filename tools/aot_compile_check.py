@@ -760,7 +760,8 @@ def check_gluon_swiglu(target, dump: Path | None, regs: bool) -> int:
 def check_gluon_fp8(target, dump: Path | None, regs: bool) -> int:
     """The Hopper Gluon FP8 GEMMs (`moekit.grouped_gemm.gluon_fp8`, as
     `moekit.grouped_gemm.fp8.gluon_gemm1_swiglu_fp8` and `gluon_gemm2_weighted_fp8` launch them at
-    Qwen3-30B-A3B's H and I: GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16): shared memory (at
+    Qwen3-30B-A3B's H and I: GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16, both in the
+    dual schedule, and each in the ping-pong one): shared memory (at
     most `moekit.tuning.SHARED_MEMORY_LIMIT`), with --regs registers; spills fail. Exit 2 where this Triton
     has no Gluon."""
 
@@ -779,16 +780,18 @@ def check_gluon_fp8(target, dump: Path | None, regs: bool) -> int:
     gate_up = Fp8Weight(torch.empty(e, 2 * inter, hidden, dtype=FP8_DTYPE),
                         torch.ones(e, 2 * inter // 128, hidden // 128))
     checks = {}
-    for ue8m0 in (False, True):
-        checks["gemm1" + (".ue8m0" if ue8m0 else "")] = (
-            functools.partial(gluon_gemm1_swiglu_fp8, xq, xs, gate_up, align, top_k, ue8m0=ue8m0),
+    for ue8m0, dual in ((False, True), (True, True), (False, False)):
+        checks["gemm1" + (".ue8m0" if ue8m0 else "") + ("" if dual else ".pingpong")] = (
+            functools.partial(gluon_gemm1_swiglu_fp8, xq, xs, gate_up, align, top_k, ue8m0=ue8m0, dual=dual),
             kernels.gluon_gemm1_fp8_kernel)
     hq, hs = torch.empty(rows, inter, dtype=FP8_DTYPE), torch.empty(rows, inter // 128)
     down = Fp8Weight(torch.empty(e, hidden, inter, dtype=FP8_DTYPE),
                      torch.ones(e, hidden // 128, inter // 128))
-    for dtype, suffix in ((torch.bfloat16, ""), (torch.float16, ".fp16")):
+    for dtype, dual, suffix in ((torch.bfloat16, True, ""), (torch.float16, True, ".fp16"),
+                                (torch.bfloat16, False, ".pingpong")):
         checks["gemm2" + suffix] = (
-            functools.partial(gluon_gemm2_weighted_fp8, hq, hs, down, torch.empty(rows), align, dtype),
+            functools.partial(gluon_gemm2_weighted_fp8, hq, hs, down, torch.empty(rows), align, dtype,
+                              dual=dual),
             kernels.gluon_gemm2_fp8_kernel)
     real_sm90 = gb._sm90
     gb._sm90 = lambda device: True          # the launcher's device check: compiled for sm_90 here

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from moekit import _workspace
+from moekit import _workspace, env
 from moekit._host import cdiv
 from moekit.align import Alignment
 from moekit.grouped_gemm import TMA_MAX_COORD, _launch, _placed_rows, _weights_operand, num_sms
 from moekit.grouped_gemm import gluon_fp8 as _gluon_fp8
 from moekit.grouped_gemm.fp8_kernels import moe_gemm1_fp8_kernel, moe_gemm2_fp8_kernel
-from moekit.grouped_gemm.gluon_wgrad import MAX_REGS
+from moekit.grouped_gemm.gluon_wgrad import GATHER_CONSUMER_REGS, GATHER_PRODUCER_REGS, MAX_REGS
 from moekit.quant import FP8_BLOCK, FP8_DTYPE, Fp8Weight, dequantize_rows, quantize_rows_torch
 from moekit.tuning import ExpertsConfig, check_fp8_config
 
@@ -54,6 +54,11 @@ def gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, ali
         PERSISTENT=cfg.persistent,
         num_warps=cfg.warps1, num_stages=cfg.stages1), pdl)
     return hq, hs
+
+
+def _dual(dual: bool | None) -> bool:
+    """The Gluon FP8 GEMMs' schedule: dual as given, None: $MOEKIT_GLUON_FP8_DUAL."""
+    return env.flag(_gluon_fp8.DUAL_ENV) if dual is None else dual
 
 
 def _gluon_fp8_problem(activations: torch.Tensor, weight: Fp8Weight, align: Alignment) -> str:
@@ -90,10 +95,12 @@ def gluon_gemm1_fp8_problem(xq: torch.Tensor, gate_up: Fp8Weight, align: Alignme
 
 
 def gluon_gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weight, align: Alignment,
-                           top_k: int, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           top_k: int, *, ue8m0: bool = False,
+                           dual: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`gemm1_swiglu_fp8`'s (hq (L, I) e4m3, hs (L, I / 128) float32) from the Hopper Gluon kernel
     (`gluon_gemm1_fp8_kernel`, persistent: one program an SM): x's rows gathered from their tokens by
-    the kernel. ValueError naming the reason where it cannot run (`gluon_gemm1_fp8_problem`)."""
+    the kernel. dual: its dual schedule, else ping-pong (None: $MOEKIT_GLUON_FP8_DUAL). ValueError
+    naming the reason where it cannot run (`gluon_gemm1_fp8_problem`)."""
     from moekit.grouped_gemm.backward import _gather_operand, _gluon_descriptor, _gluon_layout
 
     problem = gluon_gemm1_fp8_problem(xq, gate_up, align)
@@ -117,8 +124,8 @@ def gluon_gemm1_swiglu_fp8(xq: torch.Tensor, xs: torch.Tensor, gate_up: Fp8Weigh
         x, x.stride(0), xs, xs.stride(0), xs.stride(1), ws, *ws.stride(), hs, hs.stride(0),
         align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, hidden, inter, n_tiles,
         A_LAYOUT=_gluon_layout((bm, bk), FP8_DTYPE), ALIGN_M=align.block_m, STAGES_=_gluon_fp8.STAGES,
-        UE8M0=ue8m0, TOP_K=top_k, PRODUCER_REGS_=_gluon_fp8.PRODUCER_REGS,
-        CONSUMER_REGS_=_gluon_fp8.CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        UE8M0=ue8m0, TOP_K=top_k, PRODUCER_REGS_=GATHER_PRODUCER_REGS,
+        CONSUMER_REGS_=GATHER_CONSUMER_REGS, DUAL=_dual(dual), num_warps=4, maxnreg=MAX_REGS,
     )
     return hq, hs
 
@@ -141,10 +148,11 @@ def gluon_gemm2_fp8_problem(hq: torch.Tensor, down: Fp8Weight, align: Alignment)
 
 
 def gluon_gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight, topk_weights: torch.Tensor,
-                             align: Alignment, out_dtype: torch.dtype) -> torch.Tensor:
+                             align: Alignment, out_dtype: torch.dtype, *,
+                             dual: bool | None = None) -> torch.Tensor:
     """`gemm2_weighted_fp8`'s y (S, H) in out_dtype from the Hopper Gluon kernel
-    (`gluon_gemm2_fp8_kernel`, persistent: one program an SM). ValueError naming the reason where it
-    cannot run (`gluon_gemm2_fp8_problem`)."""
+    (`gluon_gemm2_fp8_kernel`, persistent: one program an SM). dual: as in `gluon_gemm1_swiglu_fp8`.
+    ValueError naming the reason where it cannot run (`gluon_gemm2_fp8_problem`)."""
     from moekit.grouped_gemm.backward import _gluon_descriptor
 
     problem = gluon_gemm2_fp8_problem(hq, down, align)
@@ -165,7 +173,7 @@ def gluon_gemm2_weighted_fp8(hq: torch.Tensor, hs: torch.Tensor, down: Fp8Weight
         y, y.stride(0), topk_weights.reshape(-1), hs, hs.stride(0), hs.stride(1), ds, *ds.stride(),
         align.sorted_ids, align.expert_ids, align.num_padded, align.num_pairs, hidden, n_tiles, inter // bk,
         ALIGN_M=align.block_m, STAGES_=_gluon_fp8.STAGES2, PRODUCER_REGS_=_gluon_fp8.PRODUCER2_REGS,
-        CONSUMER_REGS_=_gluon_fp8.CONSUMER_REGS, num_warps=4, maxnreg=MAX_REGS,
+        CONSUMER_REGS_=_gluon_fp8.CONSUMER2_REGS, DUAL=_dual(dual), num_warps=4, maxnreg=MAX_REGS,
     )
     return y
 

@@ -98,6 +98,11 @@ def test_gluon_gemm1_fp8_launch_arguments(monkeypatch):
     assert (kwargs["ALIGN_M"], kwargs["STAGES_"], kwargs["UE8M0"], kwargs["TOP_K"]) == (64, kernels.STAGES,
                                                                                        True, top_k)
     assert 2 * kwargs["CONSUMER_REGS_"] + kwargs["PRODUCER_REGS_"] <= 3 * kwargs["maxnreg"]
+    assert kwargs["DUAL"] is True and kernels.STAGES % 2 == 0          # the dual schedule by default
+    monkeypatch.setenv(kernels.DUAL_ENV, "0")
+    gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k)
+    gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, dual=True)
+    assert [launch[2]["DUAL"] for launch in launches[1:]] == [False, True]
 
 
 @gluon_only
@@ -143,16 +148,22 @@ def test_gluon_gemm2_fp8_refusals_and_launch_arguments(monkeypatch):
     assert (num_pairs, hidden_arg, n_tiles, k_steps) == (align.num_pairs, hidden, hidden // 128, inter // 128)
     assert grid == (min(gb.num_sms(x.device), (rows // 64) * (hidden // 128)),)
     assert (kwargs["ALIGN_M"], kwargs["STAGES_"]) == (64, kernels.STAGES2)
+    assert 2 * kwargs["CONSUMER_REGS_"] + kwargs["PRODUCER_REGS_"] <= 3 * kwargs["maxnreg"]
+    assert kwargs["DUAL"] is True and kernels.STAGES2 % 2 == 0
+    monkeypatch.setenv(kernels.DUAL_ENV, "0")
+    gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+    gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16, dual=True)
+    assert [launch[2]["DUAL"] for launch in launches[1:]] == [False, True]
 
 
 def test_gluon_fp8_gemms_compile_for_sm90_without_spills():
-    """GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16, through ptxas for sm_90
-    (skipped where this Triton has no Gluon, CUDA backend or ptxas): within the shared-memory limit,
-    no local memory."""
+    """GEMM1 with float32 and UE8M0 scales, GEMM2 to bf16 and fp16, in the dual schedule, and each in
+    the ping-pong one, through ptxas for sm_90 (skipped where this Triton has no Gluon, CUDA backend
+    or ptxas): within the shared-memory limit, no local memory."""
     out = aot_compile_check("--gluon-fp8", "--regs")
-    assert "4/4 gluon fp8 kernels compile" in out
+    assert "6/6 gluon fp8 kernels compile" in out
     lines = [line for line in out.splitlines() if line.startswith("gluon-fp8 ")]
-    assert len(lines) == 4 and all(" OK " in line and " local " not in line for line in lines), lines
+    assert len(lines) == 6 and all(" OK " in line and " local " not in line for line in lines), lines
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
@@ -170,8 +181,9 @@ GPU_CASES = [  # (name, T, E, H, I, K, block_m, ue8m0, strided)
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("dual", [True, False], ids=["dual", "pingpong"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
+def test_gluon_gemm1_fp8_equals_its_twin_gpu(case, dual):
     name, num_tokens, num_experts, hidden, inter, top_k, block_m, ue8m0, strided = case
     gu, ids, x, align = fp8_case(num_tokens, num_experts, hidden, inter, top_k, block_m, "cuda", ue8m0=ue8m0)
     ids_bad = ids.clone()
@@ -184,7 +196,7 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
         wide[:, hidden:] = xq
         xq = wide[:, hidden:]
     with _workspace.poisoning():
-        hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0)
+        hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0, dual=dual)
     hq_t, hs_t = gemm1_swiglu_fp8_torch(xq.contiguous(), xs, gu, align, top_k, ue8m0=ue8m0)
     live = int(align.num_padded)
     got, want = dequantize_rows(hq[:live], hs[:live]), dequantize_rows(hq_t[:live], hs_t[:live])
@@ -193,7 +205,7 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case):
     assert rel_err(hs[:live], hs_t[:live]) < 1e-5
     pad = align.sorted_ids[:live] >= align.num_pairs
     assert torch.equal(got[pad], torch.zeros_like(got[pad]))
-    again = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0)
+    again = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0, dual=dual)
     assert torch.equal(again[0][:live].view(torch.uint8), hq[:live].view(torch.uint8))   # reproducible
     assert torch.equal(again[1][:live], hs[:live])
 
@@ -238,8 +250,9 @@ def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("dual", [True, False], ids=["dual", "pingpong"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gluon_gemm2_fp8_equals_its_twin_gpu(case):
+def test_gluon_gemm2_fp8_equals_its_twin_gpu(case, dual):
     """y at every placed pair's row against `gemm2_weighted_fp8_torch` on the twin's own hq, hs (real
     e4m3), in bf16: within 2x the twin's own rounding to bf16; reproducible bit for bit."""
     name, num_tokens, num_experts, hidden, inter, top_k, block_m, ue8m0, _ = case
@@ -249,11 +262,11 @@ def test_gluon_gemm2_fp8_equals_its_twin_gpu(case):
     xq, xs = quantize_rows(x.to(torch.bfloat16), ue8m0=ue8m0)
     hq, hs = gemm1_swiglu_fp8_torch(xq, xs, gu, align, top_k, ue8m0=ue8m0)
     with _workspace.poisoning():
-        y = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+        y = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16, dual=dual)
     want = gemm2_weighted_fp8_torch(hq, hs, down, w, align)
     placed = ids.reshape(-1) < num_experts
     err = rel_err(y[placed].float(), want[placed])
     base = rel_err(want[placed].bfloat16().float(), want[placed])     # the twin's own rounding to bf16
     assert err <= 2 * base, (err, base)
-    again = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16)
+    again = gluon_gemm2_weighted_fp8(hq, hs, down, w, align, torch.bfloat16, dual=dual)
     assert torch.equal(again[placed], y[placed])
