@@ -57,7 +57,8 @@ def test_kernel_flops_match_a_hand_count():
                                                    torch.float32).flops   # the roofline's 2 S 3HI
     # the decode kernels and the FP8 GEMMs (one path a call) count the same GEMM FLOPs
     for path in (("decode_gemm1_swiglu_kernel", "decode_gemm2_sum_kernel"),
-                 ("moe_gemm1_fp8_kernel", "moe_gemm2_fp8_kernel")):
+                 ("moe_gemm1_fp8_kernel", "moe_gemm2_fp8_kernel"),
+                 ("gluon_gemm1_fp8_kernel", "gluon_gemm2_fp8_kernel")):
         assert [k.flops for k in forward if k.kernel in path] == list(fwd.values())
     # the weight gradients' other kernels (the range kernel, Hopper's Gluon kernel) stand in for
     # moe_wgrad_kernel's two launches: one of the three runs; Hopper's Gluon SwiGLU backward for

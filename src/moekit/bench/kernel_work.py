@@ -72,7 +72,9 @@ def triton_kernel_flops(shape: MoEShape, pairs: int, backward: bool = False) -> 
            KernelFlops("decode_gemm1_swiglu_kernel", "GEMM1, direct decode", gemm1),
            KernelFlops("decode_gemm2_sum_kernel", "GEMM2 + sum, direct decode", gemm2),
            KernelFlops("moe_gemm1_fp8_kernel", "GEMM1 fp8: gate/up + SwiGLU + h quantized", gemm1),
-           KernelFlops("moe_gemm2_fp8_kernel", "GEMM2 fp8: down + weight", gemm2)]
+           KernelFlops("moe_gemm2_fp8_kernel", "GEMM2 fp8: down + weight", gemm2),
+           KernelFlops("gluon_gemm1_fp8_kernel", "GEMM1 fp8: gate/up + SwiGLU + h quantized", gemm1),
+           KernelFlops("gluon_gemm2_fp8_kernel", "GEMM2 fp8: down + weight", gemm2)]
     if backward:
         out += [KernelFlops("moe_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
                 KernelFlops("gluon_swiglu_bwd_kernel", "SwiGLU backward: g (a, b saved)", 2 * s * h * i),
