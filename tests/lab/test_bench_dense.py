@@ -107,7 +107,8 @@ def test_forward_gemm_bytes_and_floors_match_a_hand_count():
     assert dense["moe_gemm1_swiglu_kernel"] == dense["decode_gemm1_swiglu_kernel"] == gemm1
     assert dense["moe_gemm2_kernel"] == dense["decode_gemm2_sum_kernel"] == 3 * 128 * 128 * 2 + 10 * 128 * 2
     fp8 = forward_gemm_bytes(shape, 3, 5, 3, 2, fp8=True)
-    assert fp8["moe_gemm1_fp8_kernel"] == (3 * 256 * 128 + 3 * 2 * 4) + 8 * 128 * 2     # data + scales
+    fp8_gemm1 = (3 * 256 * 128 + 3 * 2 * 4) + 8 * 128 * 2                  # data + scales, x, h
+    assert fp8["moe_gemm1_fp8_kernel"] == fp8["gluon_gemm1_fp8_kernel"] == fp8_gemm1
     assert fp8["moe_gemm2_fp8_kernel"] == (3 * 128 * 128 + 3 * 4) + 10 * 128 * 2
     work = SimpleNamespace(shape=shape, tokens=3, x=torch.zeros(3, 128, dtype=torch.bfloat16),
                            traffic=traffic(shape, 3, ids, torch.bfloat16))

@@ -105,8 +105,9 @@ def forward_gemm_bytes(shape: MoEShape, tokens: int, pairs: int, experts_hit: in
         w1, w2 = experts_hit * 2 * i * h * itemsize, experts_hit * h * i * itemsize
     gemm1 = w1 + (tokens * h + pairs * i) * itemsize
     gemm2 = w2 + (pairs * i + pairs * h) * itemsize
-    names1 = ("moe_gemm1_swiglu_kernel", "decode_gemm1_swiglu_kernel", "moe_gemm1_fp8_kernel")
-    names2 = ("moe_gemm2_kernel", "decode_gemm2_sum_kernel", "moe_gemm2_fp8_kernel")
+    names1 = ("moe_gemm1_swiglu_kernel", "decode_gemm1_swiglu_kernel", "moe_gemm1_fp8_kernel",
+              "gluon_gemm1_fp8_kernel")
+    names2 = ("moe_gemm2_kernel", "decode_gemm2_sum_kernel", "moe_gemm2_fp8_kernel", "gluon_gemm2_fp8_kernel")
     return {**dict.fromkeys(names1, gemm1), **dict.fromkeys(names2, gemm2)}
 
 
