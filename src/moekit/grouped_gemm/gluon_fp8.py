@@ -51,6 +51,8 @@ Without Gluon the kernel name is None.
 
 from __future__ import annotations
 
+import triton.language as tl
+
 from moekit.grouped_gemm.gluon_swiglu_bwd import _num_items
 from moekit.grouped_gemm.gluon_wgrad import (
     GATHER_WARPS,
@@ -86,6 +88,16 @@ SCALE_FLOOR = gl.constexpr(1e-10 / 448.0) if GLUON_AVAILABLE else 1e-10 / 448.0
 def _acc_layout(BN):
     # A warpgroup's wgmma accumulator, m64 x BN, 4 warps along M; e4m3 operands: k32 instructions.
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+
+
+@gluon.jit
+def _max_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _clamp_fp8(v):
+    return gl.minimum(_max_nan(v, -FP8_MAX), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @gluon.jit
@@ -184,14 +196,15 @@ def _quantize_store(h_lo, h_hi, h_desc, c_lo, c_hi, hs_ptr, hs_stride, row0, n0,
     the reciprocal): hq by TMA store through this warpgroup's c_lo, c_hi, hs by pointer."""
     BM: gl.constexpr = h_lo.type.shape[0]
     HALF: gl.constexpr = h_lo.type.shape[1]
-    amax = gl.maximum(gl.max(gl.abs(h_lo), axis=1), gl.max(gl.abs(h_hi), axis=1))
-    scale = gl.maximum(gl.div_rn(amax, gl.full_like(amax, FP8_MAX)), SCALE_FLOOR)
+    # NaN-propagating max and clamp: a NaN or infinity in h reaches the row's output (as in the twin)
+    amax = _max_nan(gl.reduce(gl.abs(h_lo), 1, _max_nan), gl.reduce(gl.abs(h_hi), 1, _max_nan))
+    scale = _max_nan(gl.div_rn(amax, gl.full_like(amax, FP8_MAX)), gl.full_like(amax, SCALE_FLOOR))
     if UE8M0:
-        scale = _ue8m0_ceil(scale)
+        scale = gl.where(scale == scale, _ue8m0_ceil(scale), scale)
     inv = gl.div_rn(gl.full_like(scale, 1.0), scale)[:, None]
     tma.store_wait(pendings=0)                  # this warpgroup's previous stores read c_lo, c_hi
-    c_lo.store(gl.minimum(gl.maximum(h_lo * inv, -FP8_MAX), FP8_MAX).to(c_lo.dtype))
-    c_hi.store(gl.minimum(gl.maximum(h_hi * inv, -FP8_MAX), FP8_MAX).to(c_hi.dtype))
+    c_lo.store(_clamp_fp8(h_lo * inv).to(c_lo.dtype))
+    c_hi.store(_clamp_fp8(h_hi * inv).to(c_hi.dtype))
     fence_async_shared()
     tma_store(h_desc, [row0, n0], c_lo)
     tma_store(h_desc, [row0, n0 + HALF], c_hi)

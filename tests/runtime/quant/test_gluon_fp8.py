@@ -210,6 +210,27 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case, dual):
     assert torch.equal(again[1][:live], hs[:live])
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("dual", [True, False], ids=["dual", "pingpong"])
+def test_gluon_gemm1_fp8_carries_a_nan_token_to_its_rows_only_gpu(dual):
+    """A NaN in one token's x: that token's rows of h NaN (scale and values, as the twin), every other
+    row as without it."""
+    gu, ids, x, align = fp8_case(200, 16, 512, 256, 4, 64, "cuda")
+    x[3, 7] = 0.0
+    xq, xs = quantize_rows(x.to(torch.bfloat16))
+    hq, hs = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, 4, dual=dual)
+    x[3, 7] = float("nan")
+    xq, xs = quantize_rows(x.to(torch.bfloat16))
+    hq_n, hs_n = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, 4, dual=dual)
+    live = int(align.num_padded)
+    token = (align.sorted_ids[:live] // 4 == 3) & (align.sorted_ids[:live] < align.num_pairs)
+    assert int(token.sum()) == 4 and torch.isnan(hs_n[:live][token]).all()
+    assert torch.isnan(dequantize_rows(hq_n[:live], hs_n[:live])[token]).all()
+    assert torch.equal(hs_n[:live][~token], hs[:live][~token])
+    assert torch.equal(hq_n[:live][~token].view(torch.uint8), hq[:live][~token].view(torch.uint8))
+
+
 def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
     """$MOEKIT_GLUON_FP8=1: the triton FP8 path's GEMMs go to `gluon_gemm1_swiglu_fp8` and
     `gluon_gemm2_weighted_fp8` where they can run (stood in for here by the fp32 twins, the refusal
