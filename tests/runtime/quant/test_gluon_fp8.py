@@ -26,7 +26,15 @@ from moekit.grouped_gemm.fp8 import (
     gluon_gemm2_fp8_problem,
     gluon_gemm2_weighted_fp8,
 )
-from moekit.quant import FP8_DTYPE, STANDIN_DTYPE, Fp8Weight, dequantize_rows, quantize_experts, quantize_rows
+from moekit.quant import (
+    FP8_DTYPE,
+    STANDIN_DTYPE,
+    Fp8Weight,
+    dequantize_rows,
+    quantize_experts,
+    quantize_rows,
+    quantize_rows_torch,
+)
 
 gluon_only = pytest.mark.skipif(not kernels.GLUON_AVAILABLE, reason="this Triton has no Gluon")
 
@@ -179,6 +187,23 @@ GPU_CASES = [  # (name, T, E, H, I, K, block_m, ue8m0, strided)
 ]
 
 
+def _gemm1_plain_bf16(xq, xs, gu, align, top_k, block_m, ue8m0):
+    """GEMM1 of the same quantized x and weights in plain bf16 PyTorch (no moekit kernel): each placed
+    row's x @ W^T, silu(gate) * up, quantized per 128 columns and back; other rows 0."""
+    rows = align.sorted_ids.numel()
+    inter = gu.shape[1] // 2
+    xd = dequantize_rows(xq, xs).bfloat16()
+    pair = align.sorted_ids.long()
+    placed = pair < align.num_pairs
+    expert = align.expert_ids.long().repeat_interleave(block_m)[:rows]
+    h = torch.zeros(rows, inter, device=xq.device)
+    for e in expert[placed].unique().tolist():
+        sel = placed & (expert == e)
+        a = xd[pair[sel] // top_k] @ gu.dequantize()[e].bfloat16().T
+        h[sel] = (torch.nn.functional.silu(a[:, :inter]) * a[:, inter:]).float()
+    return dequantize_rows(*quantize_rows_torch(h.bfloat16(), ue8m0=ue8m0))
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("dual", [True, False], ids=["dual", "pingpong"])
@@ -201,8 +226,14 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case, dual):
     live = int(align.num_padded)
     got, want = dequantize_rows(hq[:live], hs[:live]), dequantize_rows(hq_t[:live], hs_t[:live])
     assert torch.isfinite(got).all()
-    assert rel_err(got, want) < 1e-3, rel_err(got, want)
-    assert rel_err(hs[:live], hs_t[:live]) < 1e-5
+    # The 2x rule: plain PyTorch of the same quantization in bf16 sets the bound (h's e4m3 rounding
+    # flips where the tensor cores' fp8 sums and fp32 differ in the last bits).
+    base = rel_err(_gemm1_plain_bf16(xq.contiguous(), xs, gu, align, top_k, block_m, ue8m0)[:live], want)
+    assert rel_err(got, want) <= 2 * base, (rel_err(got, want), base)
+    assert rel_err(hs[:live], hs_t[:live]) < 1e-3
+    # and no row far off (a wrong scale or row is 10% or more; a few e4m3 rounding flips stay far below)
+    row_err = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
+    assert float(row_err.max()) < 0.05, float(row_err.max())
     pad = align.sorted_ids[:live] >= align.num_pairs
     assert torch.equal(got[pad], torch.zeros_like(got[pad]))
     again = gluon_gemm1_swiglu_fp8(xq, xs, gu, align, top_k, ue8m0=ue8m0, dual=dual)
