@@ -11,7 +11,9 @@ Haswell kernels) a row of a [64, K] @ [K, N] product differed in its last bit fr
 [32, K] @ [K, N] one, so two tilings that a GPU runs bit for bit alike (paired and single row blocks,
 the masked and contiguous layouts) did not match interpreted. The shim computes such a dot in fp64
 and rounds it to fp32 once: every element is its exact sum rounded, whatever the tile's shape (a
-GPU's MMA also accumulates each element independently of the tile's other rows).
+GPU's MMA also accumulates each element independently of the tile's other rows). bf16 tiles go the
+same way: the interpreter holds them as their uint16 bits and its own dot multiplies those integers,
+so the shim widens the bits to the fp32 they are the upper half of (exact) before the matmul.
 
 Both touch only the interpreter, and only when it is in use.
 """
@@ -45,8 +47,23 @@ def patch_triton_interpreter() -> None:
     _patch_dot(interpreter)
 
 
+def _is_bf16(handle) -> bool:
+    return getattr(handle.dtype, "is_bf16", lambda: False)() and handle.data.dtype == np.uint16
+
+
+def _is_dot_input(handle) -> bool:
+    return handle.data.dtype in _DOT_INPUTS or _is_bf16(handle)
+
+
+def _as_float64(handle) -> np.ndarray:
+    if _is_bf16(handle):
+        # The interpreter holds bf16 as its uint16 bits: the upper half of an fp32, exact once widened.
+        return (handle.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return handle.data.astype(np.float64)
+
+
 def _patch_dot(interpreter) -> None:
-    """InterpreterBuilder.create_dot of fp16 / fp32 tiles into an fp32 accumulator: the matmul in
+    """InterpreterBuilder.create_dot of fp16 / bf16 / fp32 tiles into an fp32 accumulator: the matmul in
     fp64, rounded once (see the module docstring); every other dot as Triton computes it."""
     builder = getattr(interpreter, "InterpreterBuilder", None)
     original = getattr(builder, "create_dot", None)
@@ -54,8 +71,8 @@ def _patch_dot(interpreter) -> None:
         return
 
     def create_dot(self, a, b, d, *args, **kwargs):
-        if (d.data.dtype == np.float32 and a.data.dtype in _DOT_INPUTS and b.data.dtype in _DOT_INPUTS):
-            exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        if d.data.dtype == np.float32 and _is_dot_input(a) and _is_dot_input(b):
+            exact = np.matmul(_as_float64(a), _as_float64(b))
             return interpreter.TensorHandle(exact.astype(np.float32) + d.data, d.dtype.scalar)
         return original(self, a, b, d, *args, **kwargs)
 

@@ -20,7 +20,8 @@ def _rows_dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.const
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
 def test_interpreted_dot_rows_do_not_depend_on_the_tile_height(dtype):
     """A row of tl.dot is the same bits in a 16-row tile as in a 128-row one, and equals its sum
     taken exactly (fp64) and rounded once to fp32: what lets tests compare two tilings bitwise."""

@@ -78,6 +78,18 @@ def test_backends_match_reference(backend, dtype, shape):
     check_against_reference(backend, x, gate_up, down, w, ids)
 
 
+@pytest.mark.parametrize("backend", ["triton", "masked"])
+def test_bf16_kernels_match_reference(backend):
+    """bf16 through the Triton kernels (interpreted on the CPU, where tl.dot sees bf16 as its uint16
+    bits) within the 2x rule of plain bf16 PyTorch, as on a GPU."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 32, generator=g).bfloat16()
+    gate_up, down = make_weights(4, 32, 16, torch.bfloat16, g)
+    ids = distinct_topk_ids(9, 4, 2, generator=g)
+    w = torch.rand(9, 2, generator=g)
+    check_against_reference(backend, x, gate_up, down, w, ids)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_pairs_on_one_expert_and_empty_experts(backend):
     x = torch.randn(21, 32)
