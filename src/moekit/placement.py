@@ -30,6 +30,7 @@ one rank's experts. `Placement.device_tables` keeps the lookup tables on each de
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -38,6 +39,16 @@ import torch
 
 from moekit._validation import ID_DTYPES, check_tensor
 from moekit.align import sort_pairs
+
+
+def _as_id(value, name: str) -> int:
+    """An int (Python, NumPy or 0-d integer tensor) as a Python int; a float or bool is a TypeError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,13 @@ class Placement:
         e = self.num_experts
         if isinstance(e, bool) or not isinstance(e, int) or e < 1:
             raise ValueError(f"Placement.num_experts must be a positive int, got {e!r}")
-        slots = tuple(tuple(int(x) for x in s) for s in self.slots)
+        slots = tuple(tuple(_as_id(x, f"Placement.slots[{r}][{i}]") for i, x in enumerate(s))
+                      for r, s in enumerate(self.slots))
         object.__setattr__(self, "slots", slots)
         if not slots:
             raise ValueError("Placement.slots must list at least one rank")
+        # assign() splits flat slots with // slots_per_rank: a float would send pairs to wrong ranks.
+        object.__setattr__(self, "slots_per_rank", _as_id(self.slots_per_rank, "Placement.slots_per_rank"))
         if self.slots_per_rank < max(len(s) for s in slots):
             raise ValueError(f"Placement: a rank holds {max(len(s) for s in slots)} experts, more than "
                              f"slots_per_rank={self.slots_per_rank}")

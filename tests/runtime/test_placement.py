@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,29 @@ def test_strided_placement_spreads_neighbouring_experts():
 def test_placement_rejects_bad_slots(num_experts, slots, per_rank, match):
     with pytest.raises(ValueError, match=match):
         Placement(num_experts, slots, per_rank)
+
+
+@pytest.mark.parametrize(
+    "slots, per_rank, match",
+    [(((0, 1, 2), (3, 4, 0)), 5 / 2 + 1, r"slots_per_rank must be an int"),
+     (((0, 1, 2), (3, 4, 0)), 3.0, r"slots_per_rank must be an int"),
+     (((0, 1, 2), (3, 4, 0)), True, r"slots_per_rank must be an int"),
+     (((0, 1, 2), (3, 4.7, 0)), 3, r"slots\[1\]\[1\] must be an int")],
+    ids=["float-per-rank", "integral-float-per-rank", "bool-per-rank", "float-id"],
+)
+def test_placement_rejects_non_int_slots(slots, per_rank, match):
+    # assign() splits rank * slots_per_rank + i with //: a float there or a truncated float id
+    # would send pairs to the wrong rank or expert without an error.
+    with pytest.raises(TypeError, match=match):
+        Placement(5, slots, per_rank)
+
+
+def test_placement_takes_numpy_and_tensor_ints():
+    p = Placement(5, ((0, 1, 2), (np.int64(3), torch.tensor(4), 0)), np.int32(3))
+    assert p.slots == ((0, 1, 2), (3, 4, 0)) and type(p.slots_per_rank) is int
+    ids = torch.tensor([[3], [4], [0], [0]])
+    a = assign(ids, p)
+    assert a.rank.flatten().tolist() == [1, 1, 0, 1] and a.local_ids.flatten().tolist() == [0, 1, 0, 2]
 
 
 def _random_placement(rng: random.Random, num_experts: int, num_ranks: int, spare: int) -> Placement:
