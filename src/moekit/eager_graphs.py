@@ -52,7 +52,8 @@ from moekit._validation import interpreting
 from moekit.experts import resolve_backend
 from moekit.graphs import NotCapturable, capture_graph
 
-__all__ = ["EAGER_GRAPH_MAX_TOKENS", "GraphCache", "eligible", "graph_cache", "set_enabled", "tensor_key"]
+__all__ = ["EAGER_GRAPH_MAX_TOKENS", "CapturedWeights", "GraphCache", "eligible", "graph_cache",
+           "set_enabled", "tensor_key"]
 
 EAGER_GRAPH_MAX_TOKENS = 16
 MAX_GRAPHS = 2 * EAGER_GRAPH_MAX_TOKENS    # every token count of two weight sets: a batch size that
@@ -93,6 +94,24 @@ def tensor_key(t: torch.Tensor | None) -> Hashable:
     if t is None:
         return None
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+class CapturedWeights:
+    """The weights a captured layer's graphs read in place, as recorded at capture (`tensor_key`).
+    `check()` before a replay raises if one was replaced since (a new Parameter, `.data` swapped):
+    the graphs would read the old, perhaps freed, memory. An in-place `copy_` keeps the key and stays
+    allowed. Reads attributes only: no host sync."""
+
+    def __init__(self, owner: str, module: nn.Module, names: Sequence[str]):
+        self.owner, self.module, self.names = owner, module, tuple(names)
+        self.keys = tuple(tensor_key(getattr(module, n)) for n in self.names)
+
+    def check(self) -> None:
+        for name, key in zip(self.names, self.keys):
+            if tensor_key(getattr(self.module, name)) != key:
+                raise RuntimeError(f"{self.owner}.{name} was replaced after the capture (its graphs read the "
+                                   "captured tensor's memory); capture the layer again, or copy_ new values "
+                                   "into the captured parameter in place")
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit._validation import check_dtype, check_layer_input, check_replay_input
-from moekit.eager_graphs import eligible, graph_cache, tensor_key
+from moekit.eager_graphs import CapturedWeights, eligible, graph_cache, tensor_key
 from moekit.experts import ExpertsOptions, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
 from moekit.routing import route, topk_softmax
@@ -127,8 +127,12 @@ def default_buckets(max_tokens: int) -> list[int]:
     return out + [max_tokens]
 
 
+WEIGHT_NAMES = ("router_weight", "gate_up_proj", "down_proj")   # what a captured layer reads in place
+
+
 class CapturedMoE:
-    """Callable replaying a captured MoELayer. Weights are read in place at every replay.
+    """Callable replaying a captured MoELayer. Weights are read in place at every replay: copy_ new
+    values into them; replacing one (a new Parameter, `.data` swapped) makes the next call raise.
 
     The returned tensor is a view into a static buffer, overwritten by the next call: clone it
     to keep it. A replay is forward-only: call it under torch.no_grad() or torch.inference_mode()
@@ -144,6 +148,7 @@ class CapturedMoE:
         if resolve_backend(layer.backend, p.device) != "triton":
             raise ValueError("MoELayer.capture supports the triton backend (the others sync the host)")
         self.layer = layer
+        self.weights = CapturedWeights("MoELayer", layer, WEIGHT_NAMES)
         self.max_tokens = max_tokens
         self.buckets = sorted(set(buckets or default_buckets(max_tokens)))
         if self.buckets[-1] != max_tokens or self.buckets[0] < 1:
@@ -177,6 +182,7 @@ class CapturedMoE:
         layer = self.layer
         num_tokens = check_replay_input(x, self.x, self.max_tokens,
                                         (layer.router_weight, layer.gate_up_proj, layer.down_proj))
+        self.weights.check()
         if num_tokens == 0:
             return self.out[:0]
         bucket = next(b for b in self.buckets if b >= num_tokens)

@@ -7,7 +7,8 @@ import torch
 
 from helpers import EagerReplay, check_replay_refusals, layer_ref, rel_err
 from moekit import BACKENDS, PRESETS, ExpertsConfig, MoELayer, MoEShape
-from moekit.layer import CapturedMoE, default_buckets
+from moekit.eager_graphs import CapturedWeights
+from moekit.layer import WEIGHT_NAMES, CapturedMoE, default_buckets
 from moekit.tuning import default_config, get_config, load_table, parse_table, shape_key
 
 # The reference routes with the tests' own fp32 router (helpers.topk_softmax_fp32), never with
@@ -81,6 +82,7 @@ def _captured_on_cpu(layer: MoELayer, max_tokens: int) -> CapturedMoE:
     stood in for by `EagerReplay` of the bucket's real body (capture itself needs CUDA)."""
     captured = CapturedMoE.__new__(CapturedMoE)
     captured.layer, captured.max_tokens = layer, max_tokens
+    captured.weights = CapturedWeights("MoELayer", layer, WEIGHT_NAMES)
     captured.buckets = default_buckets(max_tokens)
     captured.x = torch.zeros(max_tokens, layer.shape.hidden_size, dtype=layer.gate_up_proj.dtype)
     captured.out = torch.zeros_like(captured.x)
@@ -109,6 +111,26 @@ def test_captured_layer_is_forward_only_and_checks_x():
     assert rel_err(captured(x), ref) <= 1e-5
     with pytest.raises(RuntimeError, match="x requires grad.*forward-only"):
         captured(x.clone().requires_grad_(True))
+
+
+def test_captured_layer_refuses_replaced_weights():
+    """A graph reads the weights' memory as captured: after a parameter is replaced (a new Parameter,
+    or its .data swapped) the replay raises instead of reading the old, perhaps freed, tensor; new
+    values copied in place are what the next replay computes with."""
+    layer = MoELayer(MoEShape(8, 32, 16, 2)).requires_grad_(False)
+    x = torch.randn(3, 32)
+    captured = _captured_on_cpu(layer, 4)
+    new = torch.randn_like(layer.gate_up_proj)
+    layer.gate_up_proj.copy_(new)
+    ref = layer_ref(x, layer.router_weight, new, layer.down_proj, 2)
+    assert rel_err(captured(x), ref) <= 1e-5
+    layer.down_proj.data = layer.down_proj.data.clone()
+    with pytest.raises(RuntimeError, match=r"MoELayer.down_proj was replaced.*capture the layer again"):
+        captured(x)
+    captured = _captured_on_cpu(layer, 4)
+    layer.router_weight = torch.nn.Parameter(layer.router_weight.detach().clone(), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"MoELayer.router_weight was replaced"):
+        captured(x)
 
 
 def test_default_config_for_every_preset_and_size():

@@ -36,8 +36,9 @@ from moekit._validation import (
     check_tensor,
     needs_grad,
 )
+from moekit.eager_graphs import CapturedWeights
 from moekit.graphs import capture_graph
-from moekit.layer import MoELayer
+from moekit.layer import WEIGHT_NAMES, MoELayer
 from moekit.parallel.dispatch import combine, dispatch, run_local_experts
 from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
 from moekit.parallel.overlap import check_overlap_chunks, overlapped_moe
@@ -306,7 +307,9 @@ class CapturedEP:
     each other forever (a hang, not an error: NCCL's watchdog does not see replayed collectives).
     The returned tensor is a view into a static buffer, overwritten by the next call: clone it to
     keep it. `stats` is the last replay's counters (static device tensors, rewritten each replay).
-    A replay is forward-only: call it under torch.no_grad() or torch.inference_mode().
+    A replay is forward-only: call it under torch.no_grad() or torch.inference_mode(). The weights
+    are read in place: copy_ new values into them; replacing one (a new Parameter, `.data` swapped)
+    makes the next call raise.
 
     Call `close()` (or use it as a context manager) before `dist.destroy_process_group()`: NCCL
     keeps a communicator alive while a CUDA graph holding its operations exists, so destroying the
@@ -323,6 +326,7 @@ class CapturedEP:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         self.ep, self.max_tokens = ep, max_tokens
+        self.weights = CapturedWeights("ExpertParallelMoE", ep, WEIGHT_NAMES)
         self.buckets = sorted(set(buckets or (max_tokens,)))
         if self.buckets[-1] != max_tokens or self.buckets[0] < 1:
             raise ValueError(f"buckets must lie in [1, max_tokens] and include max_tokens, got {buckets}")
@@ -351,6 +355,7 @@ class CapturedEP:
         ep = self.ep
         num_tokens = check_replay_input(x, self.x, self.max_tokens,
                                         (ep.router_weight, ep.gate_up_proj, ep.down_proj))
+        self.weights.check()
         bucket = next(b for b in self.buckets if b >= num_tokens)
         self.x[:num_tokens].copy_(x)
         self.num_valid.fill_(num_tokens)

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import moekit
 from helpers import EagerReplay, check_replay_refusals, layer_ref, rel_err
 from moekit.bench.scenarios import expert_loads, make_scenario
+from moekit.eager_graphs import CapturedWeights
+from moekit.layer import WEIGHT_NAMES
 from moekit.parallel import (
     CapacityOverflow,
     CapturedEP,
@@ -519,6 +521,7 @@ def _captured_ep_on_cpu(ep: ExpertParallelMoE, max_tokens: int) -> CapturedEP:
     `EagerReplay` of the real body (capture itself needs CUDA)."""
     captured = CapturedEP.__new__(CapturedEP)
     captured.ep, captured.max_tokens, captured.buckets = ep, max_tokens, [max_tokens]
+    captured.weights = CapturedWeights("ExpertParallelMoE", ep, WEIGHT_NAMES)
     captured.x = torch.zeros(max_tokens, ep.shape.hidden_size, dtype=ep.gate_up_proj.dtype)
     captured.out = torch.zeros_like(captured.x)
     captured.num_valid = torch.full((), max_tokens, dtype=torch.int32)
@@ -545,6 +548,29 @@ def test_captured_low_latency_layer_is_forward_only_and_checks_x(world_of_one):
     assert rel_err(captured(x[:2]), ref[:2]) <= 1e-5
     with pytest.raises(RuntimeError, match="x requires grad.*forward-only"):
         captured(x.clone().requires_grad_(True))
+
+
+def test_captured_low_latency_layer_refuses_replaced_weights(world_of_one):
+    """The graph reads the weights' memory as captured: after a parameter is replaced (a new
+    Parameter, or its .data swapped) the replay raises instead of reading the old, perhaps freed,
+    tensor; new values copied in place are what the next replay computes with."""
+    layer = moekit.MoELayer("tiny")
+    layer.reset_parameters(torch.Generator().manual_seed(SEED))
+    ep = ExpertParallelMoE.from_layer(layer, mode="low_latency", capacity=8).requires_grad_(False)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(SEED))
+    captured = _captured_ep_on_cpu(ep, 8)
+    new = torch.randn(ep.down_proj.shape, generator=torch.Generator().manual_seed(SEED + 1))
+    ep.down_proj.copy_(new)
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, new, layer.shape.top_k,
+                    layer.shape.norm_topk_prob)
+    assert rel_err(captured(x), ref) <= 1e-5
+    ep.gate_up_proj = torch.nn.Parameter(ep.gate_up_proj.detach().clone(), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"ExpertParallelMoE.gate_up_proj was replaced.*capture the layer"):
+        captured(x)
+    captured = _captured_ep_on_cpu(ep, 8)
+    ep.down_proj.data = ep.down_proj.data.clone()
+    with pytest.raises(RuntimeError, match=r"ExpertParallelMoE.down_proj was replaced"):
+        captured(x)
 
 
 def test_expert_parallel_layer_input_of_rank_0_raises(world_of_one):
