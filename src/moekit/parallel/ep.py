@@ -4,7 +4,8 @@ exchanges token rows with the other ranks, in one of two modes:
     normal       route (local) -> dispatch (counts, then rows; one host sync) -> moe_experts on the
                  local experts -> combine -> (T, H)                        (`moekit.parallel.dispatch`);
                  with overlap_chunks=n > 1 in n token ranges, one chunk's all-to-alls on a side
-                 stream while another's experts run, bitwise the same   (`moekit.parallel.overlap`)
+                 stream while another's experts run; the same bits with the triton backend, within
+                 fp32 rounding with the BLAS-backed ones         (`moekit.parallel.overlap`)
     low_latency  route -> fixed blocks of `capacity` rows to every rank (no host sync) -> masked
                  (E_r, C_e, H) experts -> combine -> (T, H); `ExpertParallelMoE.capture` records the
                  whole layer in CUDA graphs                           (`moekit.parallel.low_latency`)
@@ -106,8 +107,9 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
         overflow: low_latency: "drop" (pairs past a capacity contribute 0, counted in stats) or
             "raise" (every rank raises `CapacityOverflow` if any pair was dropped; one sync).
         overlap_chunks: normal: n > 1 runs the layer in n token ranges, each chunk's all-to-alls
-            overlapping another chunk's experts on CUDA (`moekit.parallel.overlap`); bitwise the
-            result of 1 (the default: one dispatch, experts, combine).
+            overlapping another chunk's experts on CUDA (`moekit.parallel.overlap`); the bits of 1
+            (the default: one dispatch, experts, combine) with the triton backend, within fp32
+            rounding of them with the others (their BLAS sums in an order set by the row count).
         experts_opts: normal: passed on to `moe_experts` (e.g. config for triton); low_latency:
             config (the masked kernels' tiles) and stats (a dict filled with the drop counters).
 
@@ -161,7 +163,8 @@ class ExpertParallelMoE(nn.Module):
         mode: "normal" or "low_latency" (see the module docstring); capacity, expert_capacity,
             overflow: the low-latency mode's (`ep_moe_experts`).
         overlap_chunks: the normal mode's: n > 1 overlaps the all-to-alls of one of n token ranges
-            with the experts of another (`moekit.parallel.overlap`; the same bits as 1, the default).
+            with the experts of another (`moekit.parallel.overlap`; the same bits as 1, the default,
+            with the triton backend; within fp32 rounding of them with the BLAS-backed ones).
 
     Parameters:
         router_weight (E, H), the same on every rank; gate_up_proj (E_r, 2I, H) and down_proj

@@ -22,12 +22,16 @@ c+1's experts run (every rank issues its collectives in this same order). Buffer
 compute stream and used on the comm stream are `record_stream`-ed to it. On CPU (gloo) the same
 calls run in program order.
 
-Bitwise equal to n = 1: each token is sent to the same ranks with the same metadata, each received
-row's partial depends only on that row and its expert (a backend whose tiles follow the rows gets
-the config a single call on all the received rows would pick, its registry entry's
-`default_config`, so its tiles do not follow the chunk size), and each token's partials are summed
-in the same rank order. Per-call expert options that are not per row (capacity_factor, stats) are
-refused.
+Against n = 1: each token is sent to the same ranks with the same metadata and each token's
+partials are summed in the same rank order, so the result is n = 1's bits wherever a received row's
+partial depends only on that row and its expert. The triton backend gives that (its tiles are the
+config a single call on all the received rows would pick, its registry entry's `default_config`,
+not the chunk's, and each row's dot is its own: on a GPU, and in the interpreter through moekit's
+dot shim). The other backends run their GEMMs through torch (cuBLAS, or a CPU BLAS such as MKL or
+OpenBLAS), which picks its kernel and so its summation order by the row count: a chunk's GEMMs see
+fewer rows, and the result agrees with n = 1 within fp32 rounding of the same sums (measured
+~1e-7 with grouped_mm on a CPU), not necessarily bitwise. Per-call expert options that are not per row
+(capacity_factor, stats) are refused.
 """
 
 from __future__ import annotations
@@ -148,7 +152,8 @@ def overlapped_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
                    ignore_invalid_ids: bool = False, tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                    probe: Probe | None = None, **experts_opts) -> torch.Tensor:
     """`dispatch` -> `run_local_experts` -> `combine` in `chunks` token ranges, overlapped (module
-    docstring; collective). Returns (T, H), bitwise what the unchunked path returns.
+    docstring; collective). Returns (T, H): the unchunked path's bits with the triton backend, within
+    fp32 rounding of them with the others (their BLAS orders sums by the chunk's row count).
 
     probe: called after "plan", "counts", each chunk's "pack", "rows", "experts", "back" and
     "reduce", in the order issued (`moekit ep-bench` syncs there, which serialises the streams).

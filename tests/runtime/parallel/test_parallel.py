@@ -415,14 +415,47 @@ def test_gloo_matches_reference(gloo_world, case_name):
 @pytest.mark.parametrize("case_name", OVERLAP_CASES)
 def test_gloo_overlap_chunks_bitwise(gloo_world, case_name):
     """overlap_chunks = 2 and 3 return the bits of 1 on every rank (experts with exact math, so
-    that only the chunking can differ): balanced, skewed (zipf, collapse), replicated experts, ranks
-    with no tokens or fewer tokens than chunks. Chunk 0's pairs and rows are not all of them."""
+    that only the chunking can differ: on inexact sums grouped_mm's CPU BLAS rounds by the chunk's
+    row count, `test_overlap_chunks_on_random_weights_in_a_gloo_world_of_one`): balanced, skewed
+    (zipf, collapse), replicated experts, ranks with no tokens or fewer tokens than chunks. Chunk 0's
+    pairs and rows are not all of them."""
     world, results, _ = gloo_world
     for r in range(world):
         got = results[r][case_name]
         assert got["exact1"].abs().sum() > 0 or got["exact1"].numel() == 0
         for n in OVERLAP_CHUNKS:
             assert torch.equal(got[f"exact{n}"], got["exact1"]), (r, n)
+
+
+def test_overlap_chunks_on_random_weights_in_a_gloo_world_of_one(monkeypatch):
+    """On random weights (inexact sums) overlap_chunks = 2 and 3 return the bits of 1 with the triton
+    backend (interpreted, each row's dot its own), and with grouped_mm, whose CPU BLAS orders sums by
+    the chunk's row count, agree with 1 within fp32 rounding; both match the fp32 reference."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    g = torch.Generator().manual_seed(0)
+    num_experts, hidden, inter, top_k, tokens = 8, 64, 48, 2, 33
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=g)
+    ref = moe_experts_ref(x, gate_up, down, weights, ids)
+    placement = contiguous_placement(num_experts, 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            for backend in ("triton", "grouped_mm"):
+                one = ep_moe_experts(x, gate_up, down, weights, ids, placement=placement, backend=backend)
+                assert rel_err(one, ref) <= 1e-5, backend
+                for n in OVERLAP_CHUNKS:
+                    got = ep_moe_experts(x, gate_up, down, weights, ids, placement=placement, backend=backend,
+                                         overlap_chunks=n)
+                    if backend == "triton":
+                        assert torch.equal(got, one), n
+                    else:
+                        torch.testing.assert_close(got, one, rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_overlap_chunks_must_be_a_positive_int():
