@@ -40,7 +40,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekit._validation import FLOAT_DTYPES, ID_DTYPES, check_expert_ids_in_range, check_shape, check_tensor
+from moekit._validation import (
+    FLOAT_DTYPES,
+    ID_DTYPES,
+    check_expert_ids_in_range,
+    check_shape,
+    check_tensor,
+    needs_grad,
+)
 from moekit.experts import moe_experts
 from moekit.parallel import fused
 from moekit.placement import Placement, assign
@@ -112,6 +119,14 @@ class DispatchHandle:
     recv_counts: list[int]
     combine_index: torch.Tensor
     dtype: torch.dtype
+
+
+def check_forward_only(*tensors: torch.Tensor) -> None:
+    """Raise if autograd would record the call: the all-to-alls carry no gradient, so the output would be
+    silently detached. Reads only local flags (the same on every rank of SPMD code): no collective."""
+    if needs_grad(*tensors):
+        raise RuntimeError("moekit expert parallelism is forward-only (the all-to-alls carry no "
+                           "gradient); run it under torch.no_grad() or torch.inference_mode()")
 
 
 def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -264,6 +279,7 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     Returns:
         (DispatchedTokens for this rank's experts, DispatchHandle for `combine`).
     """
+    check_forward_only(x, topk_weights)
     rank, _ = check_group(x, placement, group)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
@@ -291,6 +307,7 @@ def run_local_experts(tokens: DispatchedTokens, gate_up_proj: torch.Tensor, down
     experts than top_k, e.g. uneven placement) the slots run in chunks of E_local, summed in fp32.
     """
     x, weights, ids = tokens.x, tokens.topk_weights, tokens.topk_ids
+    check_forward_only(x, weights, gate_up_proj, down_proj)
     num_local, top_k = gate_up_proj.shape[0], ids.shape[1]
     if num_local == 0 or x.shape[0] == 0:
         # Nobody sends rows to a rank without experts; an empty receive needs no expert call.
@@ -340,6 +357,7 @@ def combine(partial: torch.Tensor, handle: DispatchHandle, *,
     Returns:
         (T, H) in the input's dtype: this rank's MoE output.
     """
+    check_forward_only(partial)
     r = sum(handle.recv_counts)
     if partial.dim() != 2 or partial.shape[0] != r:
         raise ValueError(f"partial must have shape (R={r}, H), got {tuple(partial.shape)}")

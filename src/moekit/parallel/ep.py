@@ -35,12 +35,11 @@ from moekit._validation import (
     check_replay_input,
     check_shape,
     check_tensor,
-    needs_grad,
 )
 from moekit.eager_graphs import CapturedWeights
 from moekit.graphs import capture_graph
 from moekit.layer import WEIGHT_NAMES, MoELayer
-from moekit.parallel.dispatch import combine, dispatch, run_local_experts
+from moekit.parallel.dispatch import check_forward_only, combine, dispatch, run_local_experts
 from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
 from moekit.parallel.overlap import check_overlap_chunks, overlapped_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights
@@ -49,12 +48,6 @@ from moekit.shapes import MoEShape, get_shape
 
 MODES = ("normal", "low_latency")
 LOW_LATENCY_BACKENDS = ("auto", "masked")   # the low-latency mode runs the masked kernels
-
-
-def _check_no_grad(*tensors: torch.Tensor) -> None:
-    if needs_grad(*tensors):
-        raise RuntimeError("moekit expert parallelism is forward-only (the all-to-alls carry no "
-                           "gradient); run it under torch.no_grad() or torch.inference_mode()")
 
 
 def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, overflow: str,
@@ -132,7 +125,7 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     hidden, two_i = hidden_states.shape[-1], gate_up_proj.shape[1]
     check_shape("gate_up_proj", gate_up_proj, (num_local, two_i - two_i % 2, hidden), "(E_r, 2I, H)")
     check_shape("down_proj", down_proj, (num_local, hidden, two_i // 2), "(E_r, H, I)")
-    _check_no_grad(hidden_states, gate_up_proj, down_proj, topk_weights)
+    check_forward_only(hidden_states, gate_up_proj, down_proj, topk_weights)
     check_mode(mode, capacity, expert_capacity, overflow, backend)
     check_overlap_chunks(overlap_chunks, mode)
     if mode == "low_latency":

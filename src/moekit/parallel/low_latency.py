@@ -61,6 +61,7 @@ from moekit.parallel import fused
 from moekit.parallel.dispatch import (
     Probe,
     RoutePlan,
+    check_forward_only,
     check_group,
     check_routing,
     mark,
@@ -191,6 +192,7 @@ def low_latency_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     Returns:
         (LowLatencyTokens for this rank's experts, LowLatencyHandle for `low_latency_combine`).
     """
+    check_forward_only(x, topk_weights)
     rank, _ = check_group(x, placement, group)
     check_capacity("capacity", capacity)
     check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
@@ -219,6 +221,7 @@ def low_latency_experts(tokens: LowLatencyTokens, gate_up_proj: torch.Tensor, do
         config: tiles of the masked kernels (default: the tuned table for E_r experts, N * C rows).
         stats: filled with "expert_dropped", "expert_counts", "recv_counts", "expert_capacity".
     """
+    check_forward_only(tokens.x, tokens.topk_weights, gate_up_proj, down_proj)
     rows, num_local = tokens.x.shape[0], gate_up_proj.shape[0]
     cap = check_capacity("expert_capacity", expert_capacity if expert_capacity is not None else rows)
     dev = tokens.x.device
@@ -245,6 +248,7 @@ def low_latency_combine(partial: torch.Tensor, handle: LowLatencyHandle, *,
     """Return each received row's partial to its source rank (equal splits) and sum per token in
     increasing rank order, fp32 (collective). partial: (N * C, H) -> (T, H) in the input's dtype.
     probe: called after "back" (the all-to-all) and "reduce"."""
+    check_forward_only(partial)
     rows = partial.shape[0]
     back = partial.new_empty(rows + 1, partial.shape[1])
     back[rows].zero_()
@@ -279,6 +283,8 @@ def low_latency_moe(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, dow
     mode="low_latency"), plus capacity, expert_capacity, overflow ("drop" or "raise"), config (the
     masked kernels' tiles) and stats (a dict filled with the module docstring's counters).
     """
+    # Before the dispatch: the weights' flags count too, and the experts run after the first exchange.
+    check_forward_only(hidden_states, gate_up_proj, down_proj, topk_weights)
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     tokens, handle = low_latency_dispatch(hidden_states, topk_weights, topk_ids, placement, capacity,

@@ -19,7 +19,7 @@ import collections
 import contextlib
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import pytest
@@ -35,12 +35,16 @@ from moekit.parallel import (
     CapacityOverflow,
     CapturedEP,
     ExpertParallelMoE,
+    combine,
     disable_nvls,
+    dispatch,
     ep_moe_experts,
     fused,
     low_latency_combine,
     low_latency_dispatch,
     low_latency_experts,
+    low_latency_moe,
+    run_local_experts,
 )
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.reference import moe_experts_ref
@@ -580,6 +584,50 @@ def test_expert_parallel_layer_input_of_rank_0_raises(world_of_one):
         ep = ExpertParallelMoE("tiny", mode=mode, capacity=8 if mode == "low_latency" else None)
         with pytest.raises(ValueError, match=re.escape("x must have shape (..., H=64) (hidden states")):
             ep(torch.tensor(1.0))
+
+
+def test_every_public_ep_step_refuses_gradients(world_of_one):
+    """dispatch, run_local_experts, combine and the low-latency steps carry no autograd: with grad mode
+    on and an input or weight requiring grad, each raises (before any exchange) instead of returning
+    an output silently detached. Under no_grad the phased calls equal the fp32 reference."""
+    e, h, i, k, t = 4, 32, 16, 2, 5
+    gen = torch.Generator().manual_seed(SEED)
+    placement = contiguous_placement(e, 1)
+    x = torch.randn(t, h, generator=gen)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
+    w = torch.rand(t, k, generator=gen)
+    ids = torch.randint(0, e, (t, k), generator=gen, dtype=torch.int32)
+    with torch.no_grad():
+        tokens, handle = dispatch(x, w, ids, placement)
+        ll_tokens, ll_handle = low_latency_dispatch(x, w, ids, placement, t)
+        want = moe_experts_ref(x, gate_up, down, w, ids)
+        got = combine(run_local_experts(tokens, gate_up, down), handle)
+        ll_got = low_latency_combine(low_latency_experts(ll_tokens, gate_up, down), ll_handle)
+        assert rel_err(got, want) <= 1e-5 and rel_err(ll_got, want) <= 1e-5
+    partial_rows = torch.zeros(tokens.x.shape[0], h, requires_grad=True)
+    ll_partial = torch.zeros(ll_tokens.x.shape[0], h, requires_grad=True)
+    grad_tokens = replace(tokens, x=tokens.x.clone().requires_grad_(True))
+    calls = {
+        "dispatch x": lambda: dispatch(x.clone().requires_grad_(True), w, ids, placement),
+        "dispatch weights": lambda: dispatch(x, w.clone().requires_grad_(True), ids, placement),
+        "run_local_experts tokens": lambda: run_local_experts(grad_tokens, gate_up, down),
+        "run_local_experts weights": lambda: run_local_experts(tokens, gate_up.clone().requires_grad_(True),
+                                                               down),
+        "combine": lambda: combine(partial_rows, handle),
+        "low_latency_moe": lambda: low_latency_moe(x, gate_up, down.clone().requires_grad_(True), w, ids,
+                                                   placement=placement, capacity=t),
+        "low_latency_dispatch": lambda: low_latency_dispatch(x.clone().requires_grad_(True), w, ids,
+                                                             placement, t),
+        "low_latency_experts": lambda: low_latency_experts(ll_tokens, gate_up.clone().requires_grad_(True),
+                                                           down),
+        "low_latency_combine": lambda: low_latency_combine(ll_partial, ll_handle),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="forward-only"):
+            call()
+            pytest.fail(f"{name} returned with gradients required")
+    with torch.no_grad():
+        assert combine(partial_rows, handle).shape == (t, h)
 
 
 # ---- GPU (NCCL): two GPUs ----------------------------------------------------------------------
