@@ -130,8 +130,9 @@ def check_forward_only(*tensors: torch.Tensor) -> None:
 
 
 def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                  *, ignore_invalid_ids: bool = False) -> None:
-    """Shapes, dtypes, devices; id ranges on CPU (no host sync on CUDA), as `moe_experts` checks."""
+                  *, ignore_invalid_ids: bool = False, check_ids: bool = True) -> None:
+    """Shapes, dtypes, devices; id ranges on CPU (no host sync on CUDA), as `moe_experts` checks.
+    check_ids=False leaves the ids to the caller (`ids_error`, reported in the count exchange)."""
     check_tensor("hidden_states", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=x.device)
     if topk_ids.shape[0] != x.shape[0]:
@@ -141,8 +142,21 @@ def check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                          f"got {topk_ids.shape[1]}")
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "same as topk_ids")
-    if x.device.type == "cpu" and not ignore_invalid_ids:
+    error = ids_error(x, topk_ids, num_experts, ignore_invalid_ids=ignore_invalid_ids) if check_ids else None
+    if error is not None:
+        raise ValueError(error)
+
+
+def ids_error(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *,
+              ignore_invalid_ids: bool = False) -> str | None:
+    """The id-range error on CPU (None if the ids are in range, or not checked: CUDA, no host sync)."""
+    if x.device.type != "cpu" or ignore_invalid_ids:
+        return None
+    try:
         check_expert_ids_in_range(topk_ids, num_experts)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check_group(x: torch.Tensor, placement: Placement,
@@ -249,14 +263,27 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     return out
 
 
-def exchange_counts(send_counts: torch.Tensor,
-                    group: dist.ProcessGroup | None) -> tuple[list[int], list[int]]:
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None,
+                    error: str | None = None) -> tuple[list[int], list[int]]:
     """The one host sync of a layer call: all-to-all the counts, copy both to the host together.
     send_counts: (N,), or (N, n) with n counts per rank (`moekit.parallel.overlap`'s chunks); row d
-    goes to rank d, row s of the received ones came from rank s."""
+    goes to rank d, row s of the received ones came from rank s.
+
+    error: this rank's input error (`ids_error`), or None. A rank with one sends counts of -1, and
+    every rank raises after the exchange: an error on one rank's data never leaves the others
+    waiting in a collective. No extra collective or sync: the counts are read on the host anyway."""
+    if error is not None:
+        send_counts = torch.full_like(send_counts, -1)
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts, group=group)
     send_list, recv_list = torch.stack([send_counts, recv]).tolist()
+    if error is not None:
+        raise ValueError(f"rank {dist.get_rank(group)}: {error}")
+    bad = [s for s, row in enumerate(recv_list)
+           if min(row if isinstance(row, list) else [row], default=0) < 0]
+    if bad:
+        raise ValueError(f"rank(s) {bad} of the group reported invalid inputs (topk_ids outside "
+                         "[0, num_experts)) in the count exchange; see the error raised on those ranks")
     return send_list, recv_list
 
 
@@ -281,10 +308,12 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     """
     check_forward_only(x, topk_weights)
     rank, _ = check_group(x, placement, group)
-    check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    check_routing(x, topk_weights, topk_ids, placement.num_experts, check_ids=False)
+    # Reported in the count exchange, so that every rank raises, not this one alone.
+    error = ids_error(x, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
     mark(probe, "plan")
-    send_counts, recv_counts = exchange_counts(plan.send_counts, group)
+    send_counts, recv_counts = exchange_counts(plan.send_counts, group, error)
     mark(probe, "counts")
     send_x, send_meta, combine_index = pack(x, topk_weights, plan, sum(send_counts))
     mark(probe, "pack")

@@ -50,6 +50,7 @@ from moekit.parallel.dispatch import (
     check_group,
     check_routing,
     exchange_counts,
+    ids_error,
     mark,
     pack,
     plan_routes,
@@ -164,14 +165,16 @@ def overlapped_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
         raise ValueError(f"overlap_chunks > 1 runs the experts once per chunk: {', '.join(given)} "
                          "(per call, not per row) would change the result; use overlap_chunks=1")
     rank, _ = check_group(x, placement, group)
-    check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    check_routing(x, topk_weights, topk_ids, placement.num_experts, check_ids=False)
+    # Reported in the count exchange, so that every rank raises, not this one alone.
+    error = ids_error(x, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     plan = plan_routes(topk_ids, placement, rank, tables)
     bounds = chunk_bounds(num_tokens, chunks)
     counts = chunk_counts(plan, bounds)
     mark(probe, "plan")
-    by_rank = exchange_counts(counts.T.contiguous(), group)       # [rank][chunk], sent and received
+    by_rank = exchange_counts(counts.T.contiguous(), group, error)       # [rank][chunk], sent and received
     send, recv = ([list(col) for col in zip(*lists, strict=True)] for lists in by_rank)
     mark(probe, "counts")
     experts_opts = _pin_config(experts_opts, backend, x, gate_up_proj, down_proj, top_k, sum(map(sum, recv)))

@@ -527,6 +527,45 @@ def test_gloo_argument_errors(gloo_world):
         assert results[r]["_ep_path"] == ("triton" if r % 2 == 0 else "torch")     # see join_group
 
 
+ONE_RANK_ERROR_TIMEOUT_S = 90   # the whole world; before the count exchange carried errors, rank 0 hung
+
+
+def _one_rank_error_worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+    """Rank 1 alone passes an id outside [0, E), in the normal mode and chunked: every rank raises."""
+    join_group(rank, world, port, dist_backend)
+    try:
+        shape = moekit.get_shape("tiny")
+        placement = contiguous_placement(shape.num_experts, world)
+        n = len(placement.slots[rank])
+        x = torch.randn(3, shape.hidden_size)
+        gate_up = torch.zeros(n, 2 * shape.intermediate_size, shape.hidden_size)
+        down = torch.zeros(n, shape.hidden_size, shape.intermediate_size)
+        ids = torch.zeros(3, shape.top_k, dtype=torch.int32)
+        if rank == 1:
+            ids[0, 0] = shape.num_experts
+        errors = {}
+        for chunks in (1, 2):
+            try:
+                ep_moe_experts(x, gate_up, down, torch.full((3, shape.top_k), 0.5), ids, placement=placement,
+                               overlap_chunks=chunks)
+            except ValueError as exc:
+                errors[chunks] = str(exc)
+        torch.save(errors, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_one_rank_with_invalid_ids_fails_every_rank(tmp_path):
+    """An id error on one rank's data is carried in the count exchange: every rank raises a clear
+    error naming the rank, instead of that rank alone raising and the others waiting in the exchange
+    until the group's timeout (both the one-shot and the chunked path)."""
+    errors = _spawn_world(2, tmp_path, worker=_one_rank_error_worker, timeout_s=ONE_RANK_ERROR_TIMEOUT_S)
+    for chunks in (1, 2):
+        assert "rank 1: topk_ids must lie in [0, num_experts=" in errors[1][chunks]
+        assert "rank(s) [1] of the group reported invalid inputs" in errors[0][chunks]
+
+
 def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:
     return list(torch.split(t, list(counts)))
 
