@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -189,6 +190,7 @@ class ExpertParallelMoE(nn.Module):
                              f"group {world} ranks")
         self.local_experts = self.placement.slots[self.rank]
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._agreed = False
         self.backend = backend
         self.router_backend = router_backend
         kw = dict(dtype=dtype, device=device)
@@ -245,9 +247,47 @@ class ExpertParallelMoE(nn.Module):
         return route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
                      backend=self.router_backend)
 
+    def agree(self) -> None:
+        """Check once, on the first call, that every rank built the same layer (collective: one
+        all_gather of a few ints, never again). Ranks that disagree on the shape, dtype, mode,
+        capacities, overlap_chunks or placement would exchange rows of other sizes or layouts: garbage
+        or a crash inside the collective library. Each call's x is then checked against this rank's
+        own configuration, locally. Raises the same ValueError on every rank, naming the fields."""
+        if self._agreed:
+            return
+        s, p = self.shape, self.gate_up_proj
+        fields = {
+            "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_experts": s.num_experts, "top_k": s.top_k, "norm_topk_prob": int(s.norm_topk_prob),
+            "dtype": FLOAT_DTYPES.index(p.dtype) if p.dtype in FLOAT_DTYPES else -1,
+            "mode": MODES.index(self.mode), "capacity": self.capacity or 0,
+            "expert_capacity": self.expert_capacity or 0, "overflow": OVERFLOW_POLICIES.index(self.overflow),
+            "overlap_chunks": self.overlap_chunks,
+            "placement": zlib.crc32(repr((self.placement.num_experts, self.placement.slots)).encode()),
+        }
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=p.device)
+        world = dist.get_world_size(self.group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=self.group)
+        table = torch.stack(gathered).tolist()
+        names = {"dtype": lambda v: str(FLOAT_DTYPES[v]) if v >= 0 else "?", "mode": lambda v: MODES[v],
+                 "overflow": lambda v: OVERFLOW_POLICIES[v]}
+        differ = []
+        for j, name in enumerate(fields):
+            values = [row[j] for row in table]
+            if len(set(values)) > 1:
+                shown = [names.get(name, lambda v: v)(v) for v in values]
+                differ.append(f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(shown))})")
+        if differ:
+            raise ValueError("ExpertParallelMoE: the ranks of the group built different layers; every rank "
+                             "must pass the same shape, dtype, mode, capacity, expert_capacity, overflow, "
+                             "overlap_chunks and placement. They differ in: " + "; ".join(differ))
+        self._agreed = True
+
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 **experts_opts) -> torch.Tensor:
         """The expert path for given routing: (T, H) -> (T, H) (collective)."""
+        self.agree()
         return ep_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                               placement=self.placement, group=self.group, backend=self.backend,
                               tables=self.tables(), mode=self.mode, capacity=self.capacity,
@@ -275,6 +315,7 @@ class ExpertParallelMoE(nn.Module):
         so they are never sent. Returns (T, H); padding rows are 0. Collective."""
         if self.mode != "low_latency":
             raise ValueError("forward_padded and capture need mode='low_latency'")
+        self.agree()
         weights, ids = route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
                              backend=self.router_backend, num_valid_tokens=num_valid_tokens)
         return ep_moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids, placement=self.placement,
@@ -332,6 +373,7 @@ class CapturedEP:
         self.bucket_stats: dict[int, dict] = {}
         self.stats: dict = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        ep.agree()   # its collective and host read before capturing, never inside a graph
         pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             for b in reversed(self.buckets):   # the largest first: the others reuse its pool memory

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import itertools
 import os
 import shutil
@@ -49,7 +50,13 @@ from moekit.parallel import (
 )
 from moekit.parallel.dispatch import plan_routes_torch, route_positions
 from moekit.parallel.overlap import chunk_bounds, chunk_counts, chunk_plan
-from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
+from moekit.placement import (
+    Placement,
+    contiguous_placement,
+    rank_weights,
+    replicate_hot_experts,
+    strided_placement,
+)
 from moekit.reference import moe_experts_ref
 
 disable_nvls()  # NVLink multicast off for every test here, and for every process they start
@@ -530,40 +537,91 @@ def test_gloo_argument_errors(gloo_world):
 ONE_RANK_ERROR_TIMEOUT_S = 90   # the whole world; before the count exchange carried errors, rank 0 hung
 
 
-def _one_rank_error_worker(rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
-    """Rank 1 alone passes an id outside [0, E), in the normal mode and chunked: every rank raises."""
+def _save_errors(body, rank: int, world: int, port: int, out_dir: str, dist_backend: str) -> None:
+    """A spawned rank: join the group, save what body(rank, world) returns (the errors each raised)."""
     join_group(rank, world, port, dist_backend)
     try:
-        shape = moekit.get_shape("tiny")
-        placement = contiguous_placement(shape.num_experts, world)
-        n = len(placement.slots[rank])
-        x = torch.randn(3, shape.hidden_size)
-        gate_up = torch.zeros(n, 2 * shape.intermediate_size, shape.hidden_size)
-        down = torch.zeros(n, shape.hidden_size, shape.intermediate_size)
-        ids = torch.zeros(3, shape.top_k, dtype=torch.int32)
-        if rank == 1:
-            ids[0, 0] = shape.num_experts
-        errors = {}
-        for chunks in (1, 2):
-            try:
-                ep_moe_experts(x, gate_up, down, torch.full((3, shape.top_k), 0.5), ids, placement=placement,
-                               overlap_chunks=chunks)
-            except ValueError as exc:
-                errors[chunks] = str(exc)
-        torch.save(errors, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(body(rank, world), Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _one_rank_errors(rank: int, world: int) -> dict[int, str]:
+    """Rank 1 alone passes an id outside [0, E), in the normal mode and chunked: every rank raises."""
+    shape = moekit.get_shape("tiny")
+    placement = contiguous_placement(shape.num_experts, world)
+    n = len(placement.slots[rank])
+    x = torch.randn(3, shape.hidden_size)
+    gate_up = torch.zeros(n, 2 * shape.intermediate_size, shape.hidden_size)
+    down = torch.zeros(n, shape.hidden_size, shape.intermediate_size)
+    ids = torch.zeros(3, shape.top_k, dtype=torch.int32)
+    if rank == 1:
+        ids[0, 0] = shape.num_experts
+    errors = {}
+    for chunks in (1, 2):
+        try:
+            ep_moe_experts(x, gate_up, down, torch.full((3, shape.top_k), 0.5), ids, placement=placement,
+                           overlap_chunks=chunks)
+        except ValueError as exc:
+            errors[chunks] = str(exc)
+    return errors
 
 
 def test_gloo_one_rank_with_invalid_ids_fails_every_rank(tmp_path):
     """An id error on one rank's data is carried in the count exchange: every rank raises a clear
     error naming the rank, instead of that rank alone raising and the others waiting in the exchange
     until the group's timeout (both the one-shot and the chunked path)."""
-    errors = _spawn_world(2, tmp_path, worker=_one_rank_error_worker, timeout_s=ONE_RANK_ERROR_TIMEOUT_S)
+    errors = _spawn_world(2, tmp_path, worker=functools.partial(_save_errors, _one_rank_errors),
+                          timeout_s=ONE_RANK_ERROR_TIMEOUT_S)
     for chunks in (1, 2):
         assert "rank 1: topk_ids must lie in [0, num_experts=" in errors[1][chunks]
         assert "rank(s) [1] of the group reported invalid inputs" in errors[0][chunks]
+
+
+# name: (what rank 0 builds, what the other ranks build), ExpertParallelMoE keyword arguments
+MISMATCHES = {
+    "hidden_size": (dict(shape=moekit.MoEShape(8, 64, 48, 2)), dict(shape=moekit.MoEShape(8, 32, 48, 2))),
+    "dtype": (dict(dtype=torch.float16), dict(dtype=torch.bfloat16)),
+    "top_k": (dict(shape=moekit.MoEShape(8, 64, 48, 2)), dict(shape=moekit.MoEShape(8, 64, 48, 1))),
+    "mode": (dict(), dict(mode="low_latency", capacity=4)),
+    "capacity": (dict(mode="low_latency", capacity=4), dict(mode="low_latency", capacity=3)),
+    "overlap_chunks": (dict(), dict(overlap_chunks=2)),
+    "placement": (dict(), dict(placement="strided")),
+}
+
+
+def _mismatch_errors(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 builds one layer, the others another: the first call raises on every rank."""
+    errors = {}
+    for name, kinds in MISMATCHES.items():
+        kwargs = dict(kinds[0] if rank == 0 else kinds[1])
+        shape = kwargs.pop("shape", moekit.get_shape("tiny"))
+        if kwargs.get("placement") == "strided":
+            kwargs["placement"] = strided_placement(shape.num_experts, world)
+        ep = ExpertParallelMoE(shape, **kwargs)
+        x = torch.randn(3, shape.hidden_size, dtype=ep.gate_up_proj.dtype)
+        try:
+            with torch.no_grad():
+                ep(x)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def test_gloo_ranks_that_build_different_layers_fail_every_rank(tmp_path):
+    """Ranks that disagree on the layer's shape, dtype, top_k, mode, capacity, overlap_chunks or
+    placement would exchange rows of other sizes or layouts (garbage, or an abort inside gloo): the
+    first call agrees on them once and raises on every rank, naming the field and each rank's value."""
+    errors = _spawn_world(2, tmp_path, worker=functools.partial(_save_errors, _mismatch_errors),
+                          timeout_s=ONE_RANK_ERROR_TIMEOUT_S)
+    for r in range(2):
+        assert set(errors[r]) == set(MISMATCHES), errors[r]
+        for name, message in errors[r].items():
+            assert "the ranks of the group built different layers" in message
+            assert f"differ in: {name} (rank 0: " in message, message
+    assert "dtype (rank 0: torch.float16, rank 1: torch.bfloat16)" in errors[1]["dtype"]
+    assert "capacity (rank 0: 4, rank 1: 3)" in errors[0]["capacity"]
 
 
 def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:
