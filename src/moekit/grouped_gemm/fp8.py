@@ -249,8 +249,6 @@ def experts_fp8_torch(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk
 
 
 def _dequantize_expert(w: Fp8Weight, e: int) -> torch.Tensor:
-    """Expert e's (N, K) in fp32, as `Fp8Weight.dequantize` gives it: one expert at a time, so the
+    """Expert e's (N, K) in fp32 (`Fp8Weight.dequantize` of its slice): one expert at a time, so the
     loop backend holds one expert in fp32, not all E."""
-    n, k = w.data.shape[1:]
-    blocks = w.data[e].float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * w.scale[e][:, None, :, None]).view(n, k)
+    return Fp8Weight(w.data[e:e + 1], w.scale[e:e + 1]).dequantize()[0]
