@@ -114,6 +114,23 @@ def text(name: str) -> str:
     return os.environ.get(name, row.default).strip()
 
 
+def changed() -> str:
+    """The switches set in the environment to something other than their default, as
+    "NAME=value" joined by spaces ("" when none): what a recorded measurement ran with. MOEKIT_COMMIT
+    is left out (the lab records the commit itself)."""
+    out = []
+    for s in SWITCHES:
+        raw = os.environ.get(s.name)
+        if raw is None or s.name == "MOEKIT_COMMIT":
+            continue
+        if s.type == "flag":
+            if flag(s.name) != (s.default.lower() in ON):
+                out.append(f"{s.name}={int(flag(s.name))}")
+        elif raw.strip() != s.default:
+            out.append(f"{s.name}={raw.strip()}")
+    return " ".join(out)
+
+
 def markdown_table() -> str:
     """`SWITCHES` as a markdown table: variable, type, default, when read, meaning."""
     lines = ["| Variable | Type | Default | Read | Meaning |", "| --- | --- | --- | --- | --- |"]

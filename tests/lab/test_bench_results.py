@@ -125,3 +125,18 @@ def test_failed_rows_are_never_drawn_as_times():
     assert ("padded", "eager") not in drawn                   # failed: no point on any plot
     assert set(drawn) == {("loop", "eager"), ("triton", "eager")}
     assert [r.tokens for r in drawn[("loop", "eager")]] == [1, 4, 16]
+
+
+def test_switches_are_recorded_and_named_in_the_report(tmp_path):
+    rows = [replace(r, switches="MOEKIT_GLUON_FP8=1") for r in sample_rows()]
+    path = tmp_path / "results.csv"
+    write_csv(rows, path)
+    assert read_csv(path)[0].switches == "MOEKIT_GLUON_FP8=1"
+    assert "switches set away from their defaults: `MOEKIT_GLUON_FP8=1`" in render(read_csv(path))
+    assert "switches set away" not in render(sample_rows())
+    # A file written before the column reads, with no switches.
+    with path.open() as f:
+        table = list(csv.reader(f))
+    col = table[0].index("switches")
+    path.write_text("\n".join(",".join(c for i, c in enumerate(line) if i != col) for line in table) + "\n")
+    assert read_csv(path)[0].switches == ""

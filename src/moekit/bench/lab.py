@@ -55,7 +55,8 @@ def header(rows: Sequence, title: str) -> list[str]:
             f"commit `{r0.commit or 'unknown'}`",
             f"- torch {r0.torch_version}, triton {r0.triton_version}, python {r0.python_version}, "
             f"moekit {r0.moekit_version}, {r0.dtype}; ceilings copy {r0.copy_gbps:,.1f} GB/s, "
-            f"matmul {r0.matmul_tflops:,.3g} TFLOP/s", ""]
+            f"matmul {r0.matmul_tflops:,.3g} TFLOP/s",
+            *([f"- switches set away from their defaults: `{r0.switches}`"] if r0.switches else []), ""]
 
 
 def layer_head(prov, layer, **more) -> dict:

@@ -337,6 +337,7 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         "",
         f"- run {', '.join(runs)}, {r0.date}, commit `{r0.commit or 'unknown'}`",
         f"- device: {r0.device_name}, {r0.device_type}; {versions}; python {r0.python_version}",
+        *([f"- switches set away from their defaults: `{r0.switches}`"] if r0.switches else []),
         f"- dtype {r0.dtype}; ceilings measured on this device: copy **{r0.copy_gbps:,.1f} GB/s**, "
         f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)" + _fp8_ceiling(rows),
         *_floor_notes(rows),

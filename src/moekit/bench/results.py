@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from moekit import env
+
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "failed", "error", "skipped", "not_capturable")
 DIRECTIONS = ("fwd", "fwd+bwd")   # a `moekit bench` row's pass: the forward, or forward + backward
@@ -40,7 +42,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1   # what numpy and torch hold in an i
 class Provenance:
     """Where and with what a run was measured; copied into each of its rows. fp8_tflops: the FP8
     matmul ceiling (`ceilings.fp8_ceiling`) of a run that measured it, NaN (an empty cell) otherwise
-    and in files written before the column; keyword-only, so row types add their fields after it."""
+    and in files written before the column; switches: the MOEKIT_* switches set away from their
+    defaults (`env.changed`), empty in files written before the column; both keyword-only, so row
+    types add their fields after them."""
 
     run_id: str
     date: str
@@ -56,6 +60,7 @@ class Provenance:
     copy_gbps: float
     matmul_tflops: float
     fp8_tflops: float = field(default=math.nan, kw_only=True)
+    switches: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,7 @@ def collect_provenance(device: torch.device, dtype: torch.dtype, copy_gbps: floa
         copy_gbps=copy_gbps,
         matmul_tflops=matmul_tflops,
         fp8_tflops=fp8_tflops,
+        switches=env.changed(),
     )
 
 
