@@ -84,6 +84,34 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
+class _NothingRouted(torch.autograd.Function):
+    """The output of a call in which no pair reaches an expert (no tokens, or no experts and every id
+    ignored): zeros, whose gradient for every input is zeros, so a training step with an empty batch
+    or an expert-parallel rank holding no experts still gives every parameter a gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden_states: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (hidden_states, *inputs)]
+        return torch.zeros_like(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+def _nothing_routed(hidden_states: torch.Tensor, inputs: list[torch.Tensor], grad: bool,
+                    stats: dict | None, out: torch.Tensor | None) -> torch.Tensor:
+    if stats is not None:
+        dev = hidden_states.device
+        stats.update(capacity=0, dropped=torch.zeros((), dtype=torch.int64, device=dev),
+                     counts=torch.zeros(inputs[0].shape[0], dtype=torch.int32, device=dev))
+    if grad:
+        return _NothingRouted.apply(hidden_states, *inputs)
+    if out is not None:
+        return out.zero_()
+    return torch.zeros_like(hidden_states)
+
+
 register_backend(Backend(
     "loop",
     lambda x, gu, d, w, ids, opts, out: _into(out, experts_loop(x, gu, d, w, ids, **opts.math_kwargs())),
@@ -277,8 +305,9 @@ def moe_experts(
         check_out(out, hidden_states, {k: t for k, t in inputs.items() if t is not None})
     if impl.check_layout is not None:
         impl.check_layout(hidden_states, gate_up_proj, down_proj)
-    if hidden_states.shape[0] == 0:
-        return out if out is not None else torch.empty_like(hidden_states)
+    if hidden_states.shape[0] == 0 or num_experts == 0:
+        return _nothing_routed(hidden_states, [gate_up_proj, down_proj, topk_weights, *biases], grad,
+                               options.stats, out)
     if (compiling and (not grad or (name in OP_BACKWARD_BACKENDS and impl.has_backward(dev, options)))
             and options.stats is None):
         cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]

@@ -220,6 +220,36 @@ def test_padded_with_no_experts_gives_the_reference_zeros(capacity_factor):
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens,experts", [(0, 4), (6, 0)], ids=["no-tokens", "no-experts"])
+def test_nothing_routed_gives_zeros_and_zero_gradients(backend, tokens, experts):
+    """No pair reaches an expert (T = 0, or E = 0 with every id ignored, as on an expert-parallel rank
+    holding none): every backend returns the fp32 reference's zeros, also into a poisoned out=, and
+    where it has a backward every input gets a gradient of zeros (a step on an empty batch still
+    reaches each parameter), with its own shape."""
+    x = torch.randn(tokens, 32)
+    gate_up, down = make_weights(experts, 32, 16, torch.float32)
+    ids = torch.tensor([[0, -1], [1, 2], [-1, -1], [3, 0], [5, 1], [2, 4]], dtype=torch.int32)[:tokens]
+    w = torch.rand(tokens, 2)
+    kw = {"ignore_invalid_ids": True}
+    ref = moe_experts_ref(x, gate_up, down, w, ids)
+    assert torch.equal(run(backend, x, gate_up, down, w, ids, **kw), ref)
+    out = poisoned(x.shape, x.dtype, x.device)
+    assert run(backend, x, gate_up, down, w, ids, out=out, **kw) is out and torch.equal(out, ref)
+    if "stats" in get_backend(backend).options:
+        stats = {}
+        run(backend, x, gate_up, down, w, ids, stats=stats, **kw)
+        assert int(stats["dropped"]) == 0
+    if not get_backend(backend).has_backward(x.device, None):
+        return
+    leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
+    result = run(backend, *leaves, ids, **kw)
+    assert torch.equal(result, ref)
+    result.pow(2).sum().backward()
+    for t in leaves:
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
 def test_grouped_mm_alignment_error():
     gate_up, down = make_weights(4, 37, 11, torch.float32)
     with pytest.raises(ValueError, match="16 bytes"):
