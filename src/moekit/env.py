@@ -48,7 +48,7 @@ MOEKIT_GLUON_WGRAD flag 1 1 call
     the Hopper Gluon kernel for the training step's weight gradients
 MOEKIT_GLUON_SWIGLU flag 1 1 call
     the Hopper Gluon kernel for the SwiGLU backward reading the saved pre-activations
-MOEKIT_GLUON_FP8 flag 0 0 call
+MOEKIT_GLUON_FP8 flag 1 1 call
     the Hopper Gluon kernels for FP8 calls' grouped GEMMs (where the align block size is a multiple of 64)
 MOEKIT_GLUON_FP8_DUAL flag 1 1 call
     the Hopper Gluon FP8 GEMMs' dual schedule (both consumers' main loops at once; 0: ping-pong)

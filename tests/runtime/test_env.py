@@ -119,11 +119,11 @@ def test_changed_lists_only_switches_set_away_from_their_default(monkeypatch):
     for s in env.SWITCHES:
         monkeypatch.delenv(s.name, raising=False)
     assert env.changed() == ""
-    monkeypatch.setenv("MOEKIT_GLUON_FP8", "yes")            # default off: a change
+    monkeypatch.setenv("MOEKIT_GLUON_FP8", "no")             # default on: a change
     monkeypatch.setenv("MOEKIT_PDL", " 1 ")                  # the default: not a change
     monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "")           # empty stands for 1, the default
     monkeypatch.setenv("MOEKIT_WGRAD_TILES", " block_m=32 ")
     monkeypatch.setenv("MOEKIT_COMMIT", "abc1234")           # recorded as the commit instead
-    assert env.changed() == "MOEKIT_GLUON_FP8=1 MOEKIT_WGRAD_TILES=block_m=32"
-    monkeypatch.setenv("MOEKIT_GLUON_FP8", "0")
+    assert env.changed() == "MOEKIT_GLUON_FP8=0 MOEKIT_WGRAD_TILES=block_m=32"
+    monkeypatch.setenv("MOEKIT_GLUON_FP8", "1")
     assert env.changed() == "MOEKIT_WGRAD_TILES=block_m=32"

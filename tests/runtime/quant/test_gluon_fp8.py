@@ -230,7 +230,11 @@ def test_gluon_gemm1_fp8_equals_its_twin_gpu(case, dual):
     # flips where the tensor cores' fp8 sums and fp32 differ in the last bits).
     base = rel_err(_gemm1_plain_bf16(xq.contiguous(), xs, gu, align, top_k, block_m, ue8m0)[:live], want)
     assert rel_err(got, want) <= 2 * base, (rel_err(got, want), base)
-    assert rel_err(hs[:live], hs_t[:live]) < 1e-3
+    if ue8m0:   # a group's amax at a power of two rounds either way: its scale one step apart, no more
+        a, b = hs[:live].float(), hs_t[:live].float()
+        assert ((a == b) | (a == 2 * b) | (b == 2 * a)).all()
+    else:
+        assert rel_err(hs[:live], hs_t[:live]) < 1e-3
     # and no row far off (a wrong scale or row is 10% or more; a few e4m3 rounding flips stay far below)
     row_err = (got - want).norm(dim=1) / want.norm(dim=1).clamp(min=1e-30)
     assert float(row_err.max()) < 0.05, float(row_err.max())
@@ -263,7 +267,7 @@ def test_gluon_gemm1_fp8_carries_a_nan_token_to_its_rows_only_gpu(dual):
 
 
 def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
-    """$MOEKIT_GLUON_FP8=1: the triton FP8 path's GEMMs go to `gluon_gemm1_swiglu_fp8` and
+    """$MOEKIT_GLUON_FP8=1 (the default): the triton FP8 path's GEMMs go to `gluon_gemm1_swiglu_fp8` and
     `gluon_gemm2_weighted_fp8` where they can run (stood in for here by the fp32 twins, the refusal
     checks answering "can"), and the call equals the one on the Triton GEMMs; switched off, or where
     they cannot run, the Triton GEMMs run."""
@@ -289,8 +293,12 @@ def test_fp8_path_takes_the_gluon_gemm1_when_switched_on(monkeypatch):
     cfg = experts_fp8.ExpertsConfig(64, 128, 64, 4, 2, 64, 64, 4, 2, 4)
     monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, "0")
     base = experts_fp8.experts_triton_fp8(x, *standin, w, ids, config=cfg)
-    for switch, can, used in (("1", "", True), ("1", "needs e4m3", False), ("0", "", False)):
-        monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, switch)
+    cases = (("1", "", True), ("1", "needs e4m3", False), ("0", "", False), (None, "", True))
+    for switch, can, used in cases:
+        if switch is None:                                  # unset: on by default
+            monkeypatch.delenv(experts_fp8.GLUON_FP8_ENV)
+        else:
+            monkeypatch.setenv(experts_fp8.GLUON_FP8_ENV, switch)
         for which in ("gluon_gemm1_fp8_problem", "gluon_gemm2_fp8_problem"):
             monkeypatch.setattr(experts_fp8, which, lambda *a, reason=can: reason)
         calls.clear()
