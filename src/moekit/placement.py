@@ -31,6 +31,7 @@ one rank's experts. `Placement.device_tables` keeps the lookup tables on each de
 from __future__ import annotations
 
 import operator
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -115,6 +116,12 @@ class Placement:
     def num_replicas(self) -> int:
         """Copies beyond the first, over all experts."""
         return sum(self.num_copies) - self.num_experts
+
+    @cached_property
+    def digest(self) -> int:
+        """CRC-32 of (num_experts, slots), the same in every process: what the ranks of a group compare
+        to agree on the placement (the slots decide where every pair goes)."""
+        return zlib.crc32(repr((self.num_experts, self.slots)).encode())
 
     @cached_property
     def _on_device(self) -> dict[torch.device, DeviceTables]:

@@ -24,6 +24,24 @@ to the host once per layer call (send and receive together, one device-to-host c
 step is sized from those integers and runs without a sync. Avoiding it needs fixed-size buffers
 (DeepEP's low-latency mode, DeepGEMM's masked layout): `moekit.parallel.low_latency`.
 
+Errors fail every rank, never one alone (a rank that raises before a collective leaves the others
+waiting in it until the group's timeout). The count exchange is every call's first collective, and
+it carries two things besides the counts (`exchange_counts`; no extra collective or sync):
+    input errors   a rank whose inputs fail this call's checks (`check_inputs`: shapes, dtypes,
+                   devices, grad flags, ids outside [0, E) on CPU; in `ep_moe_experts` also its
+                   experts' weights) sends -1 in place of its counts; after the exchange it raises its
+                   own error (naming the argument; its type kept), every other rank a ValueError
+                   naming the rank(s) that reported one
+    agreement      every rank sends its call's hidden size, dtype, top_k and placement digest
+                   (`call_fields`); ranks that differ would exchange rows that do not line up, so every
+                   rank raises the same ValueError naming the fields and each rank's value
+Arguments that are the same on every rank of SPMD code by construction (the placement's rank count,
+mode, capacities, overlap_chunks, expert options) raise directly, before any collective, and are not
+compared between ranks here: direct calls with different overlap_chunks send counts of different
+sizes (`ExpertParallelMoE.agree` compares them once). The phases called one by one (`dispatch`,
+`run_local_experts`, `combine`) fail together in `dispatch` only: a later error (a partial of the
+wrong shape in `combine`) raises on its rank alone.
+
 Metadata (one rank):
     send meta (S, 2K) int32: [:, :K] local expert ids or -1; [:, K:] the fp32 routing weights' bits
         (0.0 where the id is -1). Ids and weights travel in one collective, and bit-exact.
@@ -34,8 +52,9 @@ Metadata (one rank):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -159,16 +178,118 @@ def ids_error(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *,
     return None
 
 
-def check_group(x: torch.Tensor, placement: Placement,
-                group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, world) of the group; the placement must be for the group's size, gloo takes CPU tensors."""
+def check_group(placement: Placement, group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world) of the group; the placement must be for the group's size (the same on every rank
+    of SPMD code, so raised directly)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if placement.num_ranks != world:
         raise ValueError(f"placement is for {placement.num_ranks} ranks, the process group has {world}")
-    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
-        raise ValueError(f"hidden_states is on {x.device}, but gloo's all-to-all takes CPU tensors only; "
-                         "use an nccl process group for GPU tensors")
     return rank, world
+
+
+def check_backend_device(name: str, t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """t is on a device the group's backend exchanges: the CPU for gloo, a GPU for nccl."""
+    backend = dist.get_backend(group)
+    if backend == "gloo" and t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}, but gloo's all-to-all takes CPU tensors only; "
+                         "use an nccl process group for GPU tensors")
+    if backend == "nccl" and t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}, but nccl's all-to-all takes CUDA tensors only")
+
+
+def group_device(group: dist.ProcessGroup | None, *likely: object) -> torch.device:
+    """Where this rank's collectives go in a call whose inputs failed their checks: the device the
+    other ranks' tensors are on, never a bad input's guessed blindly. gloo: the CPU. nccl: the
+    group's bound device (init_process_group(device_id=...)), else the first CUDA tensor of `likely`
+    (this rank's weights before its inputs), else the current CUDA device. Another backend: the
+    first tensor's device of `likely`, else the CPU."""
+    backend = dist.get_backend(group)
+    tensors = [t for t in likely if isinstance(t, torch.Tensor)]
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl":
+        bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+        if bound is not None:
+            return torch.device(bound)
+        cuda = [t.device for t in tensors if t.is_cuda]
+        return cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def caught(check: Callable[[], object]) -> Exception | None:
+    """The ValueError, TypeError or RuntimeError `check()` raises, or None: a rank keeps its input
+    error to report it in the call's collectives instead of leaving the other ranks waiting there."""
+    try:
+        check()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return exc
+    return None
+
+
+def first_error(*checks: Callable[[], object]) -> Exception | None:
+    """The error of the first check that raises one (`caught`), or None; later checks do not run."""
+    for check in checks:
+        error = caught(check)
+        if error is not None:
+            return error
+    return None
+
+
+def raise_rank_error(error: Exception, rank: int) -> NoReturn:
+    """Raise this rank's input error after the collectives it took part in: its class (ValueError,
+    TypeError or RuntimeError) kept, its message prefixed with the rank."""
+    cls = next(c for c in (ValueError, TypeError, RuntimeError) if isinstance(error, c))
+    raise cls(f"rank {rank}: {error}") from error
+
+
+def check_top_k_width(topk_ids: torch.Tensor, top_k: int | None) -> None:
+    """topk_ids is (T, top_k) for the top_k every rank routes with, when the caller knows it
+    (`ExpertParallelMoE` passes its shape's)."""
+    if top_k is None:
+        return
+    check_tensor("topk_ids", topk_ids, ndim=2)
+    if topk_ids.shape[1] != top_k:
+        raise ValueError(f"topk_ids must have shape (T, K={top_k}) (the top_k every rank routes with), "
+                         f"got {tuple(topk_ids.shape)}")
+
+
+def check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
+                 group: dist.ProcessGroup | None, *, ignore_invalid_ids: bool = False,
+                 top_k: int | None = None) -> None:
+    """One call's routing inputs on this rank, everything that may differ between ranks from call to
+    call: shapes, dtypes, devices (on one the group's backend takes), top_k (the group's, when
+    given), the forward-only flags, then ids outside [0, E) on CPU (no host sync on CUDA)."""
+    check_routing(x, topk_weights, topk_ids, placement.num_experts, check_ids=False)
+    check_top_k_width(topk_ids, top_k)
+    check_backend_device("hidden_states", x, group)
+    check_forward_only(x, topk_weights)
+    error = ids_error(x, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    if error is not None:
+        raise ValueError(error)
+
+
+def check_weights(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, num_local: int,
+                  group: dist.ProcessGroup | None) -> None:
+    """This rank's experts: (E_r, 2I, H) and (E_r, H, I) float tensors of one dtype, on one device the
+    group's backend takes, E_r the placement's count for the rank."""
+    check_tensor("gate_up_proj", gate_up_proj, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("down_proj", down_proj, ndim=3, dtypes=(gate_up_proj.dtype,), device=gate_up_proj.device)
+    check_backend_device("gate_up_proj", gate_up_proj, group)
+    if gate_up_proj.shape[0] != num_local or down_proj.shape[0] != num_local:
+        raise ValueError(f"this rank holds {num_local} experts in the placement, but gate_up_proj and "
+                         f"down_proj have {gate_up_proj.shape[0]} and {down_proj.shape[0]}")
+    _, two_i, hidden = gate_up_proj.shape
+    check_shape("gate_up_proj", gate_up_proj, (num_local, two_i - two_i % 2, hidden), "(E_r, 2I, H)")
+    check_shape("down_proj", down_proj, (num_local, hidden, two_i // 2), "(E_r, H, I)")
+
+
+def check_hidden_states(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor) -> None:
+    """hidden_states (T, H) in the experts' dtype, on their device, H theirs (after `check_weights`)."""
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=(gate_up_proj.dtype,),
+                 device=gate_up_proj.device)
+    if hidden_states.shape[1] != gate_up_proj.shape[2]:
+        raise ValueError(f"hidden_states must have shape (T, H={gate_up_proj.shape[2]}) (the experts' hidden "
+                         f"size), got {tuple(hidden_states.shape)}")
 
 
 def plan_routes(topk_ids: torch.Tensor, placement: Placement, rank: int,
@@ -263,28 +384,80 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     return out
 
 
+HEADER = 2   # columns after a rank's counts in the exchange: its `call_fields`
+
+
+def call_fields(x: torch.Tensor, topk_ids: torch.Tensor, placement: Placement) -> tuple[int, int]:
+    """What the ranks of a call must agree on for the exchanged rows to line up, as the two ints
+    `exchange_counts` sends: (H << 24 | K << 8 | the dtype's index in FLOAT_DTYPES, placement.digest)."""
+    return x.shape[1] << 24 | topk_ids.shape[1] << 8 | FLOAT_DTYPES.index(x.dtype), placement.digest
+
+
+def check_agreement(fields: list[list[int]]) -> None:
+    """The ranks' `call_fields` as received (row s from rank s, the same rows on every rank): the
+    same ValueError on every rank, naming each field that differs and every rank's value, if any do."""
+    if all(f == fields[0] for f in fields):
+        return
+    shown = {
+        "hidden size": [key >> 24 for key, _ in fields],
+        "dtype": [str(FLOAT_DTYPES[key & 0xFF]) for key, _ in fields],
+        "top_k": [key >> 8 & 0xFFFF for key, _ in fields],
+        "placement": [f"{digest:08x}" for _, digest in fields],
+    }
+    differ = [f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
+              for name, values in shown.items() if len(set(values)) > 1]
+    raise ValueError("the ranks of the group called the expert-parallel exchange with rows that do not line "
+                     "up; every rank must pass the same hidden size, dtype, top_k and placement. They differ "
+                     "in: " + "; ".join(differ))
+
+
+def exchange_rows(rows: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list, list]:
+    """all_to_all_single of (N, w) int64 rows (row d to rank d); (sent, received) on the host, read
+    together (one device-to-host copy)."""
+    recv = torch.empty_like(rows)
+    dist.all_to_all_single(recv, rows, group=group)
+    sent, received = torch.stack([rows, recv]).tolist()
+    return sent, received
+
+
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None,
-                    error: str | None = None) -> tuple[list[int], list[int]]:
+                    fields: Sequence[int]) -> tuple[list[int], list[int]]:
     """The one host sync of a layer call: all-to-all the counts, copy both to the host together.
     send_counts: (N,), or (N, n) with n counts per rank (`moekit.parallel.overlap`'s chunks); row d
     goes to rank d, row s of the received ones came from rank s.
 
-    error: this rank's input error (`ids_error`), or None. A rank with one sends counts of -1, and
-    every rank raises after the exchange: an error on one rank's data never leaves the others
-    waiting in a collective. No extra collective or sync: the counts are read on the host anyway."""
-    if error is not None:
-        send_counts = torch.full_like(send_counts, -1)
-    recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts, group=group)
-    send_list, recv_list = torch.stack([send_counts, recv]).tolist()
-    if error is not None:
-        raise ValueError(f"rank {dist.get_rank(group)}: {error}")
-    bad = [s for s, row in enumerate(recv_list)
-           if min(row if isinstance(row, list) else [row], default=0) < 0]
+    fields: this call's `call_fields`, sent to every rank beside the counts; ranks that differ all
+    raise (`check_agreement`). A rank whose inputs failed their checks takes part with -1 in place of
+    its counts and fields (`fail_in_exchange`), and every rank raises after the exchange, the others
+    a ValueError naming it: an error on one rank's data never leaves the others waiting in a
+    collective. No extra collective or sync: the counts are read on the host anyway, and the fields
+    are two columns more (two fills, no host-to-device copy)."""
+    counts = send_counts.reshape(send_counts.shape[0], -1)
+    n = counts.shape[1]
+    rows = torch.empty(counts.shape[0], n + HEADER, dtype=torch.int64, device=counts.device)
+    rows[:, :n] = counts
+    rows[:, n] = fields[0]
+    rows[:, n + 1] = fields[1]
+    sent, received = exchange_rows(rows, group)
+    bad = [s for s, row in enumerate(received) if min(row) < 0]
     if bad:
-        raise ValueError(f"rank(s) {bad} of the group reported invalid inputs (topk_ids outside "
-                         "[0, num_experts)) in the count exchange; see the error raised on those ranks")
-    return send_list, recv_list
+        raise ValueError(f"rank(s) {bad} of the group reported invalid inputs in the count exchange; see the "
+                         "error raised on those ranks")
+    check_agreement([row[n:] for row in received])
+    if send_counts.dim() == 1:
+        return [row[0] for row in sent], [row[0] for row in received]
+    return [row[:n] for row in sent], [row[:n] for row in received]
+
+
+def fail_in_exchange(error: Exception, group: dist.ProcessGroup | None, device: torch.device,
+                     chunks: int = 1) -> NoReturn:
+    """This rank's part in a normal-mode call whose inputs failed their checks: the count exchange
+    every rank makes first, with -1 in place of its counts and fields, so that every rank raises after
+    it; then raises `error` (`raise_rank_error`). device: `group_device`; chunks: n of the call's
+    (N, n) counts (its overlap_chunks). The host read waits for the exchange to complete here."""
+    rows = torch.full((dist.get_world_size(group), chunks + HEADER), -1, dtype=torch.int64, device=device)
+    exchange_rows(rows, group)
+    raise_rank_error(error, dist.get_rank(group))
 
 
 def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
@@ -305,15 +478,19 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 
     Returns:
         (DispatchedTokens for this rank's experts, DispatchHandle for `combine`).
+
+    An input error on one rank (`check_inputs`) and ranks that disagree on the hidden size, dtype,
+    top_k or placement raise on every rank, after the count exchange (see the module docstring).
     """
-    check_forward_only(x, topk_weights)
-    rank, _ = check_group(x, placement, group)
-    check_routing(x, topk_weights, topk_ids, placement.num_experts, check_ids=False)
+    rank, _ = check_group(placement, group)
     # Reported in the count exchange, so that every rank raises, not this one alone.
-    error = ids_error(x, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    error = caught(lambda: check_inputs(x, topk_weights, topk_ids, placement, group,
+                                        ignore_invalid_ids=ignore_invalid_ids))
+    if error is not None:
+        fail_in_exchange(error, group, group_device(group, x))
     plan = plan_routes(topk_ids, placement, rank, tables)
     mark(probe, "plan")
-    send_counts, recv_counts = exchange_counts(plan.send_counts, group, error)
+    send_counts, recv_counts = exchange_counts(plan.send_counts, group, call_fields(x, topk_ids, placement))
     mark(probe, "counts")
     send_x, send_meta, combine_index = pack(x, topk_weights, plan, sum(send_counts))
     mark(probe, "pack")
@@ -385,6 +562,9 @@ def combine(partial: torch.Tensor, handle: DispatchHandle, *,
 
     Returns:
         (T, H) in the input's dtype: this rank's MoE output.
+
+    A partial of the wrong shape raises on this rank alone, before the exchange (it is this rank's
+    own experts' output on what `dispatch` delivered).
     """
     check_forward_only(partial)
     r = sum(handle.recv_counts)

@@ -16,14 +16,19 @@ placement from `replicate_hot_experts`). The output on every rank equals the sin
 different ranks are added in rank order); in the low-latency mode, pairs past a capacity are dropped
 and counted (or refused), never silently. Forward only: the all-to-alls carry no autograd, so the
 layer refuses to run with gradients on.
+
+A bad input on one rank never leaves the others waiting in a collective: in the normal mode every
+rank raises after the count exchange, which also catches ranks that disagree on the hidden size,
+dtype, top_k or placement (`moekit.parallel.dispatch`); in the low-latency mode the failing rank
+stands in and raises (`moekit.parallel.low_latency`, which lists what still must fail alike).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import zlib
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,14 +39,27 @@ from moekit._validation import (
     FLOAT_DTYPES,
     check_layer_input,
     check_replay_input,
-    check_shape,
     check_tensor,
 )
 from moekit.eager_graphs import CapturedWeights
 from moekit.graphs import capture_graph
 from moekit.layer import WEIGHT_NAMES, MoELayer
-from moekit.parallel.dispatch import check_forward_only, combine, dispatch, run_local_experts
-from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe
+from moekit.parallel.dispatch import (
+    caught,
+    check_forward_only,
+    check_group,
+    check_hidden_states,
+    check_top_k_width,
+    check_weights,
+    combine,
+    dispatch,
+    fail_in_exchange,
+    first_error,
+    group_device,
+    raise_rank_error,
+    run_local_experts,
+)
+from moekit.parallel.low_latency import OVERFLOW_POLICIES, check_capacity, low_latency_moe, stand_in
 from moekit.parallel.overlap import check_overlap_chunks, overlapped_moe
 from moekit.placement import Placement, contiguous_placement, rank_weights
 from moekit.routing import route
@@ -80,7 +98,8 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
                    ignore_invalid_ids: bool = False,
                    tables: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "normal",
                    capacity: int | None = None, expert_capacity: int | None = None,
-                   overflow: str = "drop", overlap_chunks: int = 1, **experts_opts) -> torch.Tensor:
+                   overflow: str = "drop", overlap_chunks: int = 1, top_k: int | None = None,
+                   **experts_opts) -> torch.Tensor:
     """`moekit.moe_experts` over an expert-parallel group (collective: every rank calls it).
 
     Args:
@@ -104,36 +123,41 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
             overlapping another chunk's experts on CUDA (`moekit.parallel.overlap`); the bits of 1
             (the default: one dispatch, experts, combine) with the triton backend, within fp32
             rounding of them with the others (their BLAS sums in an order set by the row count).
+        top_k: the K every rank routes with, if known (`ExpertParallelMoE` passes its shape's): a
+            topk_ids of another width is then this rank's input error, and a low-latency rank
+            standing in sizes its blocks by it.
         experts_opts: normal: passed on to `moe_experts` (e.g. config for triton); low_latency:
             config (the masked kernels' tiles) and stats (a dict filled with the drop counters).
 
     Returns:
         (T, H) in the dtype of hidden_states: sum_k w[t,k] * expert_{ids[t,k]}(x_t).
+
+    Errors: arguments the same on every rank of SPMD code (placement's rank count, mode, capacities,
+    overflow, overlap_chunks, expert options) raise at once. An error in this call's tensors on one
+    rank (hidden_states, topk_weights, topk_ids, this rank's weights: shapes, dtypes, devices, grad
+    flags; ids outside [0, E) on CPU) never leaves the other ranks waiting: in the normal mode every
+    rank raises after the count exchange, which also raises on every rank when the ranks disagree on
+    the hidden size, dtype, top_k or placement (`moekit.parallel.dispatch`); in the low-latency mode
+    the failing rank stands in and raises, the others return (or all raise, with overflow="raise";
+    `moekit.parallel.low_latency`).
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if placement.num_ranks != world:
-        raise ValueError(f"placement is for {placement.num_ranks} ranks, the process group has {world}")
-    num_local = len(placement.slots[rank])
-    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
-    like_x = dict(dtypes=(hidden_states.dtype,), device=hidden_states.device)
-    check_tensor("gate_up_proj", gate_up_proj, ndim=3, **like_x)
-    check_tensor("down_proj", down_proj, ndim=3, **like_x)
-    if gate_up_proj.shape[0] != num_local or down_proj.shape[0] != num_local:
-        raise ValueError(f"rank {rank} holds {num_local} experts in the placement, but gate_up_proj and "
-                         f"down_proj have {gate_up_proj.shape[0]} and {down_proj.shape[0]}")
-    # Checked here, not only in moe_experts: a rank that receives no rows never calls it, and a
-    # rank that fails alone mid-exchange leaves the others waiting for the collective's timeout.
-    hidden, two_i = hidden_states.shape[-1], gate_up_proj.shape[1]
-    check_shape("gate_up_proj", gate_up_proj, (num_local, two_i - two_i % 2, hidden), "(E_r, 2I, H)")
-    check_shape("down_proj", down_proj, (num_local, hidden, two_i // 2), "(E_r, H, I)")
-    check_forward_only(hidden_states, gate_up_proj, down_proj, topk_weights)
+    rank, _ = check_group(placement, group)
     check_mode(mode, capacity, expert_capacity, overflow, backend)
     check_overlap_chunks(overlap_chunks, mode)
     if mode == "low_latency":
         return low_latency_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                placement=placement, capacity=capacity, expert_capacity=expert_capacity,
                                overflow=overflow, group=group, ignore_invalid_ids=ignore_invalid_ids,
-                               tables=tables, **experts_opts)
+                               tables=tables, top_k=top_k, **experts_opts)
+    # Checked here, not only in moe_experts: a rank that receives no rows never calls it, and a
+    # rank that fails alone mid-exchange leaves the others waiting for the collective's timeout.
+    num_local = len(placement.slots[rank])
+    error = first_error(lambda: check_weights(gate_up_proj, down_proj, num_local, group),
+                        lambda: check_hidden_states(hidden_states, gate_up_proj),
+                        lambda: check_forward_only(gate_up_proj, down_proj),
+                        lambda: check_top_k_width(topk_ids, top_k))
+    if error is not None:
+        fail_in_exchange(error, group, group_device(group, gate_up_proj, hidden_states), overlap_chunks)
     if overlap_chunks > 1:
         return overlapped_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                               placement=placement, chunks=overlap_chunks, group=group, backend=backend,
@@ -263,7 +287,7 @@ class ExpertParallelMoE(nn.Module):
             "mode": MODES.index(self.mode), "capacity": self.capacity or 0,
             "expert_capacity": self.expert_capacity or 0, "overflow": OVERFLOW_POLICIES.index(self.overflow),
             "overlap_chunks": self.overlap_chunks,
-            "placement": zlib.crc32(repr((self.placement.num_experts, self.placement.slots)).encode()),
+            "placement": self.placement.digest,
         }
         mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=p.device)
         world = dist.get_world_size(self.group)
@@ -286,13 +310,40 @@ class ExpertParallelMoE(nn.Module):
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 **experts_opts) -> torch.Tensor:
-        """The expert path for given routing: (T, H) -> (T, H) (collective)."""
+        """The expert path for given routing: (T, H) -> (T, H) (collective). An input error on one
+        rank fails as `ep_moe_experts` says (topk_ids must have the layer's top_k)."""
         self.agree()
         return ep_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                               placement=self.placement, group=self.group, backend=self.backend,
                               tables=self.tables(), mode=self.mode, capacity=self.capacity,
                               expert_capacity=self.expert_capacity, overflow=self.overflow,
-                              overlap_chunks=self.overlap_chunks, **experts_opts)
+                              overlap_chunks=self.overlap_chunks, top_k=self.shape.top_k, **experts_opts)
+
+    def _check_x(self, x: object, num_valid_tokens: object = None, padded: bool = False) -> None:
+        """What the router takes: x (..., H) (padded: (T, H) with a 0-d int32 num_valid_tokens) in the
+        parameters' dtype, on their device. Reads attributes only: no host sync."""
+        check_layer_input(x, self.shape.hidden_size)
+        p = self.router_weight
+        check_tensor("x", x, ndim=2 if padded else None, dtypes=(p.dtype,), device=p.device)
+        if padded:
+            check_tensor("num_valid_tokens", num_valid_tokens, ndim=0, dtypes=(torch.int32,), device=p.device)
+
+    def _fail_together(self, error: Exception, config: object = None) -> NoReturn:
+        """This rank's part in a call whose x failed its checks, then raises `error`: every rank takes
+        part in the call's collectives, so none waits for the group's timeout. The normal mode reports
+        it in the count exchange (every rank raises); the low-latency mode stands in (`stand_in`:
+        the call with no tokens of this rank's, its experts serving the others'). config: the
+        experts' tiles the other ranks run with."""
+        self.agree()
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.mode == "normal":
+            fail_in_exchange(error, self.group, group_device(self.group, *weights), self.overlap_chunks)
+        num_local = len(self.local_experts)
+        usable = caught(lambda: check_weights(*weights, num_local, self.group)) is None
+        shape = (self.shape.hidden_size, self.gate_up_proj.dtype, self.shape.top_k)
+        stand_in(error, shape, weights=weights if usable else None,
+                 placement=self.placement, capacity=self.capacity, expert_capacity=self.expert_capacity,
+                 overflow=self.overflow, group=self.group, config=config)
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`placement.copy_table` on the parameters' device, built once."""
@@ -302,8 +353,12 @@ class ExpertParallelMoE(nn.Module):
         return self._tables[dev]
 
     def forward(self, x: torch.Tensor, **experts_opts) -> torch.Tensor:
-        """x (..., H) -> (..., H), routed on this rank (collective: every rank calls it)."""
-        check_layer_input(x, self.shape.hidden_size)
+        """x (..., H) -> (..., H), routed on this rank (collective: every rank calls it). An x of the
+        wrong shape, dtype or device on one rank leaves no rank waiting: in the normal mode every rank
+        raises, in the low-latency mode that rank stands in and raises (see the module docstring)."""
+        error = caught(lambda: self._check_x(x))
+        if error is not None:
+            self._fail_together(error, experts_opts.get("config"))
         flat = x.reshape(-1, self.shape.hidden_size)
         weights, ids = self.route(flat)
         return self.experts(flat, weights, ids, **experts_opts).view(x.shape)
@@ -315,6 +370,9 @@ class ExpertParallelMoE(nn.Module):
         so they are never sent. Returns (T, H); padding rows are 0. Collective."""
         if self.mode != "low_latency":
             raise ValueError("forward_padded and capture need mode='low_latency'")
+        error = caught(lambda: self._check_x(x, num_valid_tokens, padded=True))
+        if error is not None:
+            self._fail_together(error, experts_opts.get("config"))
         self.agree()
         weights, ids = route(x, self.router_weight, self.shape.top_k, renormalize=self.shape.norm_topk_prob,
                              backend=self.router_backend, num_valid_tokens=num_valid_tokens)
@@ -346,7 +404,9 @@ class CapturedEP:
     keep it. `stats` is the last replay's counters (static device tensors, rewritten each replay).
     A replay is forward-only: call it under torch.no_grad() or torch.inference_mode(). The weights
     are read in place: copy_ new values into them; replacing one (a new Parameter, `.data` swapped)
-    makes the next call raise.
+    makes the next call raise, on that rank alone. An x that fails the replay's checks on one rank
+    (shape, dtype, device, too many tokens, grad) is not a hang: that rank replays with no tokens
+    and raises; the others' outputs are what they would be had it had no tokens.
 
     Call `close()` (or use it as a context manager) before `dist.destroy_process_group()`: NCCL
     keeps a communicator alive while a CUDA graph holding its operations exists, so destroying the
@@ -391,15 +451,29 @@ class CapturedEP:
         if not self.graphs:
             raise RuntimeError("this CapturedEP was closed; capture the layer again")
         ep = self.ep
-        num_tokens = check_replay_input(x, self.x, self.max_tokens,
-                                        (ep.router_weight, ep.gate_up_proj, ep.down_proj))
         self.weights.check()
+        params = (ep.router_weight, ep.gate_up_proj, ep.down_proj)
+        error = caught(lambda: check_replay_input(x, self.x, self.max_tokens, params))
+        if error is not None:
+            self._stand_in(x)
+            raise_rank_error(error, ep.rank)
+        num_tokens = x.shape[0]
         bucket = next(b for b in self.buckets if b >= num_tokens)
         self.x[:num_tokens].copy_(x)
         self.num_valid.fill_(num_tokens)
         self.graphs[bucket].replay()
         self.stats = self.bucket_stats[bucket]
         return self.out[:num_tokens]
+
+    def _stand_in(self, x: object) -> None:
+        """This rank's step when its x failed the replay's checks: a replay with no tokens, so that its
+        experts still serve the rows the other ranks send and none of them waits for it. The bucket is
+        the one x's row count picks (the largest when x has no rows dimension or too many rows)."""
+        rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else self.max_tokens
+        bucket = next(b for b in self.buckets if b >= min(rows, self.max_tokens))
+        self.num_valid.fill_(0)
+        self.graphs[bucket].replay()
+        self.stats = self.bucket_stats[bucket]
 
     def close(self) -> None:
         """Free the graphs (and with them NCCL's hold on the communicator); call before destroying

@@ -47,25 +47,60 @@ overflow="raise" refuses instead: after the combine, one all_reduce of `dropped`
 every rank; if any pair was dropped anywhere, every rank raises `CapacityOverflow` (the same
 message, so no rank is left waiting in a collective). That costs a collective and a sync: not for a
 CUDA graph, where the caller reads `stats` when it can afford to.
+
+Input errors on one rank. There is no exchange that the host reads (that is the mode), so a rank
+whose inputs fail this call's checks cannot tell the others to raise without a sync; it stands in
+instead (`stand_in`, in `low_latency_moe`, `ExpertParallelMoE.forward` / `forward_padded` / `experts`
+and a captured replay): it runs the call with no tokens of its own, its experts serving the rows the
+other ranks send, and raises its error after the combine. The other ranks return their outputs,
+exactly what they would be had that rank had no tokens; no host sync is added, and a captured
+replay stands in as a replay with num_valid_tokens = 0. When the bad input is the rank's own expert
+weights, its partials come back NaN, so the other ranks' tokens that needed those experts are NaN
+rather than silently short a pair. With overflow="raise" the all_reduce above also carries one flag
+per rank, and every other rank raises a ValueError naming the failed ranks. With overflow="drop" the
+others are not told: if the failing rank then stops calling the layer, they wait in its next
+collective.
+
+What still needs every rank to fail alike (raised on one rank, the others wait for the group's
+timeout, or the collective library aborts):
+    - a direct `low_latency_moe` / `ep_moe_experts` call on a rank that cannot tell the blocks' sizes
+      (`geometry`): neither its weights nor its hidden_states usable for H and dtype, or, without
+      top_k=, topk_ids and topk_weights without one shared width in [1, E];
+    - ranks whose calls are each valid but disagree on H, dtype, top_k, capacity or placement (their
+      blocks do not line up; nothing is compared per call: `ExpertParallelMoE` compares them once, at
+      its first call, and the layer passes top_k= so a topk_ids of another width is an input error);
+    - a captured layer whose weights were replaced (`CapturedEP` raises before replaying);
+    - errors between the phases called one by one (`low_latency_dispatch` raises before its exchange;
+      `low_latency_experts` and `low_latency_combine` after the dispatch).
+Arguments the same on every rank of SPMD code (mode, capacity, expert_capacity, overflow, config)
+raise directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from moekit._validation import FLOAT_DTYPES
 from moekit.experts import ExpertsOptions, get_backend
 from moekit.parallel import fused
 from moekit.parallel.dispatch import (
     Probe,
     RoutePlan,
+    caught,
     check_forward_only,
     check_group,
-    check_routing,
+    check_hidden_states,
+    check_inputs,
+    check_weights,
+    first_error,
+    group_device,
     mark,
     plan_routes,
+    raise_rank_error,
     reduce_partials,
     unpack_meta,
 )
@@ -188,14 +223,23 @@ def low_latency_dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
 
     Args and ids as `moekit.parallel.dispatch`; capacity: C, rows each rank sends each rank;
     probe: called after the steps "plan", "pack" and "rows" (never in a CUDA graph: it syncs).
+    An input error raises on this rank alone, before the exchange: called phase by phase, a rank
+    cannot stand in for the experts and combine that follow (`low_latency_moe` does).
 
     Returns:
         (LowLatencyTokens for this rank's experts, LowLatencyHandle for `low_latency_combine`).
     """
-    check_forward_only(x, topk_weights)
-    rank, _ = check_group(x, placement, group)
+    rank, _ = check_group(placement, group)
     check_capacity("capacity", capacity)
-    check_routing(x, topk_weights, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    check_inputs(x, topk_weights, topk_ids, placement, group, ignore_invalid_ids=ignore_invalid_ids)
+    return send_fixed(x, topk_weights, topk_ids, placement, rank, capacity, group, tables, probe)
+
+
+def send_fixed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
+               rank: int, capacity: int, group: dist.ProcessGroup | None,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+               probe: Probe | None = None) -> tuple[LowLatencyTokens, LowLatencyHandle]:
+    """`low_latency_dispatch` on checked inputs: plan, pack, the two all-to-alls."""
     plan = plan_routes(topk_ids, placement, rank, tables, capacity=capacity)
     mark(probe, "plan")
     send_x, send_meta, handle = pack_fixed(x, topk_weights, plan, capacity)
@@ -259,12 +303,24 @@ def low_latency_combine(partial: torch.Tensor, handle: LowLatencyHandle, *,
     return out
 
 
-def raise_on_overflow(dropped: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """overflow="raise": sum the group's dropped pairs (a collective and a host sync on every rank);
-    every rank raises together if any was dropped."""
-    total = dropped.reshape(1).clone()
+def raise_on_overflow(dropped: torch.Tensor, group: dist.ProcessGroup | None, failed: bool = False) -> None:
+    """overflow="raise": sum the group's dropped pairs and the ranks whose inputs failed their checks
+    (one all_reduce and a host read on every rank). A rank that `failed` returns (it raises its own
+    error); every other rank raises a ValueError naming the failed ranks if any, else
+    `CapacityOverflow` if any pair was dropped anywhere."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.zeros(world, dtype=torch.int64, device=dropped.device)
+    if failed:
+        flags[rank] = 1
+    total = torch.cat([dropped.reshape(1).to(torch.int64), flags])
     dist.all_reduce(total, group=group)
-    n = int(total.item())
+    n, *by_rank = total.tolist()
+    bad = [r for r, f in enumerate(by_rank) if f]
+    if failed:
+        return
+    if bad:
+        raise ValueError(f"rank(s) {bad} of the group reported invalid inputs and sent no tokens; see the "
+                         "error raised on those ranks")
     if n:
         raise CapacityOverflow(f"{n} token-expert pair(s) over the group did not fit (this rank: "
                                f"{int(dropped)} counted); raise capacity= (rows per destination "
@@ -276,27 +332,110 @@ def low_latency_moe(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, dow
                     capacity: int, expert_capacity: int | None = None, overflow: str = "drop",
                     group: dist.ProcessGroup | None = None, ignore_invalid_ids: bool = False,
                     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    config: ExpertsConfig | None = None, stats: dict | None = None) -> torch.Tensor:
+                    config: ExpertsConfig | None = None, stats: dict | None = None,
+                    top_k: int | None = None) -> torch.Tensor:
     """dispatch -> experts -> combine in the low-latency mode (collective); see the module docstring.
 
-    Arguments as `moekit.parallel.ep_moe_experts` (which checks them and calls this for
-    mode="low_latency"), plus capacity, expert_capacity, overflow ("drop" or "raise"), config (the
-    masked kernels' tiles) and stats (a dict filled with the module docstring's counters).
+    Arguments as `moekit.parallel.ep_moe_experts` (which calls this for mode="low_latency"), plus
+    capacity, expert_capacity, overflow ("drop" or "raise"), config (the masked kernels' tiles),
+    stats (a dict filled with the module docstring's counters) and top_k (the group's, if known).
+    A rank whose inputs fail their checks stands in (`stand_in`) and raises; see the module docstring.
     """
-    # Before the dispatch: the weights' flags count too, and the experts run after the first exchange.
-    check_forward_only(hidden_states, gate_up_proj, down_proj, topk_weights)
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    tokens, handle = low_latency_dispatch(hidden_states, topk_weights, topk_ids, placement, capacity,
-                                          group=group, ignore_invalid_ids=ignore_invalid_ids, tables=tables)
+    check_capacity("capacity", capacity)
+    if expert_capacity is not None:
+        check_capacity("expert_capacity", expert_capacity)
+    rank, _ = check_group(placement, group)
+    weights = (gate_up_proj, down_proj)
+    num_local = len(placement.slots[rank])
+    weights_error = caught(lambda: check_weights(gate_up_proj, down_proj, num_local, group))
+    error = weights_error or first_error(
+        lambda: check_hidden_states(hidden_states, gate_up_proj),
+        lambda: check_forward_only(gate_up_proj, down_proj),
+        lambda: check_inputs(hidden_states, topk_weights, topk_ids, placement, group,
+                             ignore_invalid_ids=ignore_invalid_ids, top_k=top_k))
+    if error is not None:
+        usable = None if weights_error is not None else weights
+        stand_in(error, geometry(usable, hidden_states, topk_weights, topk_ids, placement, top_k),
+                 weights=usable, placement=placement, capacity=capacity, expert_capacity=expert_capacity,
+                 overflow=overflow, group=group, config=config)
+    return run_fixed(hidden_states, topk_weights, topk_ids, weights, placement=placement, rank=rank,
+                     capacity=capacity, expert_capacity=expert_capacity, overflow=overflow, group=group,
+                     tables=tables, config=config, stats=stats)
+
+
+def run_fixed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              weights: tuple[torch.Tensor, torch.Tensor] | None, *, placement: Placement, rank: int,
+              capacity: int, expert_capacity: int | None, overflow: str, group: dist.ProcessGroup | None,
+              tables: tuple[torch.Tensor, torch.Tensor] | None = None, config: ExpertsConfig | None = None,
+              stats: dict | None = None, failed: bool = False) -> torch.Tensor:
+    """`low_latency_moe` on checked inputs. weights None: NaN partials in place of this rank's experts'
+    (a stand-in whose own weights are the bad input); failed: this rank stands in (`raise_on_overflow`)."""
+    tokens, handle = send_fixed(x, topk_weights, topk_ids, placement, rank, capacity, group, tables)
     local: dict = {}
-    partial = low_latency_experts(tokens, gate_up_proj, down_proj, expert_capacity=expert_capacity,
-                                  config=config, stats=local)
+    if weights is None:
+        partial = torch.full_like(tokens.x, float("nan"))
+        local["expert_dropped"] = torch.zeros((), dtype=torch.int64, device=x.device)
+    else:
+        partial = low_latency_experts(tokens, *weights, expert_capacity=expert_capacity, config=config,
+                                      stats=local)
     out = low_latency_combine(partial, handle, group=group)
     dropped = handle.dropped_pairs + local["expert_dropped"]
     if stats is not None:
         stats.update(local, capacity=capacity, dropped_rows=handle.dropped_rows,
                      dropped_pairs=handle.dropped_pairs, dropped=dropped)
     if overflow == "raise":
-        raise_on_overflow(dropped, group)
+        raise_on_overflow(dropped, group, failed)
     return out
+
+
+def geometry(weights: tuple[torch.Tensor, torch.Tensor] | None, hidden_states: object,
+             topk_weights: object, topk_ids: object, placement: Placement,
+             top_k: int | None) -> tuple[int, torch.dtype, int] | None:
+    """(H, dtype, K) of the blocks the other ranks exchange, as a rank whose inputs failed their checks
+    can tell them: H and dtype from its valid weights, else from a (T, H) float hidden_states; K the
+    group's top_k if given, else the one width in [1, E] that its 2-D topk_ids and topk_weights
+    share (or the one of them that is 2-D has). None when no input gives them (widths that differ:
+    either may be the wrong one), and that rank cannot stand in."""
+    if weights is not None:
+        hidden, dtype = weights[0].shape[2], weights[0].dtype
+    elif isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and \
+            hidden_states.dtype in FLOAT_DTYPES:
+        hidden, dtype = hidden_states.shape[1], hidden_states.dtype
+    else:
+        return None
+    if top_k is None:
+        tensors = [t for t in (topk_ids, topk_weights) if isinstance(t, torch.Tensor) and t.dim() == 2]
+        widths = {t.shape[1] for t in tensors}
+        if len(widths) != 1 or not 1 <= min(widths) <= placement.num_experts:
+            return None
+        top_k = widths.pop()
+    return hidden, dtype, top_k
+
+
+def stand_in(error: Exception, shape: tuple[int, torch.dtype, int] | None, *,
+             weights: tuple[torch.Tensor, torch.Tensor] | None, placement: Placement, capacity: int,
+             expert_capacity: int | None, overflow: str, group: dist.ProcessGroup | None,
+             config: ExpertsConfig | None = None) -> NoReturn:
+    """This rank's part in a low-latency call whose inputs failed their checks, so that no other rank
+    waits for it: the call with no tokens of its own (empty blocks to every rank, on `group_device`),
+    its experts run on the rows the others send (NaN partials when `weights` is None: those tokens come
+    out NaN on the other ranks, never silently short a pair), the combine, and under overflow="raise"
+    the all_reduce, which carries the failure to every rank. Then raises `error` (`raise_rank_error`).
+    No host sync under overflow="drop"; runs under no_grad (nothing is differentiated).
+
+    shape: (H, dtype, K) of the blocks (`geometry`); None raises at once, on this rank alone: with
+    the blocks' sizes unknown it cannot take part."""
+    rank = dist.get_rank(group)
+    if shape is None:
+        raise_rank_error(error, rank)
+    hidden, dtype, top_k = shape
+    dev = group_device(group, *(weights or ()))
+    with torch.no_grad():
+        run_fixed(torch.zeros(0, hidden, dtype=dtype, device=dev),
+                  torch.zeros(0, top_k, dtype=torch.float32, device=dev),
+                  torch.zeros(0, top_k, dtype=torch.int32, device=dev), weights, placement=placement,
+                  rank=rank, capacity=capacity, expert_capacity=expert_capacity, overflow=overflow,
+                  group=group, config=config, failed=True)
+    raise_rank_error(error, rank)

@@ -47,10 +47,13 @@ from moekit.parallel.dispatch import (
     Probe,
     RoutePlan,
     _all_to_all,
+    call_fields,
+    caught,
     check_group,
-    check_routing,
+    check_inputs,
     exchange_counts,
-    ids_error,
+    fail_in_exchange,
+    group_device,
     mark,
     pack,
     plan_routes,
@@ -158,23 +161,28 @@ def overlapped_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
 
     probe: called after "plan", "counts", each chunk's "pack", "rows", "experts", "back" and
     "reduce", in the order issued (`moekit ep-bench` syncs there, which serialises the streams).
+
+    Input errors and disagreements fail every rank in the one count exchange, as in `dispatch`.
     """
     check_overlap_chunks(chunks)
     given = [k for k in NOT_PER_ROW if experts_opts.get(k) is not None]
     if given:
         raise ValueError(f"overlap_chunks > 1 runs the experts once per chunk: {', '.join(given)} "
                          "(per call, not per row) would change the result; use overlap_chunks=1")
-    rank, _ = check_group(x, placement, group)
-    check_routing(x, topk_weights, topk_ids, placement.num_experts, check_ids=False)
+    rank, _ = check_group(placement, group)
     # Reported in the count exchange, so that every rank raises, not this one alone.
-    error = ids_error(x, topk_ids, placement.num_experts, ignore_invalid_ids=ignore_invalid_ids)
+    error = caught(lambda: check_inputs(x, topk_weights, topk_ids, placement, group,
+                                        ignore_invalid_ids=ignore_invalid_ids))
+    if error is not None:
+        fail_in_exchange(error, group, group_device(group, gate_up_proj, x), chunks)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     plan = plan_routes(topk_ids, placement, rank, tables)
     bounds = chunk_bounds(num_tokens, chunks)
     counts = chunk_counts(plan, bounds)
     mark(probe, "plan")
-    by_rank = exchange_counts(counts.T.contiguous(), group, error)       # [rank][chunk], sent and received
+    fields = call_fields(x, topk_ids, placement)
+    by_rank = exchange_counts(counts.T.contiguous(), group, fields)     # [rank][chunk], sent and received
     send, recv = ([list(col) for col in zip(*lists, strict=True)] for lists in by_rank)
     mark(probe, "counts")
     experts_opts = _pin_config(experts_opts, backend, x, gate_up_proj, down_proj, top_k, sum(map(sum, recv)))

@@ -588,8 +588,9 @@ def test_expert_parallel_layer_input_of_rank_0_raises(world_of_one):
 
 def test_every_public_ep_step_refuses_gradients(world_of_one):
     """dispatch, run_local_experts, combine and the low-latency steps carry no autograd: with grad mode
-    on and an input or weight requiring grad, each raises (before any exchange) instead of returning
-    an output silently detached. Under no_grad the phased calls equal the fp32 reference."""
+    on and an input or weight requiring grad, each raises instead of returning an output silently
+    detached (dispatch and low_latency_moe after taking part in the exchange, so that no other rank
+    waits). Under no_grad the phased calls equal the fp32 reference."""
     e, h, i, k, t = 4, 32, 16, 2, 5
     gen = torch.Generator().manual_seed(SEED)
     placement = contiguous_placement(e, 1)
