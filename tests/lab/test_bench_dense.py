@@ -75,12 +75,12 @@ def test_kernel_flops_match_a_hand_count():
     for kernel in alternatives[:2]:                                   # the same two launches
         assert [k.flops for k in triton_kernel_flops(shape, 10, backward=True) if k.kernel == kernel] \
             == [2 * 10 * 96 * 64, 2 * 10 * 64 * 48]
-    # On Hopper the training step's Gluon d down gathers dout's rows itself up to 32 rows an expert
-    # (400 Qwen3 tokens: 25), one launch; above (1,024 tokens: 64) it runs four times, on four column
+    # On Hopper the training step's Gluon d down gathers dout's rows itself up to 64 rows an expert
+    # (800 Qwen3 tokens: 50), one launch; above (4,000 tokens: 250) it runs four times, on four column
     # chunks of its own sorted copy of dout, each a quarter of the FLOPs.
     qwen = MoEShape(128, 2048, 768, 8)
-    quarter = ("d down_proj, 1 of 4 column chunks", 2 * 1024 * 8 * 2048 * 768 // 4)
-    for tokens, launches in ((400, [("d down_proj", 2 * 400 * 8 * 2048 * 768)]), (1024, [quarter] * 4)):
+    quarter = ("d down_proj, 1 of 4 column chunks", 2 * 4000 * 8 * 2048 * 768 // 4)
+    for tokens, launches in ((800, [("d down_proj", 2 * 800 * 8 * 2048 * 768)]), (4000, [quarter] * 4)):
         gluon = [(k.role, k.flops) for k in triton_kernel_flops(qwen, tokens * 8, backward=True)
                  if k.kernel == "gluon_wgrad_kernel"]
         assert gluon == [("d gate_up_proj", 2 * tokens * 8 * 1536 * 2048), *launches], tokens

@@ -368,9 +368,9 @@ def _range_rows(tiles: WgradConfig, align: Alignment, scaled: bool) -> int:
 # peak; each further chunk costs a gather and a kernel launch.
 GLUON_A_CHUNKS = 4
 # Up to this many rows an expert (on average) the kernel gathers dout's token rows itself instead: a
-# work item is then under one step, bound by its stores, and no copy is made. From 64 rows the cp.async
-# producer feeds the wgmma more slowly than TMA reads a copy (by more than the copy costs).
-GATHER_A_ROWS = 32
+# work item is then about one step, bound by its stores, so gathering costs what copying does and no
+# copy is made. With more rows the cp.async producer feeds the wgmma more slowly than TMA reads a copy.
+GATHER_A_ROWS = 64
 
 
 def gathers_a(num_pairs: int, num_experts: int) -> bool:
