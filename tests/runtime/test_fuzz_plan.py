@@ -117,7 +117,7 @@ def test_triton_spec_matches_triton():
 
 
 def test_fuzz_cases_pass_on_the_interpreter():
-    """The fuzz's build and check on the CPU (fp32: bf16 dots are wrong in the interpreter), small
+    """The fuzz's build and check on the CPU (fp32: the interpreter rounds bf16 stores toward zero), small
     T: every routing, invalid ids, a NaN row, out=, column-major routing tensors, int64 wrap-arounds."""
     primes = next(c for c in default_cases() if c.combo.name == "primes" and c.band == "tiny")
     wide = next(c for c in default_cases() if c.combo.name == "top-k-equals-E" and c.band == "tiny")

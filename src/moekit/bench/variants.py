@@ -374,7 +374,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{','.join(map(str, CPU_TOKENS))} on the CPU)")
     p.add_argument("--dtype", choices=tuple(sorted(arg_types.DTYPES)), default=None,
                    help="weights and activations dtype (default: bfloat16 on a GPU, float16 on the CPU: "
-                        "the interpreter's bf16 dots are wrong, fp32's plain error is 0 to the wgrad gate)")
+                        "the interpreter rounds bf16 stores toward zero; fp32's plain error is 0 to the "
+                        "wgrad gate)")
     arg_types.add_graph(p, "time CUDA-graph replays (default: on with CUDA); --no-graph: eager calls")
     arg_types.add_timing(p, f"timed calls per variant (default: time_fn's on a GPU, {CPU_OPTIONS.rep} "
                             "on the CPU)")

@@ -600,7 +600,7 @@ def test_wgrad_picks_its_tiles_by_rows_per_expert(monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [3, 40])
 def test_float16_gradients_within_twice_plain_pytorch(num_tokens):
-    # The interpreter computes float16 dots correctly (bf16 ones it does not): the tolerance rule on CPU.
+    # The interpreter rounds float16 stores to nearest (bf16 ones toward zero): the tolerance rule on CPU.
     num_experts, hidden, inter, top_k = 6, 96, 48, 2
     x, gate_up, down, _, _, dout = (t.half() for t in make(num_tokens, num_experts, hidden, inter, top_k,
                                                             "distinct"))
