@@ -15,6 +15,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The Triton router and align kernels hold one row of E (padded to a power of two) per program.
 MAX_TRITON_EXPERTS = 4096
 ID_DTYPES = (torch.int32, torch.int64)
+# The most (token, expert) pairs a call may have: the align sorts pair indices in int32.
+MAX_PAIRS = 2**31 - 2
 
 
 def check_tensor(

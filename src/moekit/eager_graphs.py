@@ -106,6 +106,10 @@ class CapturedWeights:
         self.owner, self.module, self.names = owner, module, tuple(names)
         self.keys = tuple(tensor_key(getattr(module, n)) for n in self.names)
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weights as the module holds them now."""
+        return tuple(getattr(self.module, n) for n in self.names)
+
     def check(self) -> None:
         for name, key in zip(self.names, self.keys):
             if tensor_key(getattr(self.module, name)) != key:

@@ -179,9 +179,7 @@ class CapturedMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) with T <= max_tokens -> (T, H) view of the static output. Forward-only: a call
         that autograd would record (grad mode on, x or the layer's parameters requiring grad) raises."""
-        layer = self.layer
-        num_tokens = check_replay_input(x, self.x, self.max_tokens,
-                                        (layer.router_weight, layer.gate_up_proj, layer.down_proj))
+        num_tokens = check_replay_input(x, self.x, self.max_tokens, self.weights.tensors())
         self.weights.check()
         if num_tokens == 0:
             return self.out[:0]

@@ -16,7 +16,7 @@ import torch
 
 from moekit import _workspace
 from moekit._host import cdiv, next_power_of_2
-from moekit._validation import ID_DTYPES, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
+from moekit._validation import ID_DTYPES, MAX_PAIRS, MAX_TRITON_EXPERTS, check_tensor, check_triton_device
 from moekit.align.kernels import (
     align_hist_kernel,
     align_one_launch_kernel,
@@ -184,7 +184,7 @@ def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
-    if topk_ids.numel() >= 2**31 - 1:
+    if topk_ids.numel() > MAX_PAIRS:
         raise ValueError(f"topk_ids has {topk_ids.numel()} pairs; at most 2**31 - 2 are supported")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from moekit import _memory
+from moekit._validation import MAX_PAIRS
 from moekit.bench.layers import SHAPE_SYNTAX, Layer, parse_shape, preset_layer, read_config, shape_name
 from moekit.bench.results import FP8
 from moekit.shapes import PRESETS
@@ -56,7 +57,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 WEIGHTS = ("dtype", FP8)         # --weights: dense in --dtype, or block-scaled e4m3 (`moekit.bench.fp8`)
 SEED_MAX = 2**63 - 2  # torch generators take up to 2**64 - 1; studies derive seed + 1
-TOKENS_MAX = 2**31 - 2  # moekit.align sorts at most 2**31 - 2 (token, expert) pairs
+TOKENS_MAX = MAX_PAIRS  # a call of T tokens has at least T (token, expert) pairs
 
 
 class UsageError(ValueError):

@@ -393,6 +393,12 @@ def call_fields(x: torch.Tensor, topk_ids: torch.Tensor, placement: Placement) -
     return x.shape[1] << 24 | topk_ids.shape[1] << 8 | FLOAT_DTYPES.index(x.dtype), placement.digest
 
 
+def disagreements(by_field: dict[str, list]) -> list[str]:
+    """'name (rank 0: v0, rank 1: v1, ...)' for each field whose values (one per rank) are not all equal."""
+    return [f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
+            for name, values in by_field.items() if len(set(values)) > 1]
+
+
 def check_agreement(fields: list[list[int]]) -> None:
     """The ranks' `call_fields` as received (row s from rank s, the same rows on every rank): the
     same ValueError on every rank, naming each field that differs and every rank's value, if any do."""
@@ -404,11 +410,9 @@ def check_agreement(fields: list[list[int]]) -> None:
         "top_k": [key >> 8 & 0xFFFF for key, _ in fields],
         "placement": [f"{digest:08x}" for _, digest in fields],
     }
-    differ = [f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
-              for name, values in shown.items() if len(set(values)) > 1]
     raise ValueError("the ranks of the group called the expert-parallel exchange with rows that do not line "
                      "up; every rank must pass the same hidden size, dtype, top_k and placement. They differ "
-                     "in: " + "; ".join(differ))
+                     "in: " + "; ".join(disagreements(shown)))
 
 
 def exchange_rows(rows: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list, list]:
@@ -460,6 +464,17 @@ def fail_in_exchange(error: Exception, group: dist.ProcessGroup | None, device: 
     raise_rank_error(error, dist.get_rank(group))
 
 
+def check_inputs_together(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          placement: Placement, group: dist.ProcessGroup | None, *likely: torch.Tensor,
+                          ignore_invalid_ids: bool = False, chunks: int = 1) -> None:
+    """`check_inputs`, an error reported in the count exchange (`fail_in_exchange`, its device by
+    `group_device` of `likely`) so that every rank raises, not this one alone."""
+    error = caught(lambda: check_inputs(x, topk_weights, topk_ids, placement, group,
+                                        ignore_invalid_ids=ignore_invalid_ids))
+    if error is not None:
+        fail_in_exchange(error, group, group_device(group, *likely), chunks)
+
+
 def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: Placement,
              *, group: dist.ProcessGroup | None = None, ignore_invalid_ids: bool = False,
              tables: tuple[torch.Tensor, torch.Tensor] | None = None, probe: Probe | None = None,
@@ -483,11 +498,8 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     top_k or placement raise on every rank, after the count exchange (see the module docstring).
     """
     rank, _ = check_group(placement, group)
-    # Reported in the count exchange, so that every rank raises, not this one alone.
-    error = caught(lambda: check_inputs(x, topk_weights, topk_ids, placement, group,
-                                        ignore_invalid_ids=ignore_invalid_ids))
-    if error is not None:
-        fail_in_exchange(error, group, group_device(group, x))
+    check_inputs_together(x, topk_weights, topk_ids, placement, group, x,
+                          ignore_invalid_ids=ignore_invalid_ids)
     plan = plan_routes(topk_ids, placement, rank, tables)
     mark(probe, "plan")
     send_counts, recv_counts = exchange_counts(plan.send_counts, group, call_fields(x, topk_ids, placement))

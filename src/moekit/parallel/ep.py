@@ -52,6 +52,7 @@ from moekit.parallel.dispatch import (
     check_top_k_width,
     check_weights,
     combine,
+    disagreements,
     dispatch,
     fail_in_exchange,
     first_error,
@@ -296,12 +297,8 @@ class ExpertParallelMoE(nn.Module):
         table = torch.stack(gathered).tolist()
         names = {"dtype": lambda v: str(FLOAT_DTYPES[v]) if v >= 0 else "?", "mode": lambda v: MODES[v],
                  "overflow": lambda v: OVERFLOW_POLICIES[v]}
-        differ = []
-        for j, name in enumerate(fields):
-            values = [row[j] for row in table]
-            if len(set(values)) > 1:
-                shown = [names.get(name, lambda v: v)(v) for v in values]
-                differ.append(f"{name} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(shown))})")
+        differ = disagreements({name: [names.get(name, lambda v: v)(row[j]) for row in table]
+                                for j, name in enumerate(fields)})
         if differ:
             raise ValueError("ExpertParallelMoE: the ranks of the group built different layers; every rank "
                              "must pass the same shape, dtype, mode, capacity, expert_capacity, overflow, "
@@ -450,13 +447,11 @@ class CapturedEP:
         requiring grad) raises."""
         if not self.graphs:
             raise RuntimeError("this CapturedEP was closed; capture the layer again")
-        ep = self.ep
         self.weights.check()
-        params = (ep.router_weight, ep.gate_up_proj, ep.down_proj)
-        error = caught(lambda: check_replay_input(x, self.x, self.max_tokens, params))
+        error = caught(lambda: check_replay_input(x, self.x, self.max_tokens, self.weights.tensors()))
         if error is not None:
             self._stand_in(x)
-            raise_rank_error(error, ep.rank)
+            raise_rank_error(error, self.ep.rank)
         num_tokens = x.shape[0]
         bucket = next(b for b in self.buckets if b >= num_tokens)
         self.x[:num_tokens].copy_(x)

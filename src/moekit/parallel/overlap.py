@@ -48,12 +48,9 @@ from moekit.parallel.dispatch import (
     RoutePlan,
     _all_to_all,
     call_fields,
-    caught,
     check_group,
-    check_inputs,
+    check_inputs_together,
     exchange_counts,
-    fail_in_exchange,
-    group_device,
     mark,
     pack,
     plan_routes,
@@ -170,11 +167,8 @@ def overlapped_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
         raise ValueError(f"overlap_chunks > 1 runs the experts once per chunk: {', '.join(given)} "
                          "(per call, not per row) would change the result; use overlap_chunks=1")
     rank, _ = check_group(placement, group)
-    # Reported in the count exchange, so that every rank raises, not this one alone.
-    error = caught(lambda: check_inputs(x, topk_weights, topk_ids, placement, group,
-                                        ignore_invalid_ids=ignore_invalid_ids))
-    if error is not None:
-        fail_in_exchange(error, group, group_device(group, gate_up_proj, x), chunks)
+    check_inputs_together(x, topk_weights, topk_ids, placement, group, gate_up_proj, x,
+                          ignore_invalid_ids=ignore_invalid_ids, chunks=chunks)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     plan = plan_routes(topk_ids, placement, rank, tables)

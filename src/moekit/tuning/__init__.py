@@ -35,6 +35,7 @@ from typing import TypeVar
 import torch
 
 from moekit import env
+from moekit._validation import MAX_PAIRS
 from moekit.shapes import MoEShape
 
 _Tiles = TypeVar("_Tiles")
@@ -540,7 +541,7 @@ def table_slug(device: torch.device | str | None = None) -> str:
 
 
 _TOKENS_KEY = re.compile(r"[1-9][0-9]*")
-_MAX_TOKENS_KEY = 2**31 - 2     # the most tokens a call has: moekit.align sorts at most 2**31 - 2 pairs
+_MAX_TOKENS_KEY = MAX_PAIRS     # the most tokens a call has: at least one pair each
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
