@@ -50,8 +50,8 @@ from moekit.reference import moe_experts_ref
 
 SEED = "moekit-fuzz-1"
 DEFAULT_CASES = 600         # MOEKIT_FUZZ_CASES
-DEFAULT_SECONDS = 160.0     # MOEKIT_FUZZ_SECONDS: the time budget
-FLOOR = 200                 # at least min(cases, FLOOR) cases must run within the budget
+DEFAULT_SECONDS = 160.0     # MOEKIT_FUZZ_SECONDS: the time budget after the warm-up cases
+FLOOR = 200                 # at least min(cases, FLOOR) cases must run
 FP32_BOUND = 1e-5           # fp32 runs in full fp32 (ieee dots): no same-dtype baseline needed
 ALL_ROWS = 64               # up to this many tokens every row is checked,
 CHECKED_ROWS = 32           # else the first, the last and sampled rows, this many in all

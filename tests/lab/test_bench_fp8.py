@@ -96,6 +96,7 @@ def test_fp8_rows_stand_beside_the_dense_ones(run):
             assert r.series == f"{r.backend} fp8" and r.flops == dense.flops and r.floor_ms < dense.floor_ms
     report = (out / REPORT_NAME).read_text()
     assert "### FP8 weights vs float32" in report and "triton fp8 (eager)" in report
+    assert "Against vLLM's published block-FP8 Triton fused-MoE design" in report   # where it stands
     for f in (r for r in rows if r.on_fp8):
         d = next(d for d in rows if (d.tokens, d.backend, d.weights) == (f.tokens, f.backend, "float32"))
         assert f"| {f.backend} | eager | {f.tokens} | " in report

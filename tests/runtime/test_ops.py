@@ -423,6 +423,25 @@ def test_topk_softmax_op(backend):
         torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens,experts", [(0, 4), (6, 0)], ids=["no-tokens", "no-experts"])
+def test_direct_op_calls_with_nothing_routed_give_zeros(backend, tokens, experts):
+    """`moekit::experts` and `moekit::experts_fp8` called directly (as a compiled graph replays them)
+    where no pair reaches an expert (T = 0, or E = 0: an expert-parallel rank holding none) return the
+    fp32 reference's zeros on every backend, as `moe_experts` does, never a launch on an empty shape."""
+    from moekit.quant import quantize_experts
+    x, gate_up, down, w, ids = make_case(max(tokens, 1), max(experts, 4), 128, 128, 2)
+    x, w, ids = x[:tokens], w[:tokens], ids[:tokens]
+    gate_up, down = gate_up[:experts], down[:experts]
+    ref = moe_experts_ref(x, gate_up, down, w, torch.where(ids < experts, ids, -1))
+    out = torch.ops.moekit.experts(x, gate_up, down, w, ids, backend, None)
+    assert out.shape == x.shape and torch.equal(out, ref)
+    if backend == "triton":
+        gu, dn = quantize_experts(gate_up), quantize_experts(down)
+        out = torch.ops.moekit.experts_fp8(x, gu.data, gu.scale, dn.data, dn.scale, w, ids, backend, None)
+        assert out.shape == x.shape and torch.equal(out, ref)
+
+
 def test_empty_batch_and_bad_inputs():
     x, gate_up, down, w, ids = make_case(5, 4, 32, 16, 2)
     out = ops.experts(x[:0], gate_up, down, w[:0], ids[:0])

@@ -366,8 +366,8 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     if impl.check_layout is not None:       # the same layout check as moe_experts, for direct calls
         impl.check_layout(hidden_states, gate_up_proj, down_proj)
     x = hidden_states.contiguous()   # a contiguous output from every backend, as the fake one is
-    if x.shape[0] == 0:
-        return x.new_empty(x.shape)
+    if x.shape[0] == 0 or gate_up_proj.shape[0] == 0:      # no pair reaches an expert, as in moe_experts
+        return torch.zeros_like(x)
     with torch.no_grad():   # the op's own autograd (below) records this call, not the backend
         result = impl.run(x, gate_up_proj, down_proj, topk_weights, topk_ids, options, None)
     return result.contiguous()

@@ -180,8 +180,8 @@ def _experts_fp8_op(hidden_states: torch.Tensor, gate_up: torch.Tensor, gate_up_
     gu, dn = Fp8Weight(gate_up, gate_up_scale), Fp8Weight(down, down_scale)
     check_fp8_experts_args(hidden_states, gu, dn, topk_weights, topk_ids, top_k_at_most_experts=False)
     x = hidden_states.contiguous()
-    if x.shape[0] == 0:
-        return x.new_empty(x.shape)
+    if x.shape[0] == 0 or gate_up.shape[0] == 0:      # no pair reaches an expert, as in moe_experts_fp8
+        return torch.zeros_like(x)
     options = ExpertsOptions(config=config_of_ints(config))
     return get_backend(backend).run_fp8(x, gu, dn, topk_weights, topk_ids, options, None, ue8m0).contiguous()
 
