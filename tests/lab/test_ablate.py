@@ -85,6 +85,20 @@ def test_report_redraws_the_folder_from_the_csv_alone(run, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == drawn
 
 
+def test_a_run_of_some_ablations_reports_those_alone(run, tmp_path):
+    """Rows of the fp8 ablation alone (its `layer` baseline and its `fp8` rows) give the fp8 section and
+    figure, and the graph one (`layer` eager and replayed), but none of the other comparisons against
+    `layer` (SwiGLU, weight, masked), whose own variants never ran."""
+    _, out = run
+    rows = [r for r in STUDY.read(out / CSV_NAME) if r.variant in ("layer", "fp8")]
+    write_csv(rows, tmp_path / CSV_NAME, AblateRow)
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / REPORT_NAME).read_text()
+    shown = {key for key, (title, _) in ABLATIONS.items() if f"## {title}" in report}
+    assert shown == {"graph", "fp8"}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["ablate_fp8_tiny.png", "ablate_graph_tiny.png"]
+
+
 def test_tile_rows_count_their_padding(run):
     """Paired tiles compute the rows of their block_m; the rows' padding is the hand count's."""
     _, out = run

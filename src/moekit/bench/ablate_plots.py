@@ -14,6 +14,7 @@ from moekit.bench.ablate_report import (
     BYTES_VARIANT,
     TILE_VARIANTS,
     AblateRow,
+    ablations_in,
     index,
     modes_of,
     relative,
@@ -116,7 +117,7 @@ def render_plots(rows: Sequence[AblateRow]) -> dict[str, tuple[str, bytes]]:
         "fp8": [(ABLATIONS["fp8"][1], _median, ms, True)],
     }
     out = {}
-    for key in ABLATIONS:
+    for key in ablations_in(rows):
         fig = _bytes_figure(rows) if key == "bytes" else _figure(rows, key, specs[key])
         if fig is not None:
             out[fig[0]] = fig[1]

@@ -75,6 +75,16 @@ ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+def ablations_in(rows: Sequence[AblateRow]) -> list[str]:
+    """The ablations these rows hold, in `ABLATIONS` order: each with a row of a variant of its own
+    (`layer` is several comparisons' baseline, so its rows alone do not say that they ran), and one
+    whose only variant is shared (the graph ablation: `layer`, eager and replayed) where it has rows."""
+    variants = {r.variant for r in rows}
+    shared = {v for _, vs in ABLATIONS.values() for v in vs
+              if sum(v in other for _, other in ABLATIONS.values()) > 1}
+    return [key for key, (_, vs) in ABLATIONS.items() if variants & (set(vs) - shared or set(vs))]
+
+
 @dataclass(frozen=True)
 class AblateCase(LayerRow):
     """The run's `Provenance` and layer columns, then the case: variant (a key of `VARIANTS`) and
@@ -453,7 +463,7 @@ def render(rows: Sequence[AblateRow], plots: dict[str, str], files: Files = FILE
         lines += ["> CPU run: Triton runs through its interpreter, so every time here is an interpreter "
                   "timing, not a GPU one; the comparisons with the article's GPU numbers show the study's "
                   "flow only. No CUDA graphs and no Nsight Compute counters on the CPU.", ""]
-    for key in ABLATIONS:
+    for key in ablations_in(rows):
         lines += _section(rows, key, plots)
     lines += _not_timed(rows)
     lines += [f"Data: `{files.csv}` (one row per measurement, long format, provenance in every row). "
