@@ -15,6 +15,7 @@ import torch
 
 from moekit.bench import args as arg_types
 from moekit.bench.args import RESULTS_ROOT, usage_error
+from moekit.bench.results import switches_lines
 from moekit.bench.study import CSV_NAME, Study, exit_status, fmt_number, measure_provenance, status_counts
 
 Measure = Callable[[object, object, object], list]   # (console, ceilings, provenance) -> rows
@@ -56,7 +57,7 @@ def header(rows: Sequence, title: str) -> list[str]:
             f"- torch {r0.torch_version}, triton {r0.triton_version}, python {r0.python_version}, "
             f"moekit {r0.moekit_version}, {r0.dtype}; ceilings copy {r0.copy_gbps:,.1f} GB/s, "
             f"matmul {r0.matmul_tflops:,.3g} TFLOP/s",
-            *([f"- switches set away from their defaults: `{r0.switches}`"] if r0.switches else []), ""]
+            *switches_lines(r0), ""]
 
 
 def layer_head(prov, layer, **more) -> dict:

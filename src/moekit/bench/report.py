@@ -27,7 +27,7 @@ from moekit.bench.ceilings import Ceilings
 from moekit.bench.dense import DENSE
 from moekit.bench.kernel_work import TILED
 from moekit.bench.layers import file_stem
-from moekit.bench.results import ResultRow, check_result_row, shape_label
+from moekit.bench.results import ResultRow, check_result_row, shape_label, switches_lines
 from moekit.bench.roofline import crossover_tokens, fp8_crossover_tokens
 from moekit.bench.runner import LAYER
 from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
@@ -351,7 +351,7 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
         "",
         f"- run {', '.join(runs)}, {r0.date}, commit `{r0.commit or 'unknown'}`",
         f"- device: {r0.device_name}, {r0.device_type}; {versions}; python {r0.python_version}",
-        *([f"- switches set away from their defaults: `{r0.switches}`"] if r0.switches else []),
+        *switches_lines(r0),
         f"- dtype {r0.dtype}; ceilings measured on this device: copy **{r0.copy_gbps:,.1f} GB/s**, "
         f"matmul **{r0.matmul_tflops:,.2f} TFLOP/s** (ridge {ridge:.1f} FLOP/byte)" + _fp8_ceiling(rows),
         *_floor_notes(rows),

@@ -381,6 +381,12 @@ def check_provenance(row: Provenance) -> str:
             or positive_problem(row, "fp8_tflops", empty_ok=True))
 
 
+def switches_lines(row: Provenance) -> list[str]:
+    """A report's provenance line naming the MOEKIT_* switches its run set away from their defaults
+    (`Provenance.switches`), or no line when it set none."""
+    return [f"- switches set away from their defaults: `{row.switches}`"] if row.switches else []
+
+
 def shape_label(row: object) -> str:
     """"<preset> (E=.., H=.., I=.., K=..)": the layer a row measured, as plots and reports name it."""
     return (f"{row.preset} (E={row.num_experts}, H={row.hidden_size}, I={row.intermediate_size}, "
