@@ -99,6 +99,14 @@ def test_a_run_of_some_ablations_reports_those_alone(run, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["ablate_fp8_tiny.png", "ablate_graph_tiny.png"]
 
 
+def test_the_report_names_the_switches_its_run_set(run, tmp_path):
+    _, out = run
+    rows = [replace(r, switches="MOEKIT_PDL=0") for r in STUDY.read(out / CSV_NAME)]
+    report = STUDY.write(rows, tmp_path)[-1].read_text()
+    assert "- switches set away from their defaults: `MOEKIT_PDL=0`" in report
+    assert "switches set away" not in (out / REPORT_NAME).read_text()
+
+
 def test_tile_rows_count_their_padding(run):
     """Paired tiles compute the rows of their block_m; the rows' padding is the hand count's."""
     _, out = run

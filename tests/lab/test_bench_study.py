@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -56,6 +57,19 @@ def test_report_redraws_a_committed_folder_of_every_study(name, tmp_path, capsys
     again = tmp_path / "again"
     assert main(["report", str(folder / csv_name), "--out", str(again)]) == 0        # a CSV file works too
     assert (again / outputs[0]).read_text() == report                                   # rows alone decide
+
+
+@pytest.mark.parametrize("name", list(COMMITTED))
+def test_every_study_report_names_the_switches_its_run_set(name, tmp_path):
+    """A run made with MOEKIT_* switches away from their defaults says so under its provenance, in the
+    report of every study; a run with none says nothing."""
+    found, csv_path = study.find_results(RESULTS / name)
+    rows = found.read(csv_path)
+    plain = found.write(rows, tmp_path / "plain")[-1].read_text()
+    switched = [replace(r, switches="MOEKIT_PDL=0 MOEKIT_GLUON_FP8=0") for r in rows]
+    report = found.write(switched, tmp_path / "switched")[-1].read_text()
+    assert "- switches set away from their defaults: `MOEKIT_PDL=0 MOEKIT_GLUON_FP8=0`" in report
+    assert "switches set away" not in plain
 
 
 @pytest.mark.parametrize("name", list(RECORDED_RUNS))

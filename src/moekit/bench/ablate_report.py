@@ -451,6 +451,7 @@ def render(rows: Sequence[AblateRow], plots: dict[str, str], files: Files = FILE
         f"- {results.shape_label(r0)}, {r0.dtype}, seed {r0.seed}; torch {r0.torch_version}, triton "
         f"{r0.triton_version}, python {r0.python_version}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
         f"{r0.matmul_tflops:,.3g} TFLOP/s",
+        *results.switches_lines(r0),
         "- every variant was checked against the fp32 reference (largest error at most 2× plain PyTorch's "
         "in the same dtype) before it was timed; one that failed is listed under *Not timed*, never timed. "
         "Each call is timed alone, on a GPU after an L2 flush (`moekit.bench.timing`); *graph* rows replay "

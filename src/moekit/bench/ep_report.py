@@ -18,7 +18,13 @@ from matplotlib.figure import Figure
 
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
-from moekit.bench.results import Provenance, check_provenance, check_shape_columns, positive_problem
+from moekit.bench.results import (
+    Provenance,
+    check_provenance,
+    check_shape_columns,
+    positive_problem,
+    switches_lines,
+)
 from moekit.bench.study import CSV_NAME as CSV_NAME
 from moekit.bench.study import FILES, Files, Study, is_noisy, timing_notes
 from moekit.bench.study import REPORT_NAME as REPORT_NAME
@@ -364,6 +370,7 @@ def render(rows: Sequence[EPRow], plot_names: Sequence[str] = ()) -> str:
         f"- torch {r0.torch_version}, triton {r0.triton_version}, python {r0.python_version}, "
         f"moekit {r0.moekit_version}",
         f"- ceilings (rank 0's device): copy {r0.copy_gbps:.1f} GB/s, matmul {r0.matmul_tflops:.3g} TFLOP/s",
+        *switches_lines(r0),
         f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; "
         f"{r0.dtype}; experts backend {r0.backend}",
         *timing_notes(rows),

@@ -217,6 +217,7 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         f"python {r0.python_version}",
         f"- {_subtitle(r0)}; seed {r0.seed}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
         f"{r0.matmul_tflops:,.2f} TFLOP/s",
+        *results.switches_lines(r0),
         "- busiest / mean = the busiest expert's pairs over the mean (1 = balanced, E/K = collapse). "
         "Every case passed the fp32-reference gate before it was timed; one that did not is listed "
         "below, never timed.",

@@ -27,6 +27,7 @@ from moekit.bench.results import (
     check_shape_columns,
     positive_problem,
     shape_label,
+    switches_lines,
 )
 from moekit.bench.study import FILES, Files, Study
 from moekit.shapes import MoEShape
@@ -180,6 +181,7 @@ def render(rows: Sequence[TuneRow], plot_name: str, files: Files = FILES) -> str
         f"- torch {r0.torch_version}, triton {r0.triton_version}, python {r0.python_version}, "
         f"moekit {r0.moekit_version}; ceilings copy {r0.copy_gbps:,.1f} GB/s, matmul "
         f"{r0.matmul_tflops:,.3g} TFLOP/s",
+        *switches_lines(r0),
         f"- shape E={r0.num_experts}, H={r0.hidden_size}, I={r0.intermediate_size}, K={r0.top_k}; "
         f"{_weights_label(r0)}",
         "",
