@@ -453,11 +453,8 @@ class CapturedEP:
             self._stand_in(x)
             raise_rank_error(error, self.ep.rank)
         num_tokens = x.shape[0]
-        bucket = next(b for b in self.buckets if b >= num_tokens)
         self.x[:num_tokens].copy_(x)
-        self.num_valid.fill_(num_tokens)
-        self.graphs[bucket].replay()
-        self.stats = self.bucket_stats[bucket]
+        self._replay(num_tokens, num_tokens)
         return self.out[:num_tokens]
 
     def _stand_in(self, x: object) -> None:
@@ -465,8 +462,12 @@ class CapturedEP:
         experts still serve the rows the other ranks send and none of them waits for it. The bucket is
         the one x's row count picks (the largest when x has no rows dimension or too many rows)."""
         rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() >= 1 else self.max_tokens
-        bucket = next(b for b in self.buckets if b >= min(rows, self.max_tokens))
-        self.num_valid.fill_(0)
+        self._replay(min(rows, self.max_tokens), 0)
+
+    def _replay(self, rows: int, num_valid: int) -> None:
+        """Replay the graph of the smallest bucket holding `rows`, its first num_valid rows the tokens."""
+        bucket = next(b for b in self.buckets if b >= rows)
+        self.num_valid.fill_(num_valid)
         self.graphs[bucket].replay()
         self.stats = self.bucket_stats[bucket]
 
