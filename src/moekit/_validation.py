@@ -72,7 +72,7 @@ def check_capacity_factor(capacity_factor: object) -> float | None:
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
         raise TypeError(f"capacity_factor must be a number or None, got {type(capacity_factor).__name__} "
                         f"{capacity_factor!r}")
-    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+    if not 0 < capacity_factor < math.inf:      # comparisons, not math.isfinite: Dynamo traces them
         raise ValueError(f"capacity_factor must be > 0 and finite, got {capacity_factor}")
     return float(capacity_factor)
 
@@ -106,14 +106,23 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def overlaps_itself(t: torch.Tensor) -> bool:
     """True when two elements of t may share memory. Exact for dense views (torch's own answer);
     for other views (a slice of columns) the sufficient rule: dims of size > 1 by increasing stride,
-    each stride beyond the farthest element the smaller-stride dims reach."""
-    code = torch._debug_has_internal_overlap(t)
-    if code != 2:       # 0: no overlap, 1: overlap, 2: too hard for torch to tell
-        return code == 1
+    each stride beyond the farthest element the smaller-stride dims reach (alone under torch.compile:
+    Dynamo cannot trace torch's answer)."""
+    if not torch.compiler.is_compiling():
+        code = torch._debug_has_internal_overlap(t)
+        if code != 2:       # 0: no overlap, 1: overlap, 2: too hard for torch to tell
+            return code == 1
     if t.numel() == 0:
         return False
+    ordered: list[tuple[int, int]] = []     # (stride, size) by increasing stride; no sorted(): Dynamo
+    for n, st in zip(t.shape, t.stride()):  # cannot sort symbolic keys, it can compare them
+        if n > 1:
+            i = 0
+            while i < len(ordered) and ordered[i][0] <= abs(st):
+                i += 1
+            ordered.insert(i, (abs(st), n))
     reach = 0
-    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+    for stride, size in ordered:
         if stride <= reach:
             return True
         reach += stride * (size - 1)
@@ -124,12 +133,15 @@ def check_out(out: torch.Tensor, like: torch.Tensor, inputs: dict[str, torch.Ten
               like_name: str = "hidden_states") -> None:
     """An `out=` buffer: same shape, dtype and device as `like` (named `like_name` in errors), no
     element written twice (no internal overlap, e.g. an expanded view), and no byte shared with any
-    input."""
+    input. Under torch.compile the inputs are not compared: Dynamo cannot read addresses, and the
+    compiled call copies a fresh result into out, so a shared byte cannot corrupt what it reads."""
     check_tensor("out", out, dtypes=(like.dtype,), device=like.device)
     check_shape("out", out, tuple(like.shape), f"same as {like_name}")
     if overlaps_itself(out):
         raise ValueError("out must not overlap itself (an expanded or stride-0 view writes one element "
                          "twice); pass a plain buffer")
+    if torch.compiler.is_compiling():
+        return
     for name, t in inputs.items():
         if overlaps(out, t):
             raise ValueError(f"out must not share memory with {name}")

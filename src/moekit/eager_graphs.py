@@ -196,6 +196,9 @@ class GraphCache:
     def _record(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
                 full: Hashable) -> _Entry | None:
         device = inputs[0].device
+        if device.type != "cuda":           # no graph off CUDA: the caller runs fn, now and for this key
+            self._uncapturable.add(full)
+            return None
         if torch.cuda.get_sync_debug_mode() != 0:     # the caller watches for syncs: record nothing
             return None
         # Normal (not inference-mode) tensors: an eager call under inference_mode copies into them

@@ -34,6 +34,15 @@ def test_no_graph_off_cuda_and_layer_output_unchanged():
     assert len(graph_cache(layer)) == 0
 
 
+def test_cache_called_on_cpu_tensors_records_nothing():
+    """A `GraphCache` called directly with CPU inputs returns None (the caller runs fn itself), as for
+    any call it cannot record, and remembers the key: fn never runs inside it."""
+    cache = GraphCache()
+    for _ in range(2):
+        assert cache(lambda t: pytest.fail("fn ran"), (torch.randn(3, 8),), "key") is None
+    assert len(cache) == 0 and cache.captures == 0
+
+
 class Unread:
     """Tensors that must not be looked at: eligible() decides from the token count first."""
 

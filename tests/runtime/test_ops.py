@@ -365,22 +365,46 @@ def test_compiled_training_names_a_backend_it_cannot_trace(backend, message):
 def test_compiled_capacity_factor_with_dynamic_tokens(backend):
     """capacity_factor under torch.compile(fullgraph, dynamic): inference on padded and masked (through
     `moekit::experts`), and training on padded (traced), match the fp32 reference at two token counts;
-    a capacity of every pair drops none."""
+    a capacity of every pair drops none. The factor is an argument of the compiled function, so
+    Dynamo traces it as a symbolic float, as it does a module's attribute."""
     x_all, gate_up, down, w_all, ids_all = make_case(9, 5, 32, 16, 2)
-    compiled = torch.compile(lambda *t: moe_experts(*t, backend=backend, capacity_factor=5.0), fullgraph=True,
-                             dynamic=True, backend="aot_eager")
-    for num_tokens in (9, 4):
+    compiled = torch.compile(lambda *t, cf: moe_experts(*t, backend=backend, capacity_factor=cf),
+                             fullgraph=True, dynamic=True, backend="aot_eager")
+    for num_tokens, cf in ((9, 5.0), (4, 7.5)):
         x, w, ids = x_all[:num_tokens], w_all[:num_tokens], ids_all[:num_tokens]
         with torch.no_grad():
-            out = compiled(x, gate_up, down, w, ids)
+            out = compiled(x, gate_up, down, w, ids, cf=cf)
         assert rel_err(out, experts_same_dtype(x, gate_up, down, w, ids)) <= 1e-5
         if backend == "padded":
             leaves = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
             refs = [t.clone().requires_grad_(True) for t in (x, gate_up, down, w)]
-            compiled(*leaves, ids).pow(2).sum().backward()
+            compiled(*leaves, ids, cf=cf).pow(2).sum().backward()
             experts_same_dtype(*refs, ids).pow(2).sum().backward()
             for got, ref in zip(leaves, refs):
                 assert rel_err(got.grad, ref.grad) <= 1e-5
+
+
+@pytest.mark.parametrize("weights", ["dense", "fp8"])
+def test_compiled_call_into_out(weights):
+    """out= under torch.compile(fullgraph, dynamic): a plain buffer and the first H columns of a wider
+    one are written with the eager call's values at two token counts; an expanded out (one element
+    written twice) is still refused naming out."""
+    from moekit.quant import quantize_experts
+    x_all, gate_up, down, w_all, ids_all = make_case(9, 5, 128, 128, 2)
+    if weights == "fp8":
+        gate_up, down = quantize_experts(gate_up), quantize_experts(down)
+    compiled = torch.compile(lambda x, w, ids, out: moe_experts(x, gate_up, down, w, ids, out=out),
+                             fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for num_tokens in (9, 4):
+            x, w, ids = x_all[:num_tokens], w_all[:num_tokens], ids_all[:num_tokens]
+            expected = moe_experts(x, gate_up, down, w, ids)
+            wide = torch.full((num_tokens, 256), float("nan"))
+            for out in (torch.full_like(x, float("nan")), wide[:, :128]):
+                assert compiled(x, w, ids, out) is out and torch.equal(out, expected)
+        # fullgraph: Dynamo reports the error the traced code raised, message and all
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="out must not overlap itself"):
+            compiled(x, w, ids, torch.zeros(128).expand(num_tokens, 128))
 
 
 @pytest.mark.parametrize("layout", ["rows-by-groups", "weight-gradient"])
@@ -408,6 +432,18 @@ def test_grouped_mm_op_matches_per_group_matmuls(layout):
     for got, want in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, refs, dout)):
         assert rel_err(got, want) <= 1e-5
     torch.library.opcheck(torch.ops.moekit.grouped_mm.default, (*leaves, offs))
+
+
+def test_grouped_mm_op_with_no_rows():
+    """M = 0 (every group empty): the forward, a backward from an expanded gradient (`.sum()`'s, zero
+    strides) giving the fp32 reference's zero gradients, and opcheck."""
+    offs = torch.zeros(2, dtype=torch.int32)
+    a, b = torch.randn(0, 16, requires_grad=True), torch.randn(2, 16, 8, requires_grad=True)
+    out = torch.ops.moekit.grouped_mm(a, b, offs)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert a.grad.shape == (0, 16) and torch.equal(b.grad, torch.zeros_like(b))
+    torch.library.opcheck(torch.ops.moekit.grouped_mm.default, (a, b, offs))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -232,7 +232,7 @@ def moe_experts(
             FP8 experts, inference only, on backends triton, masked and loop (`Backend.run_fp8`),
             with no capacity_factor, stats, biases or other activation.
         down_proj: (E, H, I), dense or `Fp8Weight` as gate_up_proj.
-        topk_weights: (T, K) routing weights (any float dtype; applied in fp32 by triton).
+        topk_weights: (T, K) routing weights, float32, float16 or bfloat16 (applied in fp32 by triton).
         topk_ids: (T, K) int32 or int64 expert ids.
         backend: "auto" or one of `BACKENDS`. A call that needs gradients runs only on a backend
             with a backward (`has_backward`); "auto" picks one (warning once), an explicit

@@ -157,8 +157,8 @@ def moe_experts_fp8(x: torch.Tensor, gate_up: Fp8Weight, down: Fp8Weight, topk_w
     if out is not None:
         check_out(out, x, fp8_inputs(hidden_states=x, topk_weights=topk_weights, topk_ids=topk_ids,
                                      gate_up_proj=gate_up, down_proj=down))
-    if x.shape[0] == 0:
-        return out if out is not None else torch.empty_like(x)
+    if x.shape[0] == 0 or num_experts == 0:     # no pair reaches an expert: zeros, as the dense path
+        return out.zero_() if out is not None else torch.zeros_like(x)
     if compiling:
         cfg = None if config is None else [int(getattr(config, f)) for f in CONFIG_FIELDS]
         result = torch.ops.moekit.experts_fp8(x, gate_up.data, gate_up.scale, down.data, down.scale,

@@ -79,7 +79,8 @@ def _grouped_mm_backward(ctx, grad):
     a, b, offs = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
     gmm = torch.ops.moekit.grouped_mm       # differentiable itself: a double backward works eagerly
-    grad = grad.contiguous()            # grouped_mm takes no zero strides, as an expanded grad has
+    # grouped_mm takes no zero strides, as an expanded grad has; an empty one counts as contiguous
+    grad = grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
     if b.dim() == 3:        # out (M, N) = a (M, K) @ b[g] row group by row group
         grad_a = gmm(grad, b.transpose(-1, -2), offs) if need_a else None
         grad_b = gmm(a.t(), grad, offs) if need_b else None

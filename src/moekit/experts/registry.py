@@ -18,7 +18,7 @@ import torch
 
 from moekit._validation import FLOAT_DTYPES
 from moekit.activation import SWIGLU, GatedActivation
-from moekit.tuning import SWITCH_FIELDS, ExpertsConfig
+from moekit.tuning import SWITCH_FIELDS, ExpertsConfig, check_config_type
 
 # The options that change what an expert computes (`moekit.activation`), not how it is run.
 MATH_OPTIONS = frozenset({"gate_up_bias", "down_bias", "activation", "interleaved"})
@@ -50,6 +50,12 @@ class ExpertsOptions:
     activation: GatedActivation | None = None
     interleaved: bool | None = None
     capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        check_config_type(self.config)
+        if self.stats is not None and not isinstance(self.stats, dict):
+            raise TypeError(f"stats must be a dict or None, got {type(self.stats).__name__} (the backend "
+                            "fills a dict)")
 
     @staticmethod
     def math(gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: GatedActivation,

@@ -59,6 +59,7 @@ from moekit.masked.kernels import (
 from moekit.quant import (
     FP8_BLOCK,
     FP8_DTYPE,
+    INFERENCE_ONLY,
     Fp8Weight,
     check_fp8_scales,
     check_fp8_weight,
@@ -70,6 +71,7 @@ from moekit.quant import (
 from moekit.shapes import MoEShape
 from moekit.tuning import (
     ExpertsConfig,
+    check_config_type,
     check_fp8_config,
     default_config,
     fp8_tiles,
@@ -404,6 +406,7 @@ def masked_experts(
 ) -> torch.Tensor:
     """SwiGLU experts on the masked layout: y[e, r] = down_e(silu(gate_e x[e, r]) * up_e x[e, r])
     (* row_weights[e, r]) for each expert e and row r < counts[e]. No host sync, graph-capturable.
+    No backward: with grad mode on, an input that requires grad is a RuntimeError naming it.
 
     Args:
         x_masked: (E, C, H) float32, float16 or bfloat16; expert e's tokens in rows [0, counts[e])
@@ -430,12 +433,12 @@ def masked_experts(
         `out` held, or are uninitialised when `out` is None.
     """
     check_masked_args(x_masked, counts, gate_up_proj, down_proj, row_weights)
+    check_config_type(config)
     num_experts, capacity, hidden = x_masked.shape
     inter = gate_up_proj.shape[1] // 2
     fp8 = isinstance(gate_up_proj, Fp8Weight)
-    if fp8:
-        check_inference(x_masked=x_masked, row_weights=row_weights, gate_up_proj=gate_up_proj,
-                        down_proj=down_proj)
+    check_inference(INFERENCE_ONLY if fp8 else "masked_experts has no backward", x_masked=x_masked,
+                    row_weights=row_weights, gate_up_proj=gate_up_proj, down_proj=down_proj)
     if out is not None:
         inputs = fp8_inputs(x_masked=x_masked, counts=counts, gate_up_proj=gate_up_proj, down_proj=down_proj,
                             row_weights=row_weights)

@@ -149,14 +149,18 @@ def check_scale_values(name: str, scale: torch.Tensor, keys: Sequence[Sequence[s
     raise ValueError(f"{name} must be finite and positive, got {value} at {idx}")
 
 
-def check_inference(**named: torch.Tensor | Fp8Weight | None) -> None:
+INFERENCE_ONLY = "FP8 experts are inference only (no backward)"
+
+
+def check_inference(what: str = INFERENCE_ONLY, /,
+                    **named: torch.Tensor | Fp8Weight | None) -> None:
     """RuntimeError naming the argument if autograd would record the call (grad mode on and a given
-    tensor, or an `Fp8Weight`'s data or scale, requiring grad): the FP8 experts have no backward, and
-    an output cut off from the graph would train nothing without a word."""
+    tensor, or an `Fp8Weight`'s data or scale, requiring grad): `what` has no backward, and an output
+    cut off from the graph would train nothing without a word."""
     for name, t in named.items():
         parts = (t.data, t.scale) if isinstance(t, Fp8Weight) else (t,) if t is not None else ()
         if needs_grad(*parts):
-            raise RuntimeError(f"FP8 experts are inference only (no backward), and {name} requires grad: "
+            raise RuntimeError(f"{what}, and {name} requires grad: "
                                "run the call under torch.no_grad() or torch.inference_mode()")
 
 
@@ -200,7 +204,8 @@ def round_to_fp8(v: torch.Tensor, dtype: torch.dtype = FP8_DTYPE) -> torch.Tenso
 
 def quantize_experts(w: torch.Tensor, *, ue8m0: bool = False) -> Fp8Weight:
     """Block-quantize expert weights w (E, N, K) (N and K divisible by 128, any float dtype): one
-    float32 scale per 128 x 128 block, amax / 448 (a power of two at or above it with ue8m0)."""
+    float32 scale per 128 x 128 block, amax / 448 (a power of two at or above it with ue8m0). Outside
+    autograd (quantizing has no derivative): a parameter's values give plain inference weights."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.dtype.is_floating_point:
         raise TypeError(f"w must be a 3-D float tensor (E, N, K), got "
                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
@@ -208,7 +213,7 @@ def quantize_experts(w: torch.Tensor, *, ue8m0: bool = False) -> Fp8Weight:
         raise TypeError("w is float8_e4m3fn already: pair it with its scales as Fp8Weight(data, scale)")
     _check_block_shape("w", tuple(w.shape[1:]), ("N", "K"))
     e, n, k = w.shape
-    blocks = w.float().view(e, n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+    blocks = w.detach().float().reshape(e, n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(2, 4))
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("w holds NaN or infinite values: they have no FP8 block scale")

@@ -236,6 +236,13 @@ RANGE_WGRAD = WgradConfig(block_n=128, block_c=128, block_m=64, warps=4, stages=
 RANGE_WGRAD_ROWS = 128   # rows per expert (on average) below which RANGE_WGRAD is used
 
 
+def check_config_type(config: object, name: str = "config") -> None:
+    """TypeError naming the argument unless config is an ExpertsConfig or None."""
+    if config is not None and not isinstance(config, ExpertsConfig):
+        raise TypeError(f"{name} must be a moekit.ExpertsConfig or None, got {type(config).__name__} "
+                        f"{config!r}")
+
+
 @dataclass(frozen=True)
 class GluonWgradTiles:
     """Tiles of the Hopper Gluon weight gradient (`moekit.grouped_gemm.gluon_wgrad`), which

@@ -8,12 +8,14 @@ per-pair computation written in the tests, never a moekit backend); in float32 a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import distinct_topk_ids, poisoned, rel_err, same_dtype_bound
-from moekit import BACKENDS, ExpertsConfig, moe_experts
-from moekit.experts import get_backend
+from moekit import BACKENDS, ExpertsConfig, masked_experts, moe_experts
+from moekit.experts import get_backend, registry
 from moekit.reference import moe_experts_ref
 
 # Small tiles keep the interpreter fast and exercise multi-block, multi-tile and masked paths.
@@ -312,6 +314,29 @@ def test_bad_options_raise():
         ExpertsConfig(block_m=0)
     with pytest.raises(ValueError, match="power of two"):
         ExpertsConfig(block_n1=48)
+
+
+@pytest.mark.parametrize("option,value,msg", [
+    ("config", {"block_m": 16}, r"config must be a moekit\.ExpertsConfig or None, got dict"),
+    ("config", "fast", r"config must be a moekit\.ExpertsConfig or None, got str"),
+    ("stats", [], r"stats must be a dict or None, got list"),
+], ids=["config-dict", "config-str", "stats-list"])
+def test_wrongly_typed_options_raise_naming_them(option, value, msg, monkeypatch):
+    """An option of the wrong type is a TypeError naming it, raised before the backend runs (so before
+    any launch: the masked backend's layout kernel would otherwise run first), on every backend that
+    takes it, and in `masked_experts` itself."""
+    takers = [b for b in BACKENDS if option in get_backend(b).options]
+    assert takers
+    for backend in takers:
+        stopped = dataclasses.replace(get_backend(backend), run=lambda *_, **__: pytest.fail("it ran"))
+        monkeypatch.setitem(registry._REGISTRY, backend, stopped)
+        with pytest.raises(TypeError, match=msg):
+            moe_experts(backend=backend, **{option: value}, **_good())
+    if option == "config":
+        g = _good()
+        with pytest.raises(TypeError, match=msg):
+            masked_experts(g["hidden_states"][None].expand(4, 5, 40), torch.tensor([5, 0, 1, 2]),
+                           g["gate_up_proj"], g["down_proj"], config=value)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

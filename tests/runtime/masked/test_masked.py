@@ -170,6 +170,24 @@ def test_masked_experts_bad_inputs_raise(name, mutate, exc, msg):
         masked_experts(**args)
 
 
+@pytest.mark.parametrize("name", ["x_masked", "gate_up_proj", "down_proj", "row_weights"])
+def test_masked_experts_refuses_inputs_that_need_gradients(name):
+    """No backward: an input that requires grad (grad mode on) is an error naming it, never an output
+    silently cut off from the graph; under no_grad the same call runs."""
+    gate_up, down = make_weights(3, 32, 16)
+    args = dict(x_masked=masked_input([1, 0, 4], 4, 32, fill=0.0), counts=torch.tensor([1, 0, 4]),
+                gate_up_proj=gate_up, down_proj=down, row_weights=torch.rand(3, 4))
+    args[name] = args[name].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=f"masked_experts has no backward, and {name} requires grad"):
+        masked_experts(**args, config=SMALL)
+    with torch.no_grad():
+        got = masked_experts(**args, config=SMALL)
+    assert not got.requires_grad
+    ref = rows_ref(*(args[k].detach() for k in ("x_masked", "counts", "gate_up_proj", "down_proj",
+                                                "row_weights")))
+    assert rel_err(valid_rows(got, [1, 0, 4]), ref) <= 1e-5
+
+
 # The layout, dispatch and combine.
 
 def kept_by_hand(ids: torch.Tensor, num_experts: int, capacity: int) -> tuple[list[bool], list[int], int]:

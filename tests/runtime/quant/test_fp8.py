@@ -44,6 +44,7 @@ from moekit.quant import (
     quantize_rows,
     quantize_rows_torch,
 )
+from moekit.reference import moe_experts_ref
 from moekit.tuning import ExpertsConfig, check_fp8_config, fp8_tiles
 
 HAS_CUDA = torch.cuda.is_available()
@@ -196,6 +197,42 @@ def test_quantize_experts_block_scales():
     u = quantize_experts(w, ue8m0=True)
     assert torch.equal(torch.frexp(u.scale).mantissa, torch.full_like(u.scale, 0.5))
     assert bool((u.scale >= blocks / E4M3_MAX).all())
+
+
+@pytest.mark.parametrize("backend", ["loop", "triton", "masked"])
+@pytest.mark.parametrize("tokens,experts", [(0, 2), (6, 0)], ids=["no-tokens", "no-experts"])
+def test_fp8_nothing_routed_gives_zeros(backend, tokens, experts):
+    """No pair reaches an expert (T = 0, or E = 0 with every id ignored: an expert-parallel rank
+    holding none): every FP8 backend returns the fp32 reference's zeros, also into a poisoned out=,
+    as the dense path and the `moekit::experts_fp8` op do."""
+    x = torch.randn(tokens, 128)
+    gate_up = quantize_experts(torch.randn(experts, 256, 128))
+    down = quantize_experts(torch.randn(experts, 128, 128))
+    ids = torch.tensor([[0, -1], [1, 2], [-1, -1], [3, 0], [5, 1], [2, 4]], dtype=torch.int32)[:tokens]
+    w = torch.rand(tokens, 2)
+    ref = moe_experts_ref(x, gate_up.dequantize(), down.dequantize(), w, ids)
+    got = moe_experts(x, gate_up, down, w, ids, backend=backend, ignore_invalid_ids=True)
+    assert got.shape == x.shape and torch.equal(got, ref)
+    out = torch.full_like(x, math.nan)
+    assert moe_experts(x, gate_up, down, w, ids, backend=backend, ignore_invalid_ids=True, out=out) is out
+    assert torch.equal(out, ref)
+
+
+def test_quantize_experts_of_a_parameter_gives_inference_weights():
+    """Quantizing has no derivative: a trainable parameter gives data and scales outside autograd
+    (those of its detached values, bit for bit), which an inference call then takes with grad mode on
+    (only the inputs' requires_grad counts)."""
+    gate_up = torch.nn.Parameter(torch.randn(4, 256, 128) / 128**0.5)
+    down = torch.nn.Parameter(torch.randn(4, 128, 128) / 128**0.5)
+    qgu, qdn = quantize_experts(gate_up), quantize_experts(down)
+    assert not any(t.requires_grad for t in (qgu.data, qgu.scale, qdn.data, qdn.scale))
+    plain = quantize_experts(gate_up.detach())
+    assert torch.equal(qgu.data.float(), plain.data.float()) and torch.equal(qgu.scale, plain.scale)
+    x, w, ids = torch.randn(3, 128), torch.rand(3, 2), torch.tensor([[0, 1], [2, 0], [3, 3]])
+    out = moe_experts(x, qgu, qdn, w, ids, backend="loop")
+    with torch.no_grad():
+        expected = moe_experts(x, plain, quantize_experts(down.detach()), w, ids, backend="loop")
+    assert not out.requires_grad and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("bad,match", [
