@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Collection
 
+from moekit import env
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("moekit.bench.cli", "time every backend against the roofline floor"),
     "report": ("moekit.bench.report_cli", "redraw any study's plots and report from its results CSV"),
@@ -53,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The top level takes no option with a value, so the first bare word is the subcommand.
     command = next((a for a in argv if not a.startswith("-")), None)
+    prog = f"moekit {command}" if command in SUBCOMMANDS else "moekit"
+    try:
+        env.check_all()     # before any module reads a switch at import, and before any work
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         args = build_parser([command] if command in SUBCOMMANDS else []).parse_args(argv)
         return int(args._run(args) or 0)
@@ -60,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         missing = (exc.name or "").partition(".")[0]
         if missing not in EXTRA_MODULES:
             raise
-        prog = f"moekit {command}" if command in SUBCOMMANDS else "moekit"
         print(f"{prog}: error: {missing} is not installed; the lab needs the bench extra: "
               "pip install 'moekit[bench]'", file=sys.stderr)
         return 2

@@ -106,6 +106,14 @@ def flag(name: str) -> bool:
     raise ValueError(f"${name} must be 1 or 0 (also true/false, yes/no, on/off), got {raw!r}")
 
 
+def check_all() -> None:
+    """ValueError naming the first flag set to something that is no flag value: a program can refuse
+    it before any work, wherever (and whenever) moekit would read it."""
+    for s in SWITCHES:
+        if s.type == "flag":
+            flag(s.name)
+
+
 def text(name: str) -> str:
     """Text or path switch `name` as set in the environment now, spaces stripped ("" when unset)."""
     row = switch(name)

@@ -73,6 +73,7 @@ def test_cli_writes_csv_report_and_a_figure_per_ablation(run):
     assert report.count("(interpreter timings, not GPU ones)") >= 5
     assert report.count("The article") >= len(ABLATIONS)
     assert "no Nsight Compute counters on the CPU" in report
+    assert "`align_triton` at this commit: one Triton launch up to" in report   # a fresh run: this code's
 
 
 def test_report_redraws_the_folder_from_the_csv_alone(run, tmp_path, capsys):

@@ -142,6 +142,22 @@ def test_the_error_and_the_exit_status_reach_the_shell():
     assert done.stderr.strip().splitlines()[-1].startswith("moekit bench: error: argument --device:")
 
 
+@pytest.mark.parametrize("command,switch", [("bench", "MOEKIT_PDL"), ("report", "MOEKIT_EAGER_GRAPHS")],
+                         ids=["read-at-each-call", "read-at-import"])
+def test_a_malformed_switch_is_one_error_line_before_any_work(command, switch, tmp_path):
+    """A MOEKIT_* flag set to something that is no flag value: the subcommand's one error line naming
+    it, exit status 2, no traceback and no folder written, whenever moekit reads the switch."""
+    out = tmp_path / "out"
+    argv = {"bench": ["--device", "cpu", "--tokens", "1", "--out", str(out)],
+            "report": [str(tmp_path)]}[command]
+    done = subprocess.run([sys.executable, "-m", "moekit", command, *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, switch: "maybe"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"moekit {command}: error: ${switch} must be 1 or 0 (also true/false, yes/no, on/off), got 'maybe'")
+    assert not out.exists()
+
+
 # --out: checked before any work, never replacing earlier results without --overwrite.
 
 
@@ -211,6 +227,33 @@ def test_overwrite_replaces_earlier_results(tmp_path, monkeypatch, fake_ceilings
     assert "earlier" not in (tmp_path / "results.csv").read_text()
     assert (tmp_path / "report.md").exists() and (tmp_path / "time_tiny.png").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("given_out", [True, False], ids=["--out", "default-folder"])
+def test_results_written_while_a_run_measured_are_never_replaced(given_out, tmp_path, monkeypatch, capsys,
+                                                                 fake_ceilings):
+    """Another run writes results into this run's folder while it measures (two runs given one --out,
+    or started in the same second with the default folder): this run writes into the next free
+    folder (`<folder>-2`) and says where; the other run's results stay as they were."""
+    monkeypatch.chdir(tmp_path)
+    rows = sample_rows()
+
+    def sweep(plan, ceilings, prov, options, on_case=None):
+        folder = tmp_path / "race" if given_out else tmp_path / "moekit-results" / prov.run_id
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "results.csv").write_text("the other run's results\n")
+        (folder / "report.md").write_text("the other run's report\n")
+        return [replace(r, run_id=prov.run_id) for r in rows]
+
+    monkeypatch.setattr(bench_cli, "run_sweep", sweep)
+    argv = ["bench", "--device", "cpu", "--tokens", "1,4,16", *(["--out", "race"] if given_out else [])]
+    assert run_cli(argv) == 0
+    first = tmp_path / "race" if given_out else min((tmp_path / "moekit-results").iterdir())
+    assert (first / "results.csv").read_text() == "the other run's results\n"
+    assert (first / "report.md").read_text() == "the other run's report\n"
+    second = first.with_name(first.name + "-2")
+    assert len(report.STUDY.read(second / "results.csv")) == len(rows) and (second / "report.md").exists()
+    assert f"{second.name}/results.csv" in " ".join(capsys.readouterr().out.split())
 
 
 # A study in which no case succeeded exits non-zero and says so.

@@ -181,6 +181,14 @@ def test_cli_rejects_bad_arguments_before_measuring(argv, tmp_path, capsys):
     assert not (tmp_path / CSV_NAME).exists()
 
 
+def test_cli_unknown_ep_backend_names_the_flag(tmp_path, capsys):
+    argv = ["imbalance", "--preset", "tiny", "--tokens", "8", "--rep", "1", "--backends", "loop"]
+    assert main([*argv, "--ep-backend", "foo", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("moekit imbalance: error: --ep-backend: ")
+    assert "'foo'" in err and not (tmp_path / CSV_NAME).exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [[], ["--graph", "--backends", "padded,triton", "--placement", "strided"]],
                          ids=["eager", "graph"])

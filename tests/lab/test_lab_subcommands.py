@@ -1,13 +1,13 @@
 """`moekit profile`, `sweep` and `e2e` on the CPU (tiny preset, Triton interpreted): each runs, writes
-its rows and report, is redrawn by `moekit report`, and refuses bad arguments with one error line.
-Timings are never asserted."""
+its rows and report, is redrawn by `moekit report`, and refuses bad arguments with one error line;
+`moekit ep-bench --simulate` refuses what only a process group measures. Timings are never asserted."""
 
 from __future__ import annotations
 
 import pytest
 
 from helpers import error_line, run_cli
-from moekit.bench import e2e, profile, variants
+from moekit.bench import e2e, ep_bench, profile, variants
 from moekit.bench.study import find_results
 
 
@@ -183,7 +183,8 @@ def test_e2e_smoke_times_every_implementation_and_compares_tokens(tmp_path):
     assert all(r.status == "ok" and r.n_rep == 1 for r in rows)
     assert all(r.median_ms > 0 for r in rows if r.what == "prefill")
     assert [r.tokens_match for r in rows if r.what == "eager"] == [1, 1, None]   # float32: no near-tie flips
-    assert "## eager: qwen3_moe, 1 layers, 2 tokens" in (out / "report.md").read_text()
+    assert ("## eager: qwen3_moe (tiny stand-in: hidden 64, 8 experts), 1 layers, 2 tokens"
+            in (out / "report.md").read_text())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -212,3 +213,40 @@ def test_bench_says_once_that_interpreted_triton_times_the_interpreter(tmp_path,
     assert capsys.readouterr().out.replace("\n", " ").count(INTERPRETER_NOTE[:60]) == 1
     assert run_cli([*argv, "--backends", "loop", "--out", str(tmp_path / "b")]) == 0
     assert INTERPRETER_NOTE[:40] not in capsys.readouterr().out.replace("\n", " ")
+
+
+class _Measuring(Exception):
+    """Raised where ep-bench starts measuring (its provenance comes first)."""
+
+
+def _stop_measuring(*args, **kwargs):
+    raise _Measuring
+
+
+EP_SIMULATE = ["ep-bench", "--simulate", "2", "--preset", "tiny", "--tokens", "4", "--scenarios", "balanced"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "low_latency"], "--modes low_latency needs a process group"),
+    (["--modes", "normal,low_latency"], "--modes low_latency needs a process group"),
+    (["--ll-tokens", "2"], "--ll-tokens needs a process group"),
+    (["--a2a-mib", "3"], "--a2a-mib needs a process group"),
+    (["--overlap-chunks", "1,2"], "--overlap-chunks needs a process group"),
+], ids=["modes-ll", "modes-both", "ll-tokens", "a2a-mib", "overlap-chunks"])
+def test_ep_bench_simulate_refuses_what_needs_a_process_group(argv, message, capsys, tmp_path, monkeypatch):
+    """--simulate times no communication: these flags are one error line (stdout, like every ep-bench
+    error) before anything is measured, not dropped from a run that exits 0."""
+    monkeypatch.setattr(ep_bench, "measure_provenance", _stop_measuring)
+    assert run_cli([*EP_SIMULATE, *argv, "--out", str(tmp_path / "x")]) == 2
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("moekit ep-bench: ")]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert "(--simulate times no communication)" in lines[0]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv", [[], ["--modes", "normal", "--overlap-chunks", "1"]],
+                         ids=["unset", "normal"])
+def test_ep_bench_simulate_takes_those_flags_unset_or_at_what_it_runs(argv, tmp_path, monkeypatch):
+    monkeypatch.setattr(ep_bench, "measure_provenance", _stop_measuring)
+    with pytest.raises(_Measuring):
+        run_cli([*EP_SIMULATE, *argv, "--out", str(tmp_path / "x")])

@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{str(cfg.dtype).removeprefix('torch.')}, "
                   f"{' + '.join(cfg.modes)}; ablations: {', '.join(cfg.ablations)}", highlight=False)
     rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(f"  {m}", highlight=False))
-    written = STUDY.write(rows, out_dir)
+    written = STUDY.write(rows, out_dir, overwrite=args.overwrite)
+    out_dir = written[0].parent
     console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False, soft_wrap=True)
     return exit_status(PROG, rows, out_dir / CSV_NAME, console,

@@ -14,9 +14,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from moekit import align
 from moekit.bench import results
 from moekit.bench.results import LayerRow, MeasuredColumns
-from moekit.bench.study import FILES, Files, Study, fmt_number
+from moekit.bench.study import FILES, Files, Study, code_lines, cpu_run_note, fmt_number
 
 TILE_HEIGHTS = (16, 32, 64, 128)
 TILE_VARIANTS = tuple(f"tile_{bm}{'x2' if pair == 2 else ''}" for bm in TILE_HEIGHTS for pair in (1, 2))
@@ -49,7 +50,7 @@ VARIANTS: dict[str, str] = {
     "dense": "the same FLOPs as two dense matmuls: T·K rows (each token repeated K times) through expert 0, "
              "torch.nn.functional.linear (cuBLAS on a GPU), silu(gate) * up between them",
     "align_torch": "align_block_size(backend='torch'): sort + histogram + cumsum in PyTorch ops",
-    "align_triton": "align_block_size(backend='triton'): one Triton launch up to 4,096 pairs, three above",
+    "align_triton": "align_block_size(backend='triton')",
     "masked": "moe_experts(backend='masked'): pairs scattered into the (E, C = T·K, H) layout, GEMMs that "
               "skip the rows past each expert's count, weighted combine",
     "fp8": "the whole triton path on the layer's weights in block-scaled FP8 (e4m3, one fp32 scale per "
@@ -57,6 +58,13 @@ VARIANTS: dict[str, str] = {
            "GEMMs above the decode bound, w8a16 decode kernels below; checked against the FP8 oracle, its "
            "floor from the FP8 bytes and the FP8 matmul ceiling",
     BYTES_VARIANT: "DRAM bytes read and written by each kernel of one `layer` call (Nsight Compute)",
+}
+
+# How the code drawing the report runs a variant, beyond its legend: a description of the code, not
+# of the rows, written under the legend only for rows that code measured (`study.code_lines`).
+CODE: dict[str, str] = {
+    "align_triton": f"`align_triton` at this commit: one Triton launch up to "
+                    f"{max(align.FUSED_MAX_PAIRS, align.ONE_LAUNCH_MAX_PAIRS):,} pairs, three above.",
 }
 
 # Ablation -> (section title, its variants; the first is the one the others are compared with).
@@ -218,8 +226,11 @@ def _here(rows: Sequence[AblateRow], variants: Sequence[str]) -> tuple[str, int]
     return None
 
 
-def _legend(variants: Sequence[str]) -> list[str]:
-    return [f"- `{v}`: {VARIANTS[v]}" for v in dict.fromkeys(variants)] + [""]
+def _legend(rows: Sequence[AblateRow], variants: Sequence[str]) -> list[str]:
+    """Each variant's legend, then how the code runs those with more to say (`CODE`): `code_lines`."""
+    variants = list(dict.fromkeys(variants))
+    code = code_lines(rows, *(CODE[v] for v in variants if v in CODE))
+    return [f"- `{v}`: {VARIANTS[v]}" for v in variants] + [""] + ([*code, ""] if code else [])
 
 
 # What the article measured (RTX 4060 laptop GPU, bf16, Qwen3-30B-A3B's shape), per ablation.
@@ -439,7 +450,7 @@ def _section(rows: Sequence[AblateRow], key: str, plots: dict[str, str]) -> list
     tables = TABLES[key](rs) if key in TABLES else _compare(rs, key)
     figure = ["", f"![{key}]({plots[key]})"] if key in plots else []
     sentence = f"{HERE[key](rs)} {ARTICLE[key]}"
-    return [f"## {title}", "", *_legend(variants), *tables, "", sentence, *figure, ""]
+    return [f"## {title}", "", *_legend(rs, variants), *tables, "", sentence, *figure, ""]
 
 
 def render(rows: Sequence[AblateRow], plots: dict[str, str], files: Files = FILES) -> str:
@@ -460,10 +471,9 @@ def render(rows: Sequence[AblateRow], plots: dict[str, str], files: Files = FILE
         "ratios, not times.",
         "",
     ]
-    if r0.device_type == "cpu":
-        lines += ["> CPU run: Triton runs through its interpreter, so every time here is an interpreter "
-                  "timing, not a GPU one; the comparisons with the article's GPU numbers show the study's "
-                  "flow only. No CUDA graphs and no Nsight Compute counters on the CPU.", ""]
+    lines += cpu_run_note(rows, "Triton runs through its interpreter, so every time here is an interpreter "
+                          "timing, not a GPU one; the comparisons with the article's GPU numbers show the "
+                          "study's flow only. No CUDA graphs and no Nsight Compute counters on the CPU.")
     for key in ablations_in(rows):
         lines += _section(rows, key, plots)
     lines += _not_timed(rows)

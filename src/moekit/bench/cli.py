@@ -312,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
 
             rows = with_threads(run_sweep(plan, ceilings, prov, options, on_case), threads)
 
-    written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)})
+    written = STUDY.write(rows, out_dir, extra={JSON_NAME: json_text(rows)}, overwrite=args.overwrite)
+    out_dir = written[0].parent
     if plan.device.type == "cpu" and any(b in (TILED, LAYER) for b in plan.backends):
         console.print(INTERPRETER_NOTE, highlight=False)
     for preset in plan.presets:

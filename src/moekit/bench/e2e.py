@@ -17,7 +17,8 @@ the whole block a decoding call) and free-experts (zeros: what the rest of the m
 implementations run in turn inside each repetition (a drift of the machine affects all alike); each
 call is timed by `time_fn` (one call, no flush). Greedy tokens are compared with grouped_mm's (in
 bfloat16 a rounding difference can flip a near-tie: reported, not fatal). On a CPU-only machine the
-model is tiny and float32: a check of the pipeline, not a figure.
+model is a tiny stand-in of the config (`TINY`) in float32: a check of the pipeline, not a figure; its
+rows say so (`model_note`, in the report's section titles) and the report carries the CPU-run note.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from moekit.bench import args as arg_types
 from moekit.bench.args import usage_error
 from moekit.bench.lab import first_line, report, run_study
 from moekit.bench.results import Provenance
-from moekit.bench.study import FILES, Files, Study
+from moekit.bench.study import FILES, Files, Study, cpu_run_note
 from moekit.bench.timing import TimingStats, time_fn
 
 PROG = "moekit e2e"
@@ -83,11 +84,19 @@ def build_model(kind: str, device: torch.device, dtype: torch.dtype = torch.bflo
     return model.eval()
 
 
+def stand_in_note(config) -> str:
+    """A tiny model's `model_note`: what stands in for the published model, with its sizes."""
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return f"tiny stand-in: hidden {config.hidden_size}, {experts} experts"
+
+
 @dataclass(frozen=True)
 class E2ERow(Provenance):
     """One implementation in one phase: its run's `Provenance`, the model, then the timing over the
     repetitions (ms a call for prefill, a new token for eager / compiled); speedup: grouped_mm's
-    median over this one's; tokens_match: greedy tokens equal grouped_mm's (1 / 0; empty: not compared)."""
+    median over this one's; tokens_match: greedy tokens equal grouped_mm's (1 / 0; empty: not compared);
+    model_note: "tiny stand-in: hidden .., .. experts" where the model is `TINY`'s, not the published
+    config's sizes (a CPU run; empty otherwise, and in files written before the column)."""
 
     model: str
     layers: int
@@ -102,13 +111,22 @@ class E2ERow(Provenance):
     n_rep: int | None
     speedup: float
     tokens_match: int | None
+    model_note: str = ""
+
+
+def model_label(r: E2ERow) -> str:
+    """The model as the report names it: the config's name, and what stands in for it if not its sizes."""
+    return f"{r.model} ({r.model_note})" if r.model_note else r.model
 
 
 def render(rows: Sequence[E2ERow], files: Files = FILES) -> dict[str, str]:
     return {files.report: report(
-        rows, "moekit e2e", lambda r: f"{r.what}: {r.model}, {r.layers} layers, {r.tokens} tokens",
+        rows, "moekit e2e", lambda r: f"{r.what}: {model_label(r)}, {r.layers} layers, {r.tokens} tokens",
         ("impl", "status", "median_ms", "speedup", "p20_ms", "p80_ms", "n_rep", "tokens_match", "reason"),
-        ["- prefill: ms a call; eager and compiled: ms a new token; speedup: grouped_mm's median over "
+        [*cpu_run_note(rows, "the model is a tiny stand-in of the published config, in float32: a check "
+                             "of the pipeline, not a measurement of the published model or of GPU "
+                             "performance."),
+         "- prefill: ms a call; eager and compiled: ms a new token; speedup: grouped_mm's median over "
          "the row's"])}
 
 
@@ -231,10 +249,12 @@ def run(args: argparse.Namespace) -> int:
                 setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
 
     def measure(console, ceilings, prov) -> list[E2ERow]:
-        runner = Runner(build_model(args.model, device, dtype, layers), device,
-                        arg_types.pick(args.prompt, device, 4096, 16),
+        tiny = device.type == "cpu"
+        model = build_model(args.model, device, dtype, layers, tiny=tiny)
+        runner = Runner(model, device, arg_types.pick(args.prompt, device, 4096, 16),
                         arg_types.pick(args.new_tokens, device, 32, 3))
-        head = {**asdict(prov), "model": args.model, "layers": layers}
+        head = {**asdict(prov), "model": args.model, "layers": layers,
+                "model_note": stand_in_note(model.config) if tiny else ""}
         return e2e_rows(runner, impls, whats, arg_types.pick(args.rep, device, 5, 1), head,
                         lambda m: console.print(f"  {m}", highlight=False))
 

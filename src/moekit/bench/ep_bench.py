@@ -620,7 +620,8 @@ def _write(rows: list[EPRow], args: argparse.Namespace, out_dir: Path, console: 
     """results.csv (this run's rows, after the folder's earlier ones with --append), the plot and
     report.md; the exit status."""
     earlier = STUDY.read(out_dir / CSV_NAME) if args.append and (out_dir / CSV_NAME).exists() else []
-    written = STUDY.write([*earlier, *rows], out_dir)
+    written = STUDY.write([*earlier, *rows], out_dir, overwrite=args.overwrite or args.append)
+    out_dir = written[0].parent
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
     return exit_status(PROG, rows, out_dir / CSV_NAME, console,
                        lambda r: f"{r.scenario} {r.placement} rank {r.rank} {r.phase}")
@@ -677,8 +678,15 @@ def _run_simulated(args: argparse.Namespace, console: Console) -> int:
         cfg = _config(args, device, console)
         if n > cfg.shape.num_experts:
             raise ValueError(f"--simulate {n}: more ranks than the preset's {cfg.shape.num_experts} experts")
-        if cfg.overlap_chunks != (1,):
-            raise ValueError("--overlap-chunks needs a process group (--simulate times no communication)")
+        # Only the normal mode's experts are simulated: refuse, not drop, what only a process group
+        # (torchrun) measures. --ll-tokens and --a2a-mib default to None (not given).
+        modes = [m for m in cfg.modes if m != "normal"] if getattr(args, "modes", None) else []
+        for flag, asked in ((f"--modes {','.join(modes)}", modes),
+                            ("--ll-tokens", getattr(args, "ll_tokens", None) is not None),
+                            ("--overlap-chunks", cfg.overlap_chunks != (1,)),
+                            ("--a2a-mib", getattr(args, "a2a_mib", None) is not None)):
+            if asked:
+                raise ValueError(f"{flag} needs a process group (--simulate times no communication)")
     except ValueError as exc:
         return _fail(console, exc)
     grp = Group(0, n, "", device)

@@ -315,7 +315,10 @@ def config_from_args(args: argparse.Namespace, console: Console | None = None) -
     for b in args.backends:
         if b not in BACKENDS:
             raise ValueError(f"--backends: unknown backend {b!r}; expected from {BACKENDS}")
-    resolve_backend(args.ep_backend, device)  # ValueError on an unknown name
+    try:
+        resolve_backend(args.ep_backend, device)  # ValueError on an unknown name
+    except ValueError as exc:
+        raise ValueError(f"--ep-backend: {exc}") from None
     ep = args.ep if args.ep is not None else min(8, max(1, shape.num_experts // 2))
     if ep > shape.num_experts:
         raise ValueError(f"--ep {ep}: more ranks than the {shape.num_experts} experts of {preset}")
@@ -354,7 +357,8 @@ def run(args: argparse.Namespace) -> int:
         rows = study_rows(cfg, ceilings, prov, progress=lambda m: console.print(m, highlight=False))
     rows = with_threads(rows, threads)
     out_dir = args.out or RESULTS_ROOT / f"imbalance-{prov.run_id}"
-    written = STUDY.write(rows, out_dir)
+    written = STUDY.write(rows, out_dir, overwrite=args.overwrite)
+    out_dir = written[0].parent
     console.print(summary_table(rows))
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
     return exit_status(PROG, rows, out_dir / CSV_NAME, console,

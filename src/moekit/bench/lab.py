@@ -41,7 +41,8 @@ def run_study(prog: str, args: argparse.Namespace, study: Study, device: torch.d
     out_dir = args.out or RESULTS_ROOT / f"{study.name}-{prov.run_id}"
     if not rows:
         return usage_error(prog, "nothing to measure with these arguments")
-    written = study.write(rows, out_dir)
+    written = study.write(rows, out_dir, overwrite=args.overwrite)
+    out_dir = written[0].parent
     console.print(written[-1].read_text(encoding="utf-8"), markup=False, highlight=False, soft_wrap=True)
     console.print("rows: " + ", ".join(f"{n} {s}" for s, n in status_counts(rows).items()))
     console.print(f"Wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False, soft_wrap=True)

@@ -30,7 +30,18 @@ from moekit.bench.layers import file_stem
 from moekit.bench.results import ResultRow, check_result_row, shape_label, switches_lines
 from moekit.bench.roofline import crossover_tokens, fp8_crossover_tokens
 from moekit.bench.runner import LAYER
-from moekit.bench.study import FILES, NOISY_RATIO, Files, Study, fmt_number, is_noisy, spread, timing_notes
+from moekit.bench.study import (
+    FILES,
+    NOISY_RATIO,
+    Files,
+    Study,
+    code_lines,
+    cpu_run_note,
+    fmt_number,
+    is_noisy,
+    spread,
+    timing_notes,
+)
 from moekit.eager_graphs import EAGER_GRAPH_MAX_TOKENS
 from moekit.shapes import MoEShape
 
@@ -166,10 +177,13 @@ def _fp8_section(rs: Sequence[ResultRow]) -> list[str]:
                  f"{d.median_ms / f.median_ms:.2f}×" if dense_ok and f.status == "ok" else "–",
                  fmt_number(f.floor_ms), fmt_pct(f.pct_floor) if f.status == "ok" else "–"]
         out.append(f"| {f.backend} | {f.mode} | {f.tokens} | " + " | ".join(cells) + " |")
-    return out + ["", VLLM_FP8_DESIGN]
+    gluon_off = any("MOEKIT_GLUON_FP8=0" in (r.switches or "").split() for r in rs)
+    design = f"{VLLM_FP8_DESIGN} {TRITON_FP8_DESIGN if gluon_off else GLUON_FP8_DESIGN}"
+    return out + ["", *code_lines(rs, design)]
 
 
-# Where the FP8 path stands against the design users compare it with (designs, not a timed run).
+# Where the FP8 path stands against the design users compare it with (designs, not a timed run): a
+# description of the code, written only for rows that code measured (`study.code_lines`).
 VLLM_FP8_DESIGN = (
     "Against vLLM's published block-FP8 Triton fused-MoE design (a comparison of designs, not a "
     "side-by-side run): the blocks are the same (128 × 128 weight scales, 1 × 128 activation scales) and "
@@ -178,9 +192,12 @@ VLLM_FP8_DESIGN = (
     "runs the activation and the per-token-group quantization of h as two more launches before GEMM2; "
     "moekit's GEMM1 computes SwiGLU and quantizes h in its epilogue, so no 2I-wide intermediate reaches "
     "memory (2 · T·K · 2I bytes written and read again in bf16), and up to 16 token-expert pairs it "
-    "skips the align and the activation quantization (w8a16 decode kernels). Where the align block is "
-    "64 or 128 rows moekit's FP8 GEMMs are Hopper Gluon kernels (persistent, warp-specialized, wgmma); "
-    "vLLM's are Triton `tl.dot` kernels.")
+    "skips the align and the activation quantization (w8a16 decode kernels).")
+# ... and the kernels it ran, unless the run switched the Gluon FP8 GEMMs off
+GLUON_FP8_DESIGN = ("Where the align block is 64 or 128 rows moekit's FP8 GEMMs are Hopper Gluon kernels "
+                    "(persistent, warp-specialized, wgmma); vLLM's are Triton `tl.dot` kernels.")
+TRITON_FP8_DESIGN = ("This run switched the Gluon FP8 GEMMs off (`MOEKIT_GLUON_FP8=0`): both are Triton "
+                     "`tl.dot` kernels.")
 
 
 def _time_or_status(r: ResultRow) -> str:
@@ -364,13 +381,13 @@ def render(rows: Sequence[ResultRow], files: Files = FILES) -> str:
           if r0.cache == "flushed clean" else []),
         "",
     ]
-    if r0.device_type == "cpu":
-        lines += ["> CPU run: Triton runs through its interpreter and the ceilings are the CPU's, so this "
-                  "shows the flow, not GPU performance. Launch counts are aten compute ops plus Triton "
-                  "launches." + (" Calls timed with warm caches (no flush before each: writing 64 MB "
-                                 "over a CPU's cache before a sub-millisecond call mostly times the refill "
-                                 "of the interpreter's own working set, and made two runs' medians differ "
-                                 "by up to 1.4x)." if r0.cache == "warm" else ""), ""]
+    lines += cpu_run_note(rows, "Triton runs through its interpreter and the ceilings are the CPU's, so "
+                          "this shows the flow, not GPU performance. Launch counts are aten compute ops "
+                          "plus Triton launches." + (
+                              " Calls timed with warm caches (no flush before each: writing 64 MB over a "
+                              "CPU's cache before a sub-millisecond call mostly times the refill of the "
+                              "interpreter's own working set, and made two runs' medians differ by up to "
+                              "1.4x)." if r0.cache == "warm" else ""))
     for preset in plots.presets_of(fwd):
         lines += _preset_section(fwd, preset)
     for preset in plots.presets_of(train):

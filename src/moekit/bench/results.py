@@ -340,6 +340,26 @@ def write_json(rows: Iterable[ResultRow], path: Path) -> None:
     atomic_write_text(path, json_text(rows))
 
 
+def claim_folder(out_dir: Path, csv_name: str, result_names: Iterable[str]) -> Path:
+    """out_dir, or, when results reached it after the run checked it (another run given the same
+    --out, or started in the same second with the default folder), the first of out_dir-2,
+    out_dir-3, ... that holds none: claimed by creating its empty csv_name exclusively (O_EXCL), so
+    no two runs claim one folder and none replaces results it did not find."""
+    out_dir = Path(out_dir)
+    names = tuple(result_names)
+    for i in range(1, 10_000):
+        folder = out_dir if i == 1 else out_dir.with_name(f"{out_dir.name}-{i}")
+        folder.mkdir(parents=True, exist_ok=True)
+        if any((folder / n).exists() for n in names):
+            continue
+        try:
+            os.close(os.open(folder / csv_name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, _file_mode()))
+        except FileExistsError:
+            continue
+        return folder
+    raise RuntimeError(f"{out_dir}: every folder name up to {out_dir.name}-9999 already holds results")
+
+
 def write_files(files: Mapping[str, str | bytes], out_dir: Path) -> list[Path]:
     """Write already rendered files (name -> text or bytes) into out_dir, each atomically, in order.
 

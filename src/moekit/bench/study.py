@@ -35,8 +35,10 @@ from moekit.bench.ceilings import Ceilings, fp8_ceiling, measure_ceilings
 from moekit.bench.results import (
     STATUSES,
     Provenance,
+    claim_folder,
     collect_provenance,
     columns,
+    git_commit,
     read_csv,
     rows_to_csv,
     write_files,
@@ -97,11 +99,15 @@ class Study:
         """The report that goes with a CSV: its legacy name, else report.md."""
         return next((f for f in self.legacy if f.csv == csv_path.name), Files(csv_path.name, REPORT_NAME))
 
-    def write(self, rows: Sequence, out_dir: Path,
-              extra: Mapping[str, str | bytes] | None = None) -> list[Path]:
+    def write(self, rows: Sequence, out_dir: Path, extra: Mapping[str, str | bytes] | None = None, *,
+              overwrite: bool = False) -> list[Path]:
         """results.csv, `extra` files (e.g. results.json), the plots and report.md into out_dir:
-        all rendered first, then each written atomically, in that order."""
+        all rendered first, then each written atomically, in that order. Unless overwrite, into the
+        folder `claim_folder` gives: out_dir, or the next free name when results reached out_dir
+        while the run measured (the returned paths say where)."""
         files = {CSV_NAME: rows_to_csv(rows, self.row_type), **(extra or {}), **self.render(rows, FILES)}
+        if not overwrite:
+            out_dir = claim_folder(out_dir, CSV_NAME, self.result_names)
         return write_files(files, out_dir)
 
 
@@ -227,6 +233,40 @@ def timing_notes(rows: Sequence) -> list[str]:
                      "their medians)" if noisy else
                      f"- every timed row's p80 / p20 ≤ {NOISY_RATIO} (none noisy)")
     return lines
+
+
+def cpu_run_note(rows: Sequence, text: str) -> list[str]:
+    """A report's one-line note on a CPU run, "> CPU run: <text>" and a blank line (what its times
+    and figures are: Triton interpreted, CPU ceilings); nothing for rows measured on a GPU."""
+    return [f"> CPU run: {text}", ""] if rows[0].device_type == "cpu" else []
+
+
+def same_commit(run: str, code: str) -> bool:
+    """Whether two recorded commits (`results.git_commit`, MOEKIT_COMMIT) name the same code: both
+    known, one hash the prefix of the other (a short hash and its long form, at least 7 digits),
+    and the same suffix after "+" (local changes: "+dirty", or what a MOEKIT_COMMIT appends; two
+    trees with local changes on one commit are taken for the same code, the commit cannot tell)."""
+    (a, _, a_more), (b, _, b_more) = run.lower().partition("+"), code.lower().partition("+")
+    return min(len(a), len(b)) >= 7 and (a.startswith(b) or b.startswith(a)) and a_more == b_more
+
+
+CODE_LEFT_OUT = ("*A description of moekit's code is left out here: the code drawing this report (commit "
+                 "{code}) is not the code this run measured (commit {run}), so it may not hold for the run.*")
+
+
+def code_lines(rows: Sequence, *lines: str) -> list[str]:
+    """`lines`: sentences describing moekit's code (its kernels, launch limits, design), not the
+    rows' data, so true of the code drawing the report. Kept where every row was measured at
+    that code's commit (`same_commit`: a fresh run's report, or a redraw at the run's commit);
+    else one line in their place saying why they are left out. No lines: nothing."""
+    if not lines:
+        return []
+    code = git_commit()
+    runs = sorted({r.commit for r in rows})
+    if all(same_commit(run, code) for run in runs):
+        return list(lines)
+    return [CODE_LEFT_OUT.format(code=f"`{code}`" if code else "unknown",
+                                 run=", ".join(f"`{run}`" if run else "unknown" for run in runs))]
 
 
 def status_counts(rows: Sequence) -> dict[str, int]:

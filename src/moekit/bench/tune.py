@@ -479,7 +479,8 @@ def run(args: argparse.Namespace) -> int:
     if args.records:
         atomic_write_text(args.records, "".join(json.dumps(r) + "\n" for r in records))
     if rows:   # the token counts tuned before a failure are kept, in the table and in the results
-        written = STUDY.write(rows, out_dir)
+        written = STUDY.write(rows, out_dir, overwrite=args.overwrite)
+        out_dir = written[0].parent
         console.print(f"Wrote {table}; {', '.join(p.name for p in written)} in {out_dir}", highlight=False)
         looked_in = Path(os.environ.get("MOEKIT_CONFIG_DIR", PACKAGED_DIR)).resolve()
         if table.name == f"{device_slug(device)}.json" and table.parent.resolve() != looked_in:
