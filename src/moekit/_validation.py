@@ -263,7 +263,8 @@ def check_expert_biases(gate_up_bias: object, down_bias: object, gate_up_proj: t
         check_shape(name, bias, shape, what)
 
 
-def check_interleaved(interleaved: object) -> bool:
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
-    return interleaved
+def check_bool(name: str, value: object) -> bool:
+    """A flag argument: a bool, not a truthy stand-in ("no" and 0 would read as given)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

@@ -23,9 +23,9 @@ from torch import nn
 
 from moekit._validation import check_dtype, check_layer_input, check_replay_input
 from moekit.eager_graphs import CapturedWeights, eligible, graph_cache, tensor_key
-from moekit.experts import ExpertsOptions, get_backend, moe_experts, resolve_backend
+from moekit.experts import BACKENDS, ExpertsOptions, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
-from moekit.routing import route, topk_softmax
+from moekit.routing import ROUTER_BACKENDS, route, topk_softmax
 from moekit.shapes import MoEShape, get_shape
 
 
@@ -53,6 +53,10 @@ class MoELayer(nn.Module):
         self.eager_graphs = eager_graphs
         dtype = check_dtype("dtype", dtype)
         self.shape = get_shape(shape)
+        for name, value, known in (("backend", backend, BACKENDS), ("router_backend", router_backend,
+                                                                     ROUTER_BACKENDS)):
+            if value != "auto" and value not in known:      # named now, as dtype is, not at the first call
+                raise ValueError(f"{name} must be 'auto' or one of {known}, got {value!r}")
         self.backend = backend
         self.router_backend = router_backend
         e, h, i = self.shape.num_experts, self.shape.hidden_size, self.shape.intermediate_size

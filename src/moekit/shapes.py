@@ -34,8 +34,10 @@ class MoEShape:
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:     # a bool is no count
                 raise ValueError(f"MoEShape.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):       # "false" would read as true
+            raise ValueError(f"MoEShape.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEShape.top_k must be <= num_experts ({self.num_experts}), got {self.top_k}"
@@ -85,6 +87,8 @@ def get_shape(shape: MoEShape | str) -> MoEShape:
     """Return `shape` itself, or the preset of that name."""
     if isinstance(shape, MoEShape):
         return shape
+    if not isinstance(shape, str):
+        raise TypeError(f"shape must be a MoEShape or a preset name, got {type(shape).__name__} {shape!r}")
     try:
         return PRESETS[shape]
     except KeyError:

@@ -64,6 +64,18 @@ def test_seeded_init_is_reproducible_and_rejects_bad_input():
         a.capture(8)
 
 
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(backend="nope"), r"backend must be 'auto' or one of \("),
+    (dict(router_backend="nope"),
+     r"router_backend must be 'auto' or one of \('torch', 'triton'\), got 'nope'"),
+    (dict(backend=None), r"backend must be 'auto' or one of \("),
+], ids=["backend", "router-backend", "backend-none"])
+def test_layer_refuses_unknown_backends_when_built(kwargs, msg):
+    """Named when the layer is built, as its dtype is, not at the first call."""
+    with pytest.raises(ValueError, match=msg):
+        MoELayer("tiny", **kwargs)
+
+
 def test_layer_input_of_rank_0_raises_naming_x():
     """x is hidden states (..., H): a 0-d tensor raises a ValueError that says so, where indexing
     its last dimension had raised an IndexError; a 1-D token still equals the fp32 layer."""

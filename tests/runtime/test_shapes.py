@@ -28,3 +28,21 @@ def test_bad_shapes_raise(kwargs):
     base = dict(num_experts=8, hidden_size=16, intermediate_size=8, top_k=2) | kwargs
     with pytest.raises(ValueError):
         MoEShape(**base)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(num_experts=True), ValueError, r"MoEShape.num_experts must be a positive int, got True"),
+    (dict(top_k=False), ValueError, r"MoEShape.top_k must be a positive int, got False"),
+    (dict(hidden_size=16.0), ValueError, r"MoEShape.hidden_size must be a positive int, got 16.0"),
+    (dict(norm_topk_prob="false"), ValueError, r"MoEShape.norm_topk_prob must be a bool, got 'false'"),
+    (dict(norm_topk_prob=0), ValueError, r"MoEShape.norm_topk_prob must be a bool, got 0"),
+], ids=["bool-experts", "bool-top-k", "float-hidden", "str-norm", "int-norm"])
+def test_wrongly_typed_fields_raise_naming_them(kwargs, exc, msg):
+    """A bool is no count, and a string is no bool ("false" would read as true): both raise."""
+    with pytest.raises(exc, match=msg):
+        MoEShape(**(dict(num_experts=8, hidden_size=16, intermediate_size=8, top_k=2) | kwargs))
+
+
+def test_get_shape_of_another_type_names_what_it_takes():
+    with pytest.raises(TypeError, match=r"shape must be a MoEShape or a preset name, got list"):
+        get_shape(["tiny"])

@@ -41,11 +41,11 @@ import warnings
 import torch
 
 from moekit._validation import (
+    check_bool,
     check_capacity_factor,
     check_expert_biases,
     check_expert_ids_in_range,
     check_experts_args,
-    check_interleaved,
     check_out,
     needs_grad,
 )
@@ -281,7 +281,7 @@ def moe_experts(
     else:
         check_expert_biases(gate_up_bias, down_bias, gate_up_proj)
         act = as_activation(activation)
-        math = ExpertsOptions.math(gate_up_bias, down_bias, act, check_interleaved(interleaved))
+        math = ExpertsOptions.math(gate_up_bias, down_bias, act, check_bool("interleaved", interleaved))
         options = ExpertsOptions(config, check_capacity_factor(capacity_factor), stats, **math)
     dev = hidden_states.device
     biases = [b for b in (gate_up_bias, down_bias) if b is not None]

@@ -16,6 +16,7 @@ from moekit._host import cdiv, next_power_of_2
 from moekit._validation import (
     FLOAT_DTYPES,
     MAX_TRITON_EXPERTS,
+    check_bool,
     check_tensor,
     check_top_k,
     check_triton_device,
@@ -74,6 +75,7 @@ def topk_softmax(
     """
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     check_top_k(top_k, logits.shape[1])
+    check_bool("renormalize", renormalize)
     return _topk_softmax_checked(logits, top_k, renormalize, backend, num_valid_tokens)
 
 
@@ -172,5 +174,6 @@ def route(
             f"router_weight must have shape (E, H={hidden_states.shape[1]}), got {tuple(router_weight.shape)}"
         )
     check_top_k(top_k, router_weight.shape[0])
+    check_bool("renormalize", renormalize)
     logits = F.linear(hidden_states, router_weight)
     return _topk_softmax_checked(logits, top_k, renormalize, backend, num_valid_tokens)

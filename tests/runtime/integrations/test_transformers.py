@@ -1045,6 +1045,31 @@ def test_patched_blocks_keep_parameters_and_match_the_reference(kind, fast_path_
     assert rel_err(got, ref) <= 1e-5
 
 
+def test_patched_model_saves_loads_and_copies_as_patched(fast_path_on_cpu):
+    """torch.save / torch.load, pickle and deepcopy of a patched model: the copy has the patched
+    classes (made again where this process has not made them yet) and gives the same logits."""
+    import copy
+    import io
+    import pickle
+
+    model = tiny_model("qwen3_moe")
+    mt.patch_moe_blocks(model)
+    ids = input_ids(seq_len=5)
+    with torch.no_grad():
+        want = model(ids).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    mt_patch._patched_class.cache_clear()              # as in a process that never patched
+    copies = [torch.load(io.BytesIO(buf.getvalue()), weights_only=False),
+              pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]
+    for other in copies:
+        block = other.model.layers[0].mlp
+        assert type(block).__name__ == "MoekitQwen3MoeSparseMoeBlock"
+        assert type(other.model.layers[0]).__name__.startswith("Moekit")
+        with torch.no_grad():
+            assert torch.equal(other(ids).logits, want)
+
+
 def test_patched_blocks_fall_back_where_the_graph_would_change_something(fast_path_on_cpu):
     model = tiny_model("qwen3_moe")
     mt.patch_moe_blocks(model)

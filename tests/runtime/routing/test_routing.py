@@ -135,3 +135,7 @@ def test_bad_inputs_raise_before_launch():
         route(x, wr, 2, backend="cuda")
     with pytest.raises(TypeError, match="logits"):
         topk_softmax(torch.zeros(3, 4, dtype=torch.int32), 2)
+    with pytest.raises(TypeError, match="renormalize must be a bool, got 'no'"):
+        route(x, wr, 2, renormalize="no")
+    with pytest.raises(TypeError, match="renormalize must be a bool, got 0"):
+        topk_softmax(torch.randn(3, 4), 2, renormalize=0)

@@ -105,8 +105,23 @@ def patch_llama4(model: nn.Module, *, backend: str = "auto") -> int:
 @functools.cache
 def _patched_class(cls: type, forward: Callable, flag: str) -> type:
     """A subclass of cls named Moekit<cls> whose forward is `forward` and whose attribute `flag` is
-    True: swapped in as a module's __class__, parameters and state dict stay as they are."""
-    return type(f"Moekit{cls.__name__}", (cls,), {"forward": forward, flag: True, "__module__": __name__})
+    True: swapped in as a module's __class__, parameters and state dict stay as they are. Pickled
+    (torch.save, deepcopy) as the recipe (cls, forward, flag), which a load makes again: the class
+    itself is no module attribute to look up."""
+    return type(f"Moekit{cls.__name__}", (cls,), {"forward": forward, flag: True, "__module__": __name__,
+                                                  "_moekit_recipe": (cls, forward, flag),
+                                                  "__reduce_ex__": _reduce_patched})
+
+
+def _reduce_patched(self: nn.Module, protocol: int) -> tuple:
+    _, _, *state = object.__reduce_ex__(self, protocol)      # (copyreg.__newobj__, (class,), state, ...)
+    return (_new_patched, type(self)._moekit_recipe, *state)
+
+
+def _new_patched(cls: type, forward: Callable, flag: str) -> nn.Module:
+    """An empty instance of the patched class of (cls, forward, flag), for a load to fill in."""
+    patched = _patched_class(cls, forward, flag)
+    return patched.__new__(patched)
 
 
 # Decoding through whole-block graphs: router + experts in one replay (`patch_moe_blocks`).
