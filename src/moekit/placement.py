@@ -372,6 +372,16 @@ def assign(topk_ids: torch.Tensor, placement: Placement, *, source_rank: int = 0
 
 def rank_weights(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, placement: Placement,
                  r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank r's expert weights (E_r, 2I, H) and (E_r, H, I), in its local order (copies)."""
+    """Rank r's expert weights (E_r, 2I, H) and (E_r, H, I), in its local order (copies), from the
+    whole layer's (E, 2I, H) and (E, H, I): E the placement's, r in [0, num_ranks)."""
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != placement.num_experts:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"{name} must hold the placement's E={placement.num_experts} experts (a 3-D "
+                             f"tensor of the whole layer), got {got}")
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise TypeError(f"r must be an int rank, got {r!r}")
+    if not 0 <= r < placement.num_ranks:
+        raise ValueError(f"r must be a rank in [0, {placement.num_ranks}), got {r}")
     idx = torch.tensor(placement.slots[r], dtype=torch.int64, device=gate_up_proj.device)
     return gate_up_proj.index_select(0, idx), down_proj.index_select(0, idx)

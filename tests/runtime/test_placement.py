@@ -241,3 +241,24 @@ def test_assign_on_cuda_matches_cpu_and_captures():
     graph.replay()
     want = assign(torch.flip(ids, dims=[0]), placement, source_rank=2)
     assert torch.equal(captured.rank.cpu(), want.rank)
+
+
+@pytest.mark.parametrize("what", ["more-experts", "fewer-experts", "down-experts", "rank-past",
+                                  "rank-negative", "rank-bool"])
+def test_rank_weights_refuses_weights_or_a_rank_the_placement_does_not_fit(what):
+    """Weights of another expert count (it had returned the wrong experts, or an IndexError) and ranks
+    outside [0, num_ranks) raise naming the argument."""
+    placement = contiguous_placement(4, 2)
+    gate_up, down, r = torch.randn(4, 6, 8), torch.randn(4, 8, 3), 1
+    if what == "more-experts":
+        gate_up = torch.randn(8, 6, 8)
+    elif what == "fewer-experts":
+        gate_up = torch.randn(3, 6, 8)
+    elif what == "down-experts":
+        down = torch.randn(5, 8, 3)
+    else:
+        r = {"rank-past": 2, "rank-negative": -1, "rank-bool": True}[what]
+    name = {"more-experts": "gate_up_proj", "fewer-experts": "gate_up_proj", "down-experts": "down_proj"}.get(
+        what, "r")
+    with pytest.raises((ValueError, TypeError), match=rf"^{name} "):
+        rank_weights(gate_up, down, placement, r)

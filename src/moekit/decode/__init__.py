@@ -38,7 +38,7 @@ from moekit import _workspace, env
 from moekit._host import cdiv
 from moekit.decode.kernels import decode_gemm1_swiglu_kernel, decode_gemm2_sum_kernel
 from moekit.launch_hints import pdl_kwargs, weight_evict
-from moekit.tuning import FP8_SCALE_BLOCK, check_tile
+from moekit.tuning import FP8_SCALE_BLOCK, check_tile, tile_bound
 
 DECODE_MAX_PAIRS = 64        # T * K at most this many pairs take the direct path (unless switched off)
 DECODE_MAX_PAIRS_FP8 = 16    # ... on block-scaled FP8 weights
@@ -66,7 +66,7 @@ class GemvTiles:
     def __post_init__(self) -> None:
         for name, v in vars(self).items():
             if name != "step_sum":
-                check_tile("GemvTiles", name, v, name.startswith("block_"))
+                check_tile("GemvTiles", name, v, name.startswith(("block_", "warps")), tile_bound(name))
         if not isinstance(self.step_sum, bool):
             raise ValueError(f"GemvTiles.step_sum must be a bool, got {self.step_sum!r}")
 

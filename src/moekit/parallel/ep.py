@@ -37,11 +37,13 @@ from torch.nn.utils import skip_init
 
 from moekit._validation import (
     FLOAT_DTYPES,
+    check_capacity_factor,
     check_layer_input,
     check_replay_input,
     check_tensor,
 )
 from moekit.eager_graphs import CapturedWeights
+from moekit.experts import BACKENDS, ExpertsOptions, get_backend
 from moekit.graphs import capture_graph
 from moekit.layer import WEIGHT_NAMES, MoELayer
 from moekit.parallel.dispatch import (
@@ -79,6 +81,8 @@ def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, ove
         if capacity is not None or expert_capacity is not None or overflow != "drop":
             raise ValueError("capacity, expert_capacity and overflow apply to mode='low_latency' (the "
                              "normal mode sizes its buffers from the exchanged counts and drops nothing)")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
         return
     if capacity is None:
         raise ValueError("mode='low_latency' needs capacity= (token rows each rank sends each rank, "
@@ -91,6 +95,25 @@ def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, ove
     if backend not in LOW_LATENCY_BACKENDS:
         raise ValueError(f"mode='low_latency' runs the masked kernels: backend must be one of "
                          f"{LOW_LATENCY_BACKENDS}, got {backend!r}")
+
+
+# The normal mode's expert options: `moe_experts`'s keywords but the ones the mode sets itself.
+NORMAL_OPTIONS = ("config", "capacity_factor", "stats", "validate", "gate_up_bias", "down_bias", "activation",
+                  "interleaved", "ue8m0_scales")
+
+
+def check_experts_opts(backend: str, experts_opts: dict) -> None:
+    """The normal mode's expert options, checked as `moe_experts` checks them, before any collective:
+    a rank that receives no rows never calls it, and one that raised alone mid-exchange would leave
+    the others waiting."""
+    unknown = sorted(set(experts_opts) - set(NORMAL_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown expert option(s) {', '.join(unknown)} for mode='normal'; it takes "
+                        f"{', '.join(NORMAL_OPTIONS)}")
+    options = ExpertsOptions(config=experts_opts.get("config"), stats=experts_opts.get("stats"),
+                             capacity_factor=check_capacity_factor(experts_opts.get("capacity_factor")))
+    if backend != "auto":
+        get_backend(backend).check_options(options)
 
 
 def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -142,9 +165,11 @@ def ep_moe_experts(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down
     the failing rank stands in and raises, the others return (or all raise, with overflow="raise";
     `moekit.parallel.low_latency`).
     """
-    rank, _ = check_group(placement, group)
     check_mode(mode, capacity, expert_capacity, overflow, backend)
     check_overlap_chunks(overlap_chunks, mode)
+    if mode == "normal":
+        check_experts_opts(backend, experts_opts)
+    rank, _ = check_group(placement, group)
     if mode == "low_latency":
         return low_latency_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids,
                                placement=placement, capacity=capacity, expert_capacity=expert_capacity,

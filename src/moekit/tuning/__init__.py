@@ -56,13 +56,28 @@ class TuningTable(dict):
         self.meta = dict(meta or {})
 
 
-def check_tile(owner: str, name: str, value: object, power_of_two: bool = False) -> None:
-    """ValueError naming `owner.name` unless value is a positive int (and a power of two when
-    asked): the tile dataclasses' field check (ExpertsConfig, WgradConfig, moekit.decode's)."""
+# The most a tile field can be and still launch: a block's side, a program's warps (1,024 threads),
+# pipeline stages. A table entry past them is refused where it is read, naming the file.
+TILE_MAX = 4096
+WARPS_MAX = 32
+STAGES_MAX = 16
+
+
+def check_tile(owner: str, name: str, value: object, power_of_two: bool = False,
+               most: int = TILE_MAX) -> None:
+    """ValueError naming `owner.name` unless value is a positive int of at most `most` (and a power
+    of two when asked): the tile dataclasses' field check (ExpertsConfig, WgradConfig, moekit.decode's)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+    if value > most:
+        raise ValueError(f"{owner}.{name} must be at most {most}, got {value}")
     if power_of_two and value & (value - 1):
         raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
+
+
+def tile_bound(name: str) -> int:
+    """The most a tile field named `name` can be: warps*, stages*, else a block's side."""
+    return WARPS_MAX if name.startswith("warps") else STAGES_MAX if name.startswith("stages") else TILE_MAX
 
 
 @dataclass(frozen=True)
@@ -105,9 +120,9 @@ class ExpertsConfig:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        powers_of_two = ("block_m", "block_n1", "block_k1", "block_n2", "block_k2")
+        powers_of_two = ("block_m", "block_n1", "block_k1", "block_n2", "block_k2", "warps1", "warps2")
         for name in TILE_FIELDS:
-            check_tile("ExpertsConfig", name, getattr(self, name), name in powers_of_two)
+            check_tile("ExpertsConfig", name, getattr(self, name), name in powers_of_two, tile_bound(name))
         for name in SWITCH_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExpertsConfig.{name} must be true or false, got {getattr(self, name)!r}")
@@ -172,7 +187,8 @@ class WgradConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_tile("WgradConfig", f.name, getattr(self, f.name), f.name not in ("stages", "experts"))
+            check_tile("WgradConfig", f.name, getattr(self, f.name), f.name not in ("stages", "experts"),
+                       tile_bound(f.name))
         if self.block_n < 16 or self.block_c < 16:
             raise ValueError(f"WgradConfig tiles must be >= 16, got {self.block_n} x {self.block_c}")
         if not 16 <= self.block_m <= 128:

@@ -474,6 +474,31 @@ def test_overlap_chunks_must_be_a_positive_int():
         ExpertParallelMoE("tiny", mode="low_latency", capacity=4, overlap_chunks=2)
 
 
+@pytest.mark.parametrize("opts,exc,msg", [
+    (dict(backend="nope"), ValueError, r"backend must be 'auto' or one of \("),
+    (dict(config="bad"), TypeError, r"config must be a moekit\.ExpertsConfig or None, got str"),
+    (dict(stats=[]), TypeError, r"stats must be a dict or None, got list"),
+    (dict(backend="loop", capacity_factor=1.0), ValueError, r"capacity_factor applies to"),
+    (dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be > 0"),
+    (dict(chunk=2), TypeError, r"unknown expert option\(s\) chunk for mode='normal'"),
+], ids=["backend", "config", "stats", "option-of-another-backend", "capacity-factor", "unknown"])
+def test_normal_mode_options_raise_before_any_collective(opts, exc, msg):
+    """The same on every rank, so every rank raises at once, before the process group is looked at
+    (none is initialised here): a rank that receives no rows never calls the experts, and would wait
+    in the combine for one that raised there. The constructor checks its backend alike."""
+    assert not dist.is_initialized()
+    shape = moekit.get_shape("tiny")
+    x = torch.randn(3, shape.hidden_size)
+    w, ids = torch.rand(3, shape.top_k), torch.zeros(3, shape.top_k, dtype=torch.int32)
+    gu = torch.zeros(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size)
+    dn = torch.zeros(shape.num_experts, shape.hidden_size, shape.intermediate_size)
+    with pytest.raises(exc, match=msg):
+        ep_moe_experts(x, gu, dn, w, ids, placement=contiguous_placement(shape.num_experts, 2), **opts)
+    if set(opts) == {"backend"}:
+        with pytest.raises(exc, match=msg):
+            ExpertParallelMoE("tiny", **opts)
+
+
 @pytest.mark.parametrize("num_tokens", [0, 1, 5, 13])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])
 def test_chunk_counts_and_plans_cut_the_plan_by_token_ranges(num_tokens, chunks):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import smem_bytes
-from moekit import tuning
+from moekit import moe_experts, tuning
 from moekit.shapes import PRESETS, MoEShape
 from moekit.tuning import (
     PACKAGED_DIR,
@@ -394,6 +394,28 @@ def test_tile_configs_share_one_field_check():
             cls(**{field: 0})
         with pytest.raises(ValueError, match=rf"{cls.__name__}\.{pow2_field} must be a power of two, got 48"):
             cls(**{pow2_field: 48})
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("block_m", 2**70, r"ExpertsConfig\.block_m must be at most 4096, got 1180591620717411303424"),
+    ("block_n1", 8192, r"ExpertsConfig\.block_n1 must be at most 4096, got 8192"),
+    ("warps1", 64, r"ExpertsConfig\.warps1 must be at most 32, got 64"),
+    ("warps2", 3, r"ExpertsConfig\.warps2 must be a power of two, got 3"),
+    ("stages1", 100, r"ExpertsConfig\.stages1 must be at most 16, got 100"),
+], ids=["block-m-2**70", "block-n1", "warps-64", "warps-3", "stages-100"])
+def test_tiles_past_what_a_launch_takes_are_refused_naming_the_file(field, value, msg, tmp_path, monkeypatch):
+    """A tile no launch could take (a block size past 4,096, warps past 32 or off the powers of two,
+    more than 16 stages) is refused where the config is made; from a table, naming the file."""
+    with pytest.raises(ValueError, match=msg):
+        ExpertsConfig(**{field: value})
+    table = {"E=8,H=64,I=48,K=2,dtype=float32": {"12": {field: value}}}
+    (tmp_path / "cpu.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEKIT_DECODE_DIRECT", "0")        # the grouped path, which reads the table
+    with pytest.raises(ValueError, match=r"cpu\.json") as err:
+        moe_experts(torch.randn(12, 64), torch.randn(8, 96, 64), torch.randn(8, 64, 48),
+                           torch.rand(12, 2), torch.randint(0, 8, (12, 2)), backend="triton")
+    assert field in str(err.value)
 
 
 def test_shrink_to_fit_lowers_fields_in_order_down_to_their_floors():
