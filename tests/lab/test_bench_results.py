@@ -140,3 +140,27 @@ def test_switches_are_recorded_and_named_in_the_report(tmp_path):
     col = table[0].index("switches")
     path.write_text("\n".join(",".join(c for i, c in enumerate(line) if i != col) for line in table) + "\n")
     assert read_csv(path)[0].switches == ""
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["moekit-tracked", "inside-another-repo"])
+def test_commit_is_moekit_s_own_never_an_enclosing_repo_s(tracked, tmp_path, monkeypatch):
+    """An installed moekit inside another project's git tree (`myproject/.venv/...`, untracked) records
+    no commit, not that project's; a source tree whose moekit git tracks records its commit."""
+    import subprocess
+
+    from moekit.bench import results
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "README").write_text("another project\n")
+    pkg = tmp_path / ".venv" / "site-packages" / "moekit" / "bench"
+    pkg.mkdir(parents=True)
+    (pkg / "results.py").write_text("# installed\n")
+    git("add", "README", *(["-f", str(pkg / "results.py")] if tracked else []))
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    monkeypatch.delenv("MOEKIT_COMMIT", raising=False)
+    monkeypatch.setattr(results, "__file__", str(pkg / "results.py"))
+    assert results.git_commit() == (git("rev-parse", "--short=12", "HEAD") if tracked else "")

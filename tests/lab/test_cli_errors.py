@@ -256,6 +256,15 @@ def test_results_written_while_a_run_measured_are_never_replaced(given_out, tmp_
     assert f"{second.name}/results.csv" in " ".join(capsys.readouterr().out.split())
 
 
+def test_peers_without_transformers_names_the_extra_to_install(tmp_path, monkeypatch, capsys, fake_ceilings):
+    """The console's hint keeps its brackets (rich would read `[transformers]` as a style and drop it)."""
+    monkeypatch.setattr(bench_cli.peers, "transformers_version", lambda: None)
+    monkeypatch.setattr(bench_cli, "run_sweep", fake_sweep(sample_rows()))
+    argv = ["bench", "--device", "cpu", "--tokens", "1,4,16", "--peers", "--out", str(tmp_path / "r")]
+    assert run_cli(argv) == 0
+    assert "pip install 'moekit[transformers]'" in " ".join(capsys.readouterr().out.split())
+
+
 # A study in which no case succeeded exits non-zero and says so.
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+import moekit
 from helpers import ROOT
 from moekit.bench import ablate_report, report
 from moekit.bench.study import code_lines, find_results, same_commit
@@ -80,5 +81,11 @@ def test_code_lines_need_every_row_at_the_code_commit(monkeypatch):
     assert LEFT_OUT in line and "`027de4167670`" in line and f"`{CODE}`" in line
     assert code_lines(rows) == []                                   # nothing to describe: no line
     monkeypatch.setattr("moekit.bench.study.git_commit", lambda: "")   # outside git, no MOEKIT_COMMIT
-    (line,) = code_lines([replace(r, commit="") for r in rows], "a")
+    (line,) = code_lines([replace(r, commit="", moekit_version="0.0.1") for r in rows], "a")
     assert LEFT_OUT in line and "unknown" in line
+    # Both unknown (an installed wheel): the code's version decides, as for a fresh run's rows.
+    assert code_lines([replace(r, commit="", moekit_version=moekit.__version__) for r in rows], "a") == ["a"]
+    one_known = [replace(rows[0], commit="", moekit_version=moekit.__version__),
+                 replace(rows[1], moekit_version=moekit.__version__)]          # 027de41's commit kept
+    (line,) = code_lines(one_known, "a")
+    assert LEFT_OUT in line

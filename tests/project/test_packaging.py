@@ -119,3 +119,12 @@ def test_the_report_modules_need_no_console():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_declared_license_ships_its_text(project):
+    """pyproject declares Apache-2.0; the repository (and so the sdist and the wheel's metadata, which
+    setuptools fills from LICENSE*) holds that license's text."""
+    assert project["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

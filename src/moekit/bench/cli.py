@@ -179,7 +179,7 @@ def _resolve_plan(args: argparse.Namespace, console: Console) -> tuple[Plan, boo
     if with_peers:
         if peers.transformers_version() is None:
             console.print("[yellow]--peers: transformers is not installed; skipping its experts "
-                          "implementations (pip install 'moekit[transformers]').[/yellow]")
+                          "implementations (pip install 'moekit\\[transformers]').[/yellow]")
             backends = [b for b in backends if not peers.is_peer(b)]
             with_peers = False
         elif args.peers:

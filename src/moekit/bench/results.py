@@ -192,7 +192,9 @@ COLUMNS: tuple[str, ...] = columns(ResultRow)
 
 
 def git_commit() -> str:
-    """Commit of the moekit source tree, "+dirty" when it has local changes; "" outside git.
+    """Commit of the moekit source tree, "+dirty" when it has local changes; "" outside git, and
+    where the git tree around the package does not track it (an installed moekit inside another
+    project's repository: that project's commit is no provenance of moekit's).
 
     MOEKIT_COMMIT, when set, wins: a source tree copied without its .git (as the GPU runs are)
     says its commit that way.
@@ -201,6 +203,10 @@ def git_commit() -> str:
         return os.environ["MOEKIT_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
+        tracked = subprocess.run(["git", "-C", str(here), "ls-files", "--error-unmatch", Path(__file__).name],
+                                 capture_output=True, text=True, timeout=10)
+        if tracked.returncode != 0:
+            return ""
         head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
                               capture_output=True, text=True, timeout=10)
         if head.returncode != 0:

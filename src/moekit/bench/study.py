@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import moekit
 from moekit.bench.ceilings import Ceilings, fp8_ceiling, measure_ceilings
 from moekit.bench.results import (
     STATUSES,
@@ -257,13 +258,16 @@ CODE_LEFT_OUT = ("*A description of moekit's code is left out here: the code dra
 def code_lines(rows: Sequence, *lines: str) -> list[str]:
     """`lines`: sentences describing moekit's code (its kernels, launch limits, design), not the
     rows' data, so true of the code drawing the report. Kept where every row was measured at
-    that code's commit (`same_commit`: a fresh run's report, or a redraw at the run's commit);
+    that code's commit (`same_commit`: a fresh run's report, or a redraw at the run's commit), or,
+    where neither commit is known (an installed wheel has no git), at the code's moekit version;
     else one line in their place saying why they are left out. No lines: nothing."""
     if not lines:
         return []
     code = git_commit()
     runs = sorted({r.commit for r in rows})
     if all(same_commit(run, code) for run in runs):
+        return list(lines)
+    if not code and runs == [""] and {r.moekit_version for r in rows} == {moekit.__version__}:
         return list(lines)
     return [CODE_LEFT_OUT.format(code=f"`{code}`" if code else "unknown",
                                  run=", ".join(f"`{run}`" if run else "unknown" for run in runs))]

@@ -27,12 +27,14 @@ SCALE_FLOOR = tl.constexpr(1e-10 / 448.0)
 def e4m3_round(v):
     """v (fp32, within [-448, 448]) rounded to the nearest e4m3 value, ties to even, as fp32: the
     step of v's binade is 2**(exponent - 3) (3 mantissa bits; subnormals below 2**-6 step 2**-9), and
-    adding then subtracting 1.5 * 2**23 rounds v / step to an integer in fp32's own rounding."""
+    adding then subtracting 1.5 * 2**23 rounds v / step to an integer in fp32's own rounding. v's
+    sign bit is put back: that sum makes a zero (v = -0, or a small negative v) +0, e4m3's cast -0."""
     bits = v.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0
-    return ((tl.math.div_rn(v, step) + magic) - magic) * step
+    rounded = ((tl.math.div_rn(v, step) + magic) - magic) * step
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

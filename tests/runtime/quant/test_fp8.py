@@ -136,10 +136,11 @@ def test_quantize_rows_kernel_equals_its_twin_bit_for_bit(rows, cols, ue8m0):
     if rows > 2:
         x[1] = 0.0                                             # an all-zero row: scale floor, values 0
         x[2, :5] = torch.tensor([1e30, -1e30, 3.0, 0.0, -7.0]).clamp(-6e4, 6e4)
+        x[2, 5:8] = torch.tensor([-0.0, -1e-4, 1e-4])        # signed zeros: -0, and what rounds to it
     with _workspace.poisoning():
         q, s = quantize_rows(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
     qt, st = quantize_rows_torch(x.half(), ue8m0=ue8m0, dtype=STANDIN_DTYPE)
-    assert torch.equal(s, st) and torch.equal(q, qt)
+    assert torch.equal(s, st) and torch.equal(q.view(torch.int16), qt.view(torch.int16))    # bits: -0 too
     if rows:
         assert q.abs().max() <= E4M3_MAX and bool((s > 0).all())
         if ue8m0:
