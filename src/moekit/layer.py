@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit._validation import check_dtype, check_layer_input, check_replay_input
+from moekit._validation import check_bool, check_dtype, check_layer_input, check_replay_input
 from moekit.eager_graphs import CapturedWeights, eligible, graph_cache, tensor_key
-from moekit.experts import BACKENDS, ExpertsOptions, get_backend, moe_experts, resolve_backend
+from moekit.experts import ExpertsOptions, check_backend_name, get_backend, moe_experts, resolve_backend
 from moekit.graphs import capture_graph
-from moekit.routing import ROUTER_BACKENDS, route, topk_softmax
+from moekit.routing import check_router_backend, route, topk_softmax
 from moekit.shapes import MoEShape, get_shape
 
 
@@ -48,15 +48,11 @@ class MoELayer(nn.Module):
                  eager_graphs: bool = True, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
         super().__init__()
-        if not isinstance(eager_graphs, bool):
-            raise TypeError(f"eager_graphs must be a bool, got {eager_graphs!r}")
-        self.eager_graphs = eager_graphs
+        self.eager_graphs = check_bool("eager_graphs", eager_graphs)
         dtype = check_dtype("dtype", dtype)
         self.shape = get_shape(shape)
-        for name, value, known in (("backend", backend, BACKENDS), ("router_backend", router_backend,
-                                                                     ROUTER_BACKENDS)):
-            if value != "auto" and value not in known:      # named now, as dtype is, not at the first call
-                raise ValueError(f"{name} must be 'auto' or one of {known}, got {value!r}")
+        check_backend_name(backend)                 # named now, as dtype is, not at the first call
+        check_router_backend(router_backend, "router_backend")
         self.backend = backend
         self.router_backend = router_backend
         e, h, i = self.shape.num_experts, self.shape.hidden_size, self.shape.intermediate_size

@@ -63,6 +63,7 @@ from moekit.experts.registry import (
     Backend,
     ExpertsOptions,
     backend_names,
+    check_backend_name,
     config_of_ints,
     get_backend,
     register_backend,
@@ -76,8 +77,8 @@ from moekit.experts.triton import (
 from moekit.quant import Fp8Weight
 from moekit.tuning import ExpertsConfig
 
-__all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "get_backend",
-           "has_backward", "moe_experts", "register_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "ExpertsOptions", "PaddedWorkspaceTooLarge", "check_backend_name",
+           "get_backend", "has_backward", "moe_experts", "register_backend", "resolve_backend"]
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

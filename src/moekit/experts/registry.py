@@ -163,6 +163,13 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
+def check_backend_name(backend: object, name: str = "backend") -> None:
+    """ValueError naming the argument unless backend is "auto" or a registered backend's name: for
+    callers that take a backend before they run one (layers, integrations, expert parallelism)."""
+    if backend != "auto" and backend not in backend_names():
+        raise ValueError(f"{name} must be 'auto' or one of {backend_names()}, got {backend!r}")
+
+
 def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]

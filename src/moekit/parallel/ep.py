@@ -26,6 +26,7 @@ stands in and raises (`moekit.parallel.low_latency`, which lists what still must
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Sequence
 from typing import NoReturn
@@ -43,7 +44,7 @@ from moekit._validation import (
     check_tensor,
 )
 from moekit.eager_graphs import CapturedWeights
-from moekit.experts import BACKENDS, ExpertsOptions, get_backend
+from moekit.experts import ExpertsOptions, check_backend_name, get_backend, moe_experts
 from moekit.graphs import capture_graph
 from moekit.layer import WEIGHT_NAMES, MoELayer
 from moekit.parallel.dispatch import (
@@ -81,8 +82,7 @@ def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, ove
         if capacity is not None or expert_capacity is not None or overflow != "drop":
             raise ValueError("capacity, expert_capacity and overflow apply to mode='low_latency' (the "
                              "normal mode sizes its buffers from the exchanged counts and drops nothing)")
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        check_backend_name(backend)
         return
     if capacity is None:
         raise ValueError("mode='low_latency' needs capacity= (token rows each rank sends each rank, "
@@ -98,8 +98,8 @@ def check_mode(mode: str, capacity: int | None, expert_capacity: int | None, ove
 
 
 # The normal mode's expert options: `moe_experts`'s keywords but the ones the mode sets itself.
-NORMAL_OPTIONS = ("config", "capacity_factor", "stats", "validate", "gate_up_bias", "down_bias", "activation",
-                  "interleaved", "ue8m0_scales")
+NORMAL_OPTIONS = tuple(name for name, p in inspect.signature(moe_experts).parameters.items()
+                       if p.kind is p.KEYWORD_ONLY and name not in ("backend", "ignore_invalid_ids", "out"))
 
 
 def check_experts_opts(backend: str, experts_opts: dict) -> None:

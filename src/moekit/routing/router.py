@@ -29,6 +29,12 @@ from moekit.routing.kernels import topk_softmax_kernel
 ROUTER_BACKENDS = ("torch", "triton")
 
 
+def check_router_backend(backend: object, name: str = "backend") -> None:
+    """ValueError naming the argument unless backend is "auto" or one of `ROUTER_BACKENDS`."""
+    if backend != "auto" and backend not in ROUTER_BACKENDS:
+        raise ValueError(f"{name} must be 'auto' or one of {ROUTER_BACKENDS}, got {backend!r}")
+
+
 def resolve_router_backend(backend: str, logits: torch.Tensor) -> str:
     """"auto" -> triton on CUDA for E <= MAX_TRITON_EXPERTS when no gradient is needed, else torch.
 
@@ -39,8 +45,7 @@ def resolve_router_backend(backend: str, logits: torch.Tensor) -> str:
     grad = needs_grad(logits)
     if backend == "auto":
         return "triton" if logits.is_cuda and num_experts <= MAX_TRITON_EXPERTS and not grad else "torch"
-    if backend not in ROUTER_BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {ROUTER_BACKENDS}, got {backend!r}")
+    check_router_backend(backend)
     if backend == "triton":
         if num_experts > MAX_TRITON_EXPERTS:
             raise ValueError(f"router backend='triton' supports at most {MAX_TRITON_EXPERTS} experts, got "

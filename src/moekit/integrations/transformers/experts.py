@@ -58,10 +58,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit import ops
-from moekit._validation import FLOAT_DTYPES, needs_grad
+from moekit._validation import FLOAT_DTYPES, check_bool, needs_grad
 from moekit.activation import SWIGLU, GatedActivation
 from moekit.eager_graphs import eligible, graph_cache, tensor_key
-from moekit.experts import BACKENDS, ExpertsOptions, has_backward
+from moekit.experts import ExpertsOptions, check_backend_name, has_backward
 from moekit.integrations.transformers.fp8 import (
     fp8_fallback,
     fp8_forward,
@@ -151,10 +151,8 @@ def register(name: str = "moekit", *, backend: str = "auto", eager_graphs: bool 
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if name in tf.builtin_names:
         raise ValueError(f"name {name!r} is one of Transformers' own experts implementations")
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    if not isinstance(eager_graphs, bool):
-        raise TypeError(f"eager_graphs must be a bool, got {eager_graphs!r}")
+    check_backend_name(backend)
+    check_bool("eager_graphs", eager_graphs)
     known = _registered.get(name)
     if known is not None and known[0] == (backend, eager_graphs):
         fn = known[1]

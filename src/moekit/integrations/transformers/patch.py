@@ -29,7 +29,7 @@ from torch import nn
 from moekit import ops
 from moekit._validation import FLOAT_DTYPES
 from moekit.eager_graphs import graph_cache, tensor_key
-from moekit.experts import BACKENDS
+from moekit.experts import check_backend_name
 from moekit.integrations.transformers.convert import _BLOCKS, from_transformers
 from moekit.integrations.transformers.experts import _registered, _transformers
 from moekit.layer import MoELayer
@@ -79,8 +79,7 @@ def patch_llama4(model: nn.Module, *, backend: str = "auto") -> int:
         activation other than SiLU, weights of another dtype or layout).
     """
     _transformers()
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    check_backend_name(backend)
     base = importlib.import_module("transformers.models.llama4.modeling_llama4").Llama4TextMoe
     patched = 0
     for module in model.modules():
