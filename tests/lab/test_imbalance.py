@@ -94,7 +94,10 @@ def test_cli_runs_on_cpu_and_writes_everything(study):
     for name in ("imbalance_one_gpu_tiny.png", "imbalance_ep_tiny.png", "imbalance_capacity_tiny.png",
                  REPORT_NAME):
         assert (out / name).stat().st_size > 0
-    assert "## Load imbalance: tiny, T = 48" in (out / REPORT_NAME).read_text()
+    report = (out / REPORT_NAME).read_text()
+    assert "## Load imbalance: tiny, T = 48" in report
+    assert [line for line in report.splitlines() if line.startswith("> CPU run: ")] == [
+        "> CPU run: Triton interpreted at a small T, so this shows the study's flow, not GPU performance."]
 
 
 def test_cli_skew_ep_and_capacity_rows(study):

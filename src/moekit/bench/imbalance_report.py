@@ -20,7 +20,7 @@ from moekit.bench import results
 from moekit.bench.layers import file_stem
 from moekit.bench.plots import png_bytes
 from moekit.bench.results import LayerRow, MeasuredColumns
-from moekit.bench.study import FILES, Files, Study, fmt_number, is_noisy, spread, timing_notes
+from moekit.bench.study import FILES, Files, Study, cpu_run_note, fmt_number, is_noisy, spread, timing_notes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -224,8 +224,8 @@ def render_report(rows: Sequence[ImbalanceRow], plots: Sequence[str] = (), files
         *timing_notes(rows),
         "",
     ]
-    if r0.device_type == "cpu":
-        lines += ["> CPU run (Triton interpreted, small T): the flow of the study, not GPU performance.", ""]
+    lines += cpu_run_note(rows, "Triton interpreted at a small T, so this shows the study's flow, not GPU "
+                                "performance.")
     lines += ["### One device: median ms per call (% of floor), p20–p80 ms", "",
               "| scenario | busiest / mean | floor ms | " + " | ".join(backends) + " |",
               "|---|---:|---:|" + "---:|" * len(backends)]
