@@ -5,6 +5,7 @@ device, date and commit)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,47 @@ def test_index_lists_every_recorded_run():
     missing = sorted(str(p.relative_to(RESULTS)) for p in runs - listed)
     assert not missing, f"runs not in INDEX.md: {missing}"
     assert "| run | device | date | commit |" in index
+
+
+# What a recorded study's folder may hold (benchmarks/README.md, "How a run is recorded").
+RUN_FILES = {"results.csv", "report.md", "table.json", "results_round2.csv", "report_round2.md"}
+ONE_OFF = re.compile(r"`([a-z0-9]+/\d{4}-\d\d-\d\d_[0-9a-f]{7}/[a-z0-9-]+)`")
+
+
+def one_off_runs() -> set[str]:
+    """The runs benchmarks/README.md names as measured by a one-off comparison (no results.csv)."""
+    text = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    para = next(p for p in text.split("\n\n") if "one-off comparison" in p)
+    return set(ONE_OFF.findall(para))
+
+
+def test_recorded_runs_hold_only_the_documented_files():
+    one_off = one_off_runs()
+    assert one_off, "benchmarks/README.md names no one-off run"
+    for study in (p for p in RESULTS.glob("*/*/*") if p.is_dir()):
+        name = str(study.relative_to(RESULTS))
+        files = {p.name for p in study.rglob("*") if p.is_file()}
+        if name in one_off:
+            assert "report.md" in files and "results.csv" not in files, name
+            continue
+        assert "results.csv" in files, f"{name}: no results.csv, and not a one-off run (benchmarks/README.md)"
+        extra = sorted(f for f in files if f not in RUN_FILES and not f.endswith(".png"))
+        assert not extra, f"{name} holds files benchmarks/README.md does not describe: {extra}"
+    missing = sorted(r for r in one_off if not (RESULTS / r).is_dir())
+    assert not missing, f"benchmarks/README.md names runs that are not recorded: {missing}"
+
+
+def test_recorded_runs_name_commits_in_the_history():
+    """`git checkout <commit>` reproduces a run: its folder's commit is in the repository."""
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                         capture_output=True, text=True)
+    if git.returncode != 0 or git.stdout.strip() != "false":
+        pytest.skip("needs a full git clone of moekit")
+    unknown = []
+    for run in RESULTS.glob("*/*"):
+        commit = run.name.split("_", 1)[1]
+        found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+                               capture_output=True)
+        if found.returncode != 0:
+            unknown.append(str(run.relative_to(RESULTS)))
+    assert not unknown, f"runs named by commits not in the history: {unknown}"

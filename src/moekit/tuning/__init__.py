@@ -8,8 +8,9 @@ Table files live in `moekit/tuning/configs/<device>.json` (device name lower-cas
     {"_meta": {"triton": "3.6.0", "torch": "2.11.0+cu130", "device": "NVIDIA H200"},
      "E=128,H=2048,I=768,K=8,dtype=bfloat16": {"1": {"block_m": 16, ...}, "64": {...}}}
 
-The entry whose token count is nearest to T (in log scale) is used. A shape with no table entry
-gets `default_config` and one warning per shape; the untuned path is always correct. "_meta"
+The entry whose token count is nearest to T (in log scale) is used when it lies within
+`TUNED_REACH` (2x) of T; else, and for a shape with no table entry, `default_config` (a shape
+missing from a GPU's table warns once; the CPU's does not): the untuned path is always correct. "_meta"
 (optional; `moekit tune` writes it) records what the table was tuned with: `get_config` warns once
 per table when the running Triton's version differs from the recorded one (its tiles may no longer
 be the fastest; they stay correct).
