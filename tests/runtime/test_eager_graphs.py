@@ -109,6 +109,28 @@ def test_tensor_key_names_address_shape_strides():
     assert tensor_key(None) is None
 
 
+def test_layer_key_changes_with_everything_a_graph_bakes_in():
+    """A new tensor for any weight, or another backend or router backend, gives the layer another key
+    (a graph of its own); an in-place copy into a weight keeps it."""
+    layer = MoELayer("tiny")
+    key = layer._graph_key()
+    with torch.no_grad():
+        layer.down_proj.copy_(layer.down_proj * 2)
+    assert layer._graph_key() == key
+    for name in ("router_weight", "gate_up_proj", "down_proj"):
+        old = getattr(layer, name)
+        setattr(layer, name, torch.nn.Parameter(old.detach().clone()))
+        assert layer._graph_key() != key, name
+        setattr(layer, name, old)
+    assert layer._graph_key() == key
+    for name, other in (("backend", "loop"), ("router_backend", "torch")):
+        old = getattr(layer, name)
+        assert old != other
+        setattr(layer, name, other)
+        assert layer._graph_key() != key, name
+        setattr(layer, name, old)
+
+
 # GPU.
 
 def qwen_bf16(**kw) -> MoELayer:

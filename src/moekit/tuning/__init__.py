@@ -668,10 +668,10 @@ TUNED_REACH = 2          # a table entry serves token counts within this factor 
 
 def get_config(shape: MoEShape, num_tokens: int, dtype: torch.dtype,
                device: torch.device | str | None = None, table: TuningTable | None = None) -> ExpertsConfig:
-    """The tuned config nearest to num_tokens (in log scale) for this shape and device, when its
-    token count is within TUNED_REACH of num_tokens; else the default. A table tuned over part of
-    the range (say 256-4,096 tokens) so never lends a 256-token tile to 16 tokens: the tuner's
-    default counts are 4x apart, so a fully tuned shape always has an entry in reach.
+    """The tuned config nearest to num_tokens (in log scale; a tie to the smaller count) for this
+    shape and device, when its token count is within TUNED_REACH of num_tokens; else the default. A
+    table tuned over part of the range (say 256-4,096 tokens) so never lends a 256-token tile to 16
+    tokens: the tuner's default counts are 4x apart, so a fully tuned shape always has an entry in reach.
     table: look in this table instead of the device's (`load_table`; e.g. the packaged one,
     `packaged_table`, to compare it with a table in $MOEKIT_CONFIG_DIR)."""
     slug = table_slug(device)

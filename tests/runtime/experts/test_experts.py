@@ -270,6 +270,13 @@ def _good():
                 topk_ids=distinct_topk_ids(5, 4, 2))
 
 
+def _one_id(ids: torch.Tensor, value: int) -> torch.Tensor:
+    """ids with a single entry replaced by value, every other entry valid."""
+    ids = ids.clone()
+    ids[2, 1] = value
+    return ids
+
+
 BAD = [
     ("hidden_states", lambda g: g["hidden_states"][None], ValueError, "hidden_states must be 2-D"),
     ("hidden_states", lambda g: g["hidden_states"].double(), TypeError, "hidden_states must have dtype"),
@@ -283,6 +290,8 @@ BAD = [
     ("topk_ids", lambda g: g["topk_ids"].to(torch.int16), TypeError, "topk_ids must have dtype"),
     ("topk_ids", lambda g: g["topk_ids"][:4], ValueError, "topk_ids must have shape"),
     ("topk_ids", lambda g: g["topk_ids"] + 3, ValueError, "topk_ids must lie in"),
+    ("topk_ids", lambda g: _one_id(g["topk_ids"], 4), ValueError, "topk_ids must lie in"),    # = E
+    ("topk_ids", lambda g: _one_id(g["topk_ids"], -1), ValueError, "topk_ids must lie in"),
     ("topk_ids", lambda g: torch.zeros(5, 5, dtype=torch.int32), ValueError, "top_k"),
     ("topk_weights", lambda g: g["topk_weights"][:, :1], ValueError, "topk_weights must have shape"),
     ("topk_weights", lambda g: g["topk_weights"].long(), TypeError, "topk_weights must have dtype"),
@@ -304,8 +313,9 @@ def test_bad_options_raise():
         moe_experts(backend="cuda", **g)
     with pytest.raises(ValueError, match="capacity_factor"):
         moe_experts(backend="loop", capacity_factor=1.0, **g)
-    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
-        moe_experts(backend="padded", capacity_factor=0.0, **g)
+    for backend in ("padded", "masked"):
+        with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+            moe_experts(backend=backend, capacity_factor=0.0, **g)
     with pytest.raises(ValueError, match="out must have shape"):
         moe_experts(backend="loop", out=torch.empty(4, 40), **g)
     with pytest.raises(ValueError, match="out must not share memory with hidden_states"):

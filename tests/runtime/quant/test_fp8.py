@@ -198,6 +198,24 @@ def test_quantize_experts_block_scales():
     u = quantize_experts(w, ue8m0=True)
     assert torch.equal(torch.frexp(u.scale).mantissa, torch.full_like(u.scale, 0.5))
     assert bool((u.scale >= blocks / E4M3_MAX).all())
+    # the least power of two at or above amax / 448: below twice it, and amax / 448 itself where exact
+    blocks32 = w.view(3, 2, 128, 3, 128).abs().amax((2, 4))
+    assert bool((u.scale < 2 * blocks32 / E4M3_MAX)[blocks32 > 0].all())
+    exact = torch.zeros(1, 128, 256)
+    exact[0, 3, 7], exact[0, 5, 200] = E4M3_MAX / 8, E4M3_MAX / 8 * 1.01
+    assert quantize_experts(exact, ue8m0=True).scale.flatten().tolist() == [0.125, 0.25]
+
+
+def test_ue8m0_row_scales_are_the_least_power_of_two_above():
+    """Activation groups whose amax / 448 is a power of two keep it as their UE8M0 scale, one just
+    above rounds up to the next, in the kernel as in its twin."""
+    x = torch.randn(3, 256) * 0.01
+    x[0, 10], x[1, 140], x[2, 0] = E4M3_MAX / 4, -E4M3_MAX / 4 * 1.01, E4M3_MAX / 2
+    with _workspace.poisoning():
+        _, s = quantize_rows(x.half(), ue8m0=True, dtype=STANDIN_DTYPE)
+    _, st = quantize_rows_torch(x.half(), ue8m0=True, dtype=STANDIN_DTYPE)
+    assert s[0, 0].item() == 0.25 and s[1, 1].item() == 0.5 and s[2, 0].item() == 0.5
+    torch.testing.assert_close(s, st, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["loop", "triton", "masked"])
@@ -236,6 +254,14 @@ def test_quantize_experts_of_a_parameter_gives_inference_weights():
     assert not out.requires_grad and torch.equal(out, expected)
 
 
+def fp8_call_with(config: ExpertsConfig) -> torch.Tensor:
+    """An FP8 triton call (H = I = 256: two scale blocks deep) with the given tiles."""
+    gate_up, down = quantize_experts(torch.randn(2, 512, 256)), quantize_experts(torch.randn(2, 256, 256))
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    return moe_experts(torch.randn(2, 256), gate_up, down, torch.rand(2, 2), ids, backend="triton",
+                       config=config)
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda: quantize_experts(torch.randn(2, 100, 128)), "N divisible by 128"),
     (lambda: quantize_experts(torch.randn(2, 128, 130)), "K divisible by 128"),
@@ -248,7 +274,11 @@ def test_quantize_experts_of_a_parameter_gives_inference_weights():
     (lambda: check_fp8_scales("gate_up_proj", Fp8Weight(torch.zeros(1, 128, 128, dtype=FP8_DTYPE),
                                                        torch.full((1, 1, 1), float("inf")))), "finite"),
     (lambda: check_fp8_config(ExpertsConfig(16, 64, 128)), "block_n1 must be 128"),
-], ids=["rows", "cols", "nan-weights", "scale-shape", "bf16-as-fp8", "scale-dtype", "inf-scale", "config"])
+    (lambda: check_fp8_config(ExpertsConfig(16, 128, 256)), "block_k1 must be 32, 64 or 128"),
+    (lambda: check_fp8_config(ExpertsConfig(16, 128, 128, block_k2=256)), "block_k2 must be 32, 64 or 128"),
+    (lambda: fp8_call_with(ExpertsConfig(16, 128, 128, block_k2=256)), "block_k2 must be 32, 64 or 128"),
+], ids=["rows", "cols", "nan-weights", "scale-shape", "bf16-as-fp8", "scale-dtype", "inf-scale", "config",
+        "config-k1-256", "config-k2-256", "call-k2-256"])
 def test_bad_fp8_input_names_the_argument(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         bad()

@@ -107,6 +107,15 @@ def test_lookup_takes_the_nearest_token_count_in_log_scale_within_reach(table_di
     assert default not in (small, large)
 
 
+def test_lookup_tie_goes_to_the_smaller_token_count(table_dir):
+    """T = 128 between entries at 64 and 256 (the tuner's default counts, equally far in log scale and
+    both in reach): the smaller count's tiles, and either entry alone is taken."""
+    shape = PRESETS["tiny"]
+    at_64, at_256 = ExpertsConfig(block_m=16, block_n1=32), ExpertsConfig(block_m=128, block_k1=32)
+    table_dir({shape_key(shape, torch.float32): {"256": at_256.to_dict(), "64": at_64.to_dict()}})
+    assert get_config(shape, 128, torch.float32, "cpu") == at_64
+    assert get_config(shape, 129, torch.float32, "cpu") == at_256
+
 
 def test_lookup_without_an_entry_uses_the_default(table_dir):
     shape = PRESETS["tiny"]
