@@ -63,6 +63,8 @@ def test_eligible_needs_cuda_tensors_and_the_triton_backend(monkeypatch):
         assert eligible(3, (torch.zeros(3, 4), w), "triton")       # the control: all met
         assert not eligible(3, (torch.zeros(3, 4), w), "loop")
     assert not eligible(3, (torch.zeros(3, 4), w.requires_grad_()), "triton")   # a gradient is needed
+    with torch.no_grad():             # a module's parameters under no_grad (decoding): no gradient needed
+        assert eligible(3, (torch.zeros(3, 4), w), "triton")
 
 
 def test_eligible_needs_tokens_in_range_and_tensors():

@@ -125,6 +125,21 @@ def test_captured_layer_is_forward_only_and_checks_x():
         captured(x.clone().requires_grad_(True))
 
 
+def test_captured_layer_serves_every_token_count_up_to_its_maximum():
+    """Every T from 0 to max_tokens (5: buckets 1, 2, 4, 5) runs in the least bucket that holds it
+    and equals the fp32 layer, the maximum itself included; one token more is refused."""
+    layer = MoELayer(MoEShape(8, 32, 16, 2)).requires_grad_(False)
+    captured = _captured_on_cpu(layer, 5)
+    assert captured.buckets == [1, 2, 4, 5]
+    x = torch.randn(6, 32)
+    ref = layer_ref(x, layer.router_weight, layer.gate_up_proj, layer.down_proj, 2)
+    for t in range(6):
+        got = captured(x[:t])
+        assert got.shape == (t, 32) and rel_err(got, ref[:t]) <= 1e-5, t
+    with pytest.raises(ValueError, match="T <= 5|at most 5"):
+        captured(x)
+
+
 def test_captured_layer_refuses_replaced_weights():
     """A graph reads the weights' memory as captured: after a parameter is replaced (a new Parameter,
     or its .data swapped) the replay raises instead of reading the old, perhaps freed, tensor; new

@@ -340,6 +340,12 @@ def test_gradients_never_drop_a_bias_gradient():
         experts_triton(*frozen, ids, config=SMALL, gate_up_bias=bias_gu)
     with pytest.raises(RuntimeError, match="differentiates SwiGLU experts without biases only"):
         torch.ops.moekit.experts(*frozen, ids, "triton", None, bias_gu, None)
+    with pytest.raises(RuntimeError, match="differentiates SwiGLU experts without biases only"):
+        torch.ops.moekit.experts(*frozen, ids, "triton", None, None, bias_down)
+    for activation, interleaved in (("gpt_oss", False), ("swiglu", True)):
+        with pytest.raises(RuntimeError, match="differentiates SwiGLU experts without biases only"):
+            torch.ops.moekit.experts(*frozen, ids, "triton", None, None, None, activation, 1.702, 7.0,
+                                     interleaved)
     with torch.no_grad():                          # inference: triton serves the call
         moe_experts(*frozen, ids, backend="triton", config=SMALL, gate_up_bias=bias_gu)
 

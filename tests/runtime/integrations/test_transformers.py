@@ -200,6 +200,12 @@ def test_from_pretrained_one_line(tmp_path):
 def test_register_is_idempotent(registered):
     assert mt.register() is registered
     assert ALL_EXPERTS_FUNCTIONS["moekit"] is registered
+    # the same name with other arguments replaces the function, and registering as before restores it
+    for kwargs in ({"eager_graphs": False}, {"backend": "loop"}):
+        other = mt.register("moekit", **kwargs)
+        assert other is not registered and ALL_EXPERTS_FUNCTIONS["moekit"] is other
+        assert other.keywords == {"backend": "auto", "eager_graphs": True, **kwargs}
+    assert mt.register() is registered and ALL_EXPERTS_FUNCTIONS["moekit"] is registered
     with pytest.raises(ValueError, match="Transformers' own"):
         mt.register("grouped_mm")
     with pytest.raises(ValueError, match="backend"):
@@ -303,6 +309,20 @@ def test_transposed_weights_run_on_moekit_without_copy():
     assert ran
     assert rel_err(out, ref) <= 1e-5
     assert rel_err(out[3], ref[3]) <= 1e-5    # the sentinel row on its own, not averaged away
+
+
+def test_output_keeps_the_hidden_states_dtype():
+    """bf16 hidden states on fp32 experts (as under autocast): computed in the weights' dtype, the
+    output in the hidden states' (bf16), within bf16's rounding of the fp32 reference."""
+    torch.manual_seed(0)
+    experts = make_experts_class()(toy_config("moekit"))
+    x, w = torch.randn(5, 32).bfloat16(), torch.rand(5, 2)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 3], [5, 0], [3, 2]])
+    with torch.no_grad():
+        out, ran = moekit_ran(lambda: experts(x, ids, w))
+    ref = moe_experts_ref(x.float(), experts.gate_up_proj, experts.down_proj, w, ids)
+    assert ran and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.bfloat16()) or rel_err(out, ref) <= 2 * rel_err(ref.bfloat16(), ref)
 
 
 @pytest.mark.parametrize("flags, attr, reason", [
@@ -672,6 +692,26 @@ def test_backend_without_backward_falls_back_with_one_warning():
     with torch.no_grad(), moekit_warnings_fail():
         _, ran = moekit_ran(lambda: model(ids))
     assert ran
+
+
+def test_backend_without_backward_falls_back_when_only_the_routing_weights_train():
+    """Frozen experts and hidden states, routing weights that train (a router-only fine-tune) on a
+    backend with no backward (masked): Transformers' grouped_mm serves the call, warned, and the
+    routing weights' gradient equals the fp32 reference's."""
+    torch.manual_seed(0)
+    experts = make_experts_class()(toy_config("moekit"))
+    x, ids = torch.randn(5, 32), torch.tensor([[0, 1], [2, 0], [1, 3], [5, 0], [3, 2]])
+    w, w_ref = (torch.rand(5, 2).requires_grad_() for _ in range(2))
+    with torch.no_grad():
+        w_ref.copy_(w)
+    dout = torch.randn(5, 32)
+    mt_experts._warned.clear()
+    with pytest.warns(UserWarning, match="backend='masked' has no backward"):
+        out, ran = moekit_ran(lambda: mt_experts.experts_forward(experts, x, ids, w, backend="masked"))
+    (out * dout).sum().backward()
+    ref = moe_experts_ref(x, experts.gate_up_proj, experts.down_proj, w_ref, ids)
+    (ref * dout).sum().backward()
+    assert not ran and rel_err(w.grad, w_ref.grad) <= 1e-5
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

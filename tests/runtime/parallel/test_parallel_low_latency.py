@@ -46,6 +46,7 @@ from moekit.parallel import (
     low_latency_moe,
     run_local_experts,
 )
+from moekit.parallel.ep import check_mode
 from moekit.placement import Placement, contiguous_placement, rank_weights, replicate_hot_experts
 from moekit.reference import moe_experts_ref
 from moekit.tuning import default_config
@@ -492,6 +493,17 @@ def test_mode_argument_errors(ll_world):
         assert "masked kernels" in errors["bad-backend"]
         assert "apply to mode='low_latency'" in errors["capacity-in-normal-mode"]
         assert "mode must be one of" in errors["bad-mode"]
+
+
+@pytest.mark.parametrize("kwargs", [{"capacity": 4}, {"expert_capacity": 4}, {"overflow": "raise"}],
+                         ids=["capacity", "expert_capacity", "overflow"])
+def test_normal_mode_refuses_the_low_latency_arguments(kwargs):
+    """Each low-latency argument given to the normal mode is named, on every rank alike (no world:
+    the check runs before any collective)."""
+    args = {"capacity": None, "expert_capacity": None, "overflow": "drop", "backend": "auto", **kwargs}
+    with pytest.raises(ValueError, match="apply to mode='low_latency'"):
+        check_mode("normal", **args)
+    check_mode("normal", None, None, "drop", "auto")
 
 
 def test_hand_count_on_a_small_case():
