@@ -322,7 +322,7 @@ def test_output_keeps_the_hidden_states_dtype():
         out, ran = moekit_ran(lambda: experts(x, ids, w))
     ref = moe_experts_ref(x.float(), experts.gate_up_proj, experts.down_proj, w, ids)
     assert ran and out.dtype == torch.bfloat16
-    assert torch.equal(out, ref.bfloat16()) or rel_err(out, ref) <= 2 * rel_err(ref.bfloat16(), ref)
+    assert rel_err(out, ref) <= 2 * rel_err(ref.bfloat16(), ref)
 
 
 @pytest.mark.parametrize("flags, attr, reason", [
