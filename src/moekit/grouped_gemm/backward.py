@@ -418,7 +418,8 @@ def _gluon_wgrad_tiles(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Ten
         unscaled (topk_weights None), padding_zero, not both operands by token
         a and b of one dtype, bf16 or fp16, and the gradient's dtype the same
         the align block size a multiple of the tiles' rows a step (64)
-        the tiles dividing N and C; E * N rows within TMA's int32 coordinates
+        the tiles dividing N and C (a gathering launch's own, else the rows'); E * N rows within
+        TMA's int32 coordinates
         a and b 2-D; each sorted-row operand TMA-readable as it lies (`_tma_operand`; a gathered
         one is copied into a fresh buffer first)
     """
@@ -435,9 +436,13 @@ def _gluon_wgrad_tiles(a: torch.Tensor, b: torch.Tensor, topk_weights: torch.Ten
     num_experts, n, c = shape
     if num_experts == 0 or a.dim() != 2 or b.dim() != 2 or a.shape[1] != n or b.shape[1] != c:
         return None
-    gluon_tiles = gluon_wgrad_tiles(align.num_pairs / num_experts)
-    if (align.block_m % gluon_tiles.block_m or n % gluon_tiles.block_n or c % gluon_tiles.block_c
-            or num_experts * n >= TMA_MAX_COORD):
+    rows = align.num_pairs / num_experts
+    # a launch gathering A's rows prefers its own tiles; where they do not divide N and C, the rows' tiles
+    wanted = (gluon_wgrad_tiles(rows, gathers_a=a_by_token and gathers_a(align.num_pairs, num_experts)),
+              gluon_wgrad_tiles(rows))
+    fits = [t for t in wanted if not (align.block_m % t.block_m or n % t.block_n or c % t.block_c)]
+    gluon_tiles = fits[0] if fits else None
+    if gluon_tiles is None or num_experts * n >= TMA_MAX_COORD:
         return None
     if not ((a_by_token or _tma_operand(a)) and (b_by_token or _tma_operand(b))):
         return None

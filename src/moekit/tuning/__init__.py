@@ -293,16 +293,18 @@ class GluonWgradTiles:
 
 # Ping-pong 128 x 128 tiles where experts have few rows (one warpgroup's epilogue under the other's
 # main loop), cooperative 128 x 256 from GLUON_COOP_WGRAD_ROWS rows (fewer operand bytes per FLOP):
-# with the gathered operand's copy included, both beat the Triton kernels 1.3-1.8x.
+# with the gathered operand's copy included, both beat the Triton kernels 1.3-1.8x. A launch that
+# gathers its A operand's token rows itself takes the cooperative tiles too: each row is gathered once
+# per 256 output columns instead of 128.
 GLUON_PP_WGRAD = GluonWgradTiles(block_n=128, block_c=128, stages=5, pingpong=True)
 GLUON_COOP_WGRAD = GluonWgradTiles(block_n=128, block_c=256, stages=3, pingpong=False)
 GLUON_COOP_WGRAD_ROWS = 512    # rows per expert (on average) from which GLUON_COOP_WGRAD is used
 
 
-def gluon_wgrad_tiles(rows_per_expert: float) -> GluonWgradTiles:
+def gluon_wgrad_tiles(rows_per_expert: float, *, gathers_a: bool = False) -> GluonWgradTiles:
     """The Gluon weight gradient's tiles: GLUON_PP_WGRAD below GLUON_COOP_WGRAD_ROWS rows an expert,
-    GLUON_COOP_WGRAD from there."""
-    return GLUON_COOP_WGRAD if rows_per_expert >= GLUON_COOP_WGRAD_ROWS else GLUON_PP_WGRAD
+    GLUON_COOP_WGRAD from there, and GLUON_COOP_WGRAD wherever the launch gathers A's token rows."""
+    return GLUON_COOP_WGRAD if gathers_a or rows_per_expert >= GLUON_COOP_WGRAD_ROWS else GLUON_PP_WGRAD
 
 
 @dataclass(frozen=True)

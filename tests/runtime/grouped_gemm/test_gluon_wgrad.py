@@ -109,7 +109,11 @@ def predicate_call(dtype=torch.bfloat16, block_m=64, a_by_token=False, b_by_toke
 
 def test_gluon_wgrad_applies_to_the_training_launches(on_hopper):
     assert predicate_call() == GLUON_PP_WGRAD                                     # d gate_up
-    assert predicate_call(a_by_token=True, b_by_token=False) == GLUON_PP_WGRAD   # d down
+    # d down, gathering dout's token rows (32 an expert): the cooperative tiles gather each row half as often
+    assert predicate_call(a_by_token=True, b_by_token=False) == GLUON_COOP_WGRAD
+    rows = align_block_size(distinct_topk_ids(T, E, K), E, 64, backend="torch").sorted_ids.numel()
+    narrow = torch.zeros(rows, 128, dtype=torch.bfloat16)           # C = 128: no 256-column tile divides it
+    assert predicate_call(a_by_token=True, b_by_token=False, shape=(E, N, 128), b=narrow) == GLUON_PP_WGRAD
     assert predicate_call(a_by_token=False, b_by_token=False) == GLUON_PP_WGRAD  # both sorted
     assert predicate_call(dtype=torch.float16) == GLUON_PP_WGRAD
     assert predicate_call(block_m=128) == GLUON_PP_WGRAD
@@ -170,6 +174,14 @@ def test_gluon_wgrad_refused(on_hopper, monkeypatch, why):
 def test_gluon_wgrad_picks_cooperative_tiles_from_512_rows_an_expert(on_hopper):
     assert gluon_wgrad_tiles(GLUON_COOP_WGRAD_ROWS - 1) == GLUON_PP_WGRAD
     assert gluon_wgrad_tiles(GLUON_COOP_WGRAD_ROWS) == GLUON_COOP_WGRAD
+    assert gluon_wgrad_tiles(1, gathers_a=True) == GLUON_COOP_WGRAD
+    # d down past GATHER_A_ROWS rows an expert reads a copy of dout: the tiles by rows again
+    ids = distinct_topk_ids((gb.GATHER_A_ROWS + 1) * E // K + 1, E, K)
+    more = align_block_size(ids, E, 64, backend="torch")
+    assert not gb.gathers_a(more.num_pairs, E)
+    assert predicate_call(align=more, a_by_token=True, b_by_token=False,
+                          a=torch.zeros(ids.shape[0], N, dtype=torch.bfloat16),
+                          b=torch.zeros(more.sorted_ids.numel(), C, dtype=torch.bfloat16)) == GLUON_PP_WGRAD
     ids = torch.zeros(GLUON_COOP_WGRAD_ROWS * E // K, K, dtype=torch.int32)   # 512 pairs an expert
     align = align_block_size(ids, E, 64, backend="torch")
     assert predicate_call(align=align) == GLUON_COOP_WGRAD
@@ -456,11 +468,12 @@ def test_gluon_wgrad_within_twice_plain_pytorch_gpu(case, gluon_spy):
              gb.wgrad_torch(dout, h_w, None, align, top_k, a_by_token=True, b_by_token=False,
                             compute_dtype=bf16))
     wanted_tiles = gluon_wgrad_tiles(align.num_pairs / shape[0])
-    # d gate_up once; d down once (gathering dout's rows) up to GATHER_A_ROWS rows an expert, else once
-    # a column chunk of its copy of dout
-    rows_per_expert = align.num_pairs / shape[0]
-    down_launches = 1 if rows_per_expert <= gb.GATHER_A_ROWS else gb.gluon_a_chunks(shape[1], wanted_tiles)
-    assert gluon_spy == [wanted_tiles] * (1 + down_launches), gluon_spy
+    # d gate_up once; d down once (gathering dout's rows, on the cooperative tiles) up to GATHER_A_ROWS
+    # rows an expert, else once a column chunk of its copy of dout
+    gathering = gb.gathers_a(align.num_pairs, shape[0])
+    down_tiles = GLUON_COOP_WGRAD if gathering else wanted_tiles
+    down_launches = 1 if gathering else gb.gluon_a_chunks(shape[1], wanted_tiles)
+    assert gluon_spy == [wanted_tiles] + [down_tiles] * down_launches, gluon_spy
     assert (wanted_tiles == GLUON_COOP_WGRAD) is name.endswith("-coop")
     valid = (ids >= 0) & (ids < shape[0])
     empty = torch.ones(shape[0], dtype=torch.bool, device="cuda")
