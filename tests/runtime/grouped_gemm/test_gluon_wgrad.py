@@ -512,5 +512,5 @@ def test_gluon_wgrad_through_moe_experts_autograd_gpu(gluon_spy):
                                  block_m=64)
     check_training_step(lambda *a: moe_experts(*a, backend="triton", config=config), QWEN, num_tokens)
     # two backwards (the second one checked bitwise, with no host sync): d gate_up and d down (62.5 rows
-    # an expert: dout's rows gathered, no copy) once each
-    assert gluon_spy == [GLUON_PP_WGRAD] * 4, gluon_spy
+    # an expert: dout's rows gathered, no copy, on the cooperative tiles) once each
+    assert gluon_spy == [GLUON_PP_WGRAD, GLUON_COOP_WGRAD] * 2, gluon_spy
