@@ -1,6 +1,6 @@
 """Tuning as data (`moekit.tuning`): the default heuristic, the log-scale lookup, the shared-memory
-fit, the packaged H200 table and what it records, bad table files and metadata, the warning for a
-table tuned with another Triton, and the tile configs' field checks. The tuner that writes the
+fit, the packaged H200 and H100 tables and what they record, bad table files and metadata, the warning
+for a table tuned with another Triton, and the tile configs' field checks. The tuner that writes the
 tables (`moekit tune`): tests/lab/test_tune.py."""
 
 from __future__ import annotations
@@ -232,32 +232,51 @@ def test_fit_shared_memory_is_the_first_shrink_step_that_fits(itemsize):
 # The packaged table.
 
 
-def test_packaged_h200_table_parses_and_fits_shared_memory():
-    path = PACKAGED_DIR / "nvidia_h200.json"
+PACKAGED_TABLES = sorted(p.stem for p in PACKAGED_DIR.glob("*.json"))
+
+
+def test_packaged_tables_are_the_h200s_and_the_h100s():
+    assert PACKAGED_TABLES == ["nvidia_h100_80gb_hbm3", "nvidia_h200"]
+
+
+@pytest.mark.parametrize("slug", PACKAGED_TABLES)
+def test_packaged_table_parses_fits_shared_memory_and_records_its_device(slug):
+    """Every packaged table: readable, each entry within the shared memory of one SM and its FP8 entries
+    configs the block-scaled kernels accept, token counts written in increasing order, and tuned on
+    the device its file is named for (the slug `table_slug` looks up)."""
+    path = PACKAGED_DIR / f"{slug}.json"
     table = parse_table(path)
-    key = shape_key(QWEN, torch.bfloat16)
-    assert key in table and len(table[key]) >= 5
-    assert table == load_table("nvidia_h200")
+    assert table == load_table(slug) and table
     for k, entry in table.items():
-        itemsize = getattr(torch, k.rsplit("dtype=", 1)[1]).itemsize
+        dtype = getattr(torch, k.rsplit("dtype=", 1)[1])
         for tokens, cfg in entry.items():
             assert tokens >= 1
             for gemm in (1, 2):
-                assert smem_bytes(cfg, itemsize, gemm) <= SHARED_MEMORY_LIMIT, (k, tokens, gemm)
-    raw = json.loads(path.read_text())
-    assert [int(t) for t in raw[key]] == sorted(table[key])          # written in increasing order
-
-
-def test_packaged_h200_table_has_fp8_tiles_the_fp8_kernels_run():
-    """The FP8 entries (`moekit tune --weights fp8`, key dtype=float8_e4m3fn): Qwen3-30B-A3B's from 16
-    to 16,384 tokens, every one a config the block-scaled kernels accept (`check_fp8_config`)."""
-    table = parse_table(PACKAGED_DIR / "nvidia_h200.json")
-    key = shape_key(QWEN, torch.float8_e4m3fn)
-    assert sorted(table[key]) == [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
-    for k, entry in table.items():
-        if k.endswith("dtype=float8_e4m3fn"):
-            for tokens, cfg in entry.items():
+                assert smem_bytes(cfg, dtype.itemsize, gemm) <= SHARED_MEMORY_LIMIT, (k, tokens, gemm)
+            if dtype == torch.float8_e4m3fn:
                 assert tuning.check_fp8_config(cfg) == cfg, (k, tokens)
+    raw = json.loads(path.read_text())
+    for k in table:
+        assert [int(t) for t in raw[k]] == sorted(table[k]), k       # written in increasing order
+    assert set(table.meta) == {"triton", "torch", "device"}
+    assert table.meta["device"].lower().replace(" ", "_") == slug
+
+
+def test_packaged_h200_table_covers_qwen3_from_1_token_and_fp8_from_16():
+    """The H200's: Qwen3-30B-A3B's bf16 tiles from 1 token, its FP8 entries (`moekit tune --weights
+    fp8`, key dtype=float8_e4m3fn) from 16 to 16,384 tokens."""
+    table = parse_table(PACKAGED_DIR / "nvidia_h200.json")
+    bf16 = table[shape_key(QWEN, torch.bfloat16)]
+    assert min(bf16) == 1 and len(bf16) >= 5
+    assert sorted(table[shape_key(QWEN, torch.float8_e4m3fn)]) == [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+
+
+def test_packaged_h100_table_covers_qwen3_in_bf16_and_fp8():
+    """The H100's (`moekit tune` and `moekit tune --weights fp8` at 16, 256, 2,048 and 16,384 tokens):
+    within the table's 2x reach of those, an H100 runs Qwen3-30B-A3B on tuned tiles."""
+    table = parse_table(PACKAGED_DIR / "nvidia_h100_80gb_hbm3.json")
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        assert sorted(table[shape_key(QWEN, dtype)]) == [16, 256, 2048, 16384], dtype
 
 
 # Bad table files: ValueError naming the file and the problem.
