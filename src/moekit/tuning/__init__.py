@@ -518,12 +518,17 @@ def device_slug(device: torch.device | str | None = None) -> str:
     if device is None or torch.device(device).type == "cuda":
         index = None if device is None else torch.device(device).index
         return _cuda_slug(torch.cuda.current_device() if index is None else index)
-    return torch.cuda.get_device_name(device).lower().replace(" ", "_")
+    return name_slug(torch.cuda.get_device_name(device))
+
+
+def name_slug(device_name: str) -> str:
+    """A device name as the tuning tables' file names spell it: "NVIDIA H200" -> "nvidia_h200"."""
+    return device_name.lower().replace(" ", "_")
 
 
 @functools.lru_cache(maxsize=16)
 def _cuda_slug(index: int) -> str:
-    return torch.cuda.get_device_name(index).lower().replace(" ", "_")
+    return name_slug(torch.cuda.get_device_name(index))
 
 
 def _config_dirs(extra: str | None) -> list[Path]:
